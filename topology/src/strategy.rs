@@ -1,0 +1,427 @@
+//! Strategies: pure generator functions from a peer list to graphs.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::{Digest, Graph, GraphPair, PeerList, Rank, TopologyError};
+
+/// Messages of at least this many bytes count as large for [`Strategy::Auto`].
+pub const AUTO_LARGE_BYTES: usize = 64 * 1024;
+
+/// A named way of connecting the workers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Strategy {
+    Star,
+    Ring,
+    Tree,
+    BinaryTree,
+    BinaryTreeStar,
+    MultiBinaryTreeStar,
+    Clique,
+    Auto,
+}
+
+/// Whether an op has a root (reduce, broadcast, gather) or not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Root {
+    Any,
+    At(Rank),
+}
+
+/// What a resolved topology looks like.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Shape {
+    /// Tree pairs; chunk `c` of an op uses pair `c % len`. Rooted topologies
+    /// have exactly one pair, rooted at the op's root.
+    Trees(Vec<GraphPair>),
+    /// A ring in this order: reduce-scatter then allgather around it.
+    Ring(Vec<Rank>),
+}
+
+/// A strategy resolved for one peer list, root and message size.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Topology {
+    strategy: Strategy,
+    n: usize,
+    shape: Shape,
+    digest: Digest,
+}
+
+impl Topology {
+    fn new(strategy: Strategy, n: usize, shape: Shape) -> Topology {
+        let mut d = Digest::EMPTY.u64(n as u64);
+        match &shape {
+            Shape::Trees(pairs) => {
+                d = d.u64(1).u64(pairs.len() as u64);
+                for p in pairs {
+                    d = p.feed(d);
+                }
+            }
+            Shape::Ring(order) => {
+                d = d.u64(2);
+                for r in order {
+                    d = d.u64(u64::from(r.0));
+                }
+            }
+        }
+        Topology {
+            strategy,
+            n,
+            shape,
+            digest: d,
+        }
+    }
+
+    /// The strategy this was generated from; for `AUTO`, the one it chose.
+    pub fn strategy(&self) -> Strategy {
+        self.strategy
+    }
+
+    pub fn size(&self) -> usize {
+        self.n
+    }
+
+    pub fn shape(&self) -> &Shape {
+        &self.shape
+    }
+
+    /// A digest of the graphs themselves (not of the strategy's name), so
+    /// two strategies that generate the same graphs agree.
+    pub fn digest(&self) -> Digest {
+        self.digest
+    }
+
+    /// Checks every graph: trees reach every rank with no cycles, a ring is
+    /// a permutation.
+    pub fn validate(&self) -> Result<(), TopologyError> {
+        match &self.shape {
+            Shape::Trees(pairs) => pairs.iter().try_for_each(|p| p.validate(self.n)),
+            Shape::Ring(order) => {
+                let mut seen = vec![false; self.n];
+                if order.len() != self.n {
+                    return Err(TopologyError::BadRing);
+                }
+                for r in order {
+                    match seen.get_mut(r.idx()) {
+                        Some(s) if !*s => *s = true,
+                        _ => return Err(TopologyError::BadRing),
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// An unknown strategy name.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("unknown strategy {0:?} (expected one of STAR, RING, TREE, BINARY_TREE, BINARY_TREE_STAR, MULTI_BINARY_TREE_STAR, CLIQUE, AUTO)")]
+pub struct StrategyParseError(pub String);
+
+impl Strategy {
+    /// Every strategy, `AUTO` last.
+    pub const ALL: [Strategy; 8] = [
+        Strategy::Star,
+        Strategy::Ring,
+        Strategy::Tree,
+        Strategy::BinaryTree,
+        Strategy::BinaryTreeStar,
+        Strategy::MultiBinaryTreeStar,
+        Strategy::Clique,
+        Strategy::Auto,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Star => "STAR",
+            Strategy::Ring => "RING",
+            Strategy::Tree => "TREE",
+            Strategy::BinaryTree => "BINARY_TREE",
+            Strategy::BinaryTreeStar => "BINARY_TREE_STAR",
+            Strategy::MultiBinaryTreeStar => "MULTI_BINARY_TREE_STAR",
+            Strategy::Clique => "CLIQUE",
+            Strategy::Auto => "AUTO",
+        }
+    }
+
+    /// `AUTO`'s choice for a message of `bytes` on this layout: a ring for
+    /// large messages (bandwidth-optimal; the ring order keeps each host's
+    /// workers adjacent so only one link per host crosses the network);
+    /// for small ones, a star on a small host, a binary tree on a large
+    /// one, and a star inside hosts joined by a binary tree across hosts.
+    /// Rooted ops with large messages use a pipelined chain (`RING` rooted).
+    pub fn auto_choice(peers: &PeerList, bytes: usize) -> Strategy {
+        if bytes >= AUTO_LARGE_BYTES && peers.len() > 2 {
+            Strategy::Ring
+        } else if peers.hosts().len() > 1 {
+            Strategy::BinaryTreeStar
+        } else if peers.len() <= 4 {
+            Strategy::Star
+        } else {
+            Strategy::BinaryTree
+        }
+    }
+
+    /// Generates the topology for an op of `bytes` bytes (the size only
+    /// matters to `AUTO`). Deterministic: every worker that calls this with
+    /// the same arguments gets the same graphs and digest.
+    ///
+    /// Panics if `root` is not a rank of `peers` (callers validate roots).
+    pub fn resolve(self, peers: &PeerList, root: Root, bytes: usize) -> Topology {
+        let n = peers.len();
+        if let Root::At(r) = root {
+            assert!(r.idx() < n, "root {r} outside a cluster of {n}");
+        }
+        let s = match self {
+            Strategy::Auto => Strategy::auto_choice(peers, bytes),
+            s => s,
+        };
+        let r0 = Rank(0);
+        let pair = |g: fn(&PeerList, Rank) -> Graph, root: Rank| {
+            GraphPair::from_reduce(root, g(peers, root))
+        };
+        let shape = match (s, root) {
+            (Strategy::Star, Root::Any) => Shape::Trees(vec![pair(star, r0)]),
+            (Strategy::Star | Strategy::Clique, Root::At(r)) => Shape::Trees(vec![pair(star, r)]),
+            (Strategy::Ring, Root::Any) => Shape::Ring(ring_order(peers)),
+            (Strategy::Ring, Root::At(r)) => Shape::Trees(vec![pair(chain, r)]),
+            (Strategy::Tree, Root::Any) => Shape::Trees(vec![pair(binomial, r0)]),
+            (Strategy::Tree, Root::At(r)) => Shape::Trees(vec![pair(binomial, r)]),
+            (Strategy::BinaryTree, Root::Any) => Shape::Trees(vec![pair(binary, r0)]),
+            (Strategy::BinaryTree, Root::At(r)) => Shape::Trees(vec![pair(binary, r)]),
+            (Strategy::BinaryTreeStar, Root::Any) => Shape::Trees(vec![pair(binary_tree_star, r0)]),
+            (Strategy::BinaryTreeStar | Strategy::MultiBinaryTreeStar, Root::At(r)) => {
+                Shape::Trees(vec![pair(binary_tree_star, r)])
+            }
+            (Strategy::MultiBinaryTreeStar, Root::Any) => {
+                let roots: Vec<Rank> = if peers.hosts().len() > 1 {
+                    peers.hosts().iter().map(|h| h[0]).collect()
+                } else {
+                    peers.ranks().collect()
+                };
+                Shape::Trees(
+                    roots
+                        .into_iter()
+                        .map(|r| pair(binary_tree_star, r))
+                        .collect(),
+                )
+            }
+            (Strategy::Clique, Root::Any) => {
+                Shape::Trees(peers.ranks().map(|r| pair(star, r)).collect())
+            }
+            (Strategy::Auto, _) => unreachable!("AUTO resolved above"),
+        };
+        Topology::new(s, n, shape)
+    }
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Strategy {
+    type Err = StrategyParseError;
+
+    /// Accepts the names of [`Strategy::name`], case-insensitively, with `-`
+    /// for `_`.
+    fn from_str(s: &str) -> Result<Strategy, StrategyParseError> {
+        let norm = s.trim().to_ascii_uppercase().replace('-', "_");
+        Strategy::ALL
+            .into_iter()
+            .find(|st| st.name() == norm)
+            .ok_or_else(|| StrategyParseError(s.to_string()))
+    }
+}
+
+/// Ranks host by host, so that a ring crosses each host boundary once.
+fn ring_order(peers: &PeerList) -> Vec<Rank> {
+    peers.hosts().iter().flatten().copied().collect()
+}
+
+/// All ranks, `root` first, then the rest in ascending order wrapping
+/// around, so trees for different roots are rotations of each other.
+fn rotated(n: usize, root: Rank) -> Vec<Rank> {
+    (0..n)
+        .map(|i| Rank(((root.idx() + i) % n) as u32))
+        .collect()
+}
+
+/// Builds a reduce tree from `order` (order[0] is the root) and a parent
+/// function on positions.
+fn tree_from(n: usize, order: &[Rank], parent: impl Fn(usize) -> usize) -> Graph {
+    let mut g = Graph::new(n);
+    for i in 1..order.len() {
+        g.add_edge(order[i], order[parent(i)]);
+    }
+    g
+}
+
+fn star(peers: &PeerList, root: Rank) -> Graph {
+    tree_from(peers.len(), &rotated(peers.len(), root), |_| 0)
+}
+
+fn chain(peers: &PeerList, root: Rank) -> Graph {
+    let mut order = ring_order(peers);
+    let at = order.iter().position(|&r| r == root).expect("root in ring");
+    order.rotate_left(at);
+    tree_from(peers.len(), &order, |i| i - 1)
+}
+
+/// Binomial tree: position `i` hangs under `i` with its lowest set bit
+/// cleared, so the root has children 1, 2, 4, ... and depth is log2(n).
+fn binomial(peers: &PeerList, root: Rank) -> Graph {
+    tree_from(peers.len(), &rotated(peers.len(), root), |i| i & (i - 1))
+}
+
+fn binary(peers: &PeerList, root: Rank) -> Graph {
+    tree_from(peers.len(), &rotated(peers.len(), root), |i| (i - 1) / 2)
+}
+
+/// A star inside each host around its master (the root on the root's host,
+/// the lowest rank elsewhere), and a binary tree across the masters.
+fn binary_tree_star(peers: &PeerList, root: Rank) -> Graph {
+    let n = peers.len();
+    let root_host = peers.host_of(root);
+    let mut g = Graph::new(n);
+    let mut masters = vec![root];
+    for (h, ranks) in peers.hosts().iter().enumerate() {
+        let master = if h == root_host { root } else { ranks[0] };
+        if h != root_host {
+            masters.push(master);
+        }
+        for &r in ranks {
+            if r != master {
+                g.add_edge(r, master);
+            }
+        }
+    }
+    for i in 1..masters.len() {
+        g.add_edge(masters[i], masters[(i - 1) / 2]);
+    }
+    g
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layouts() -> Vec<PeerList> {
+        let mut v: Vec<PeerList> = (1..=17).map(PeerList::local).collect();
+        v.push(PeerList::with_hosts(&[2, 2]));
+        v.push(PeerList::with_hosts(&[3, 1, 4]));
+        v.push(PeerList::with_hosts(&[1, 1, 1, 1, 1]));
+        v.push("b:1,a:1,b:2,a:2,c:1".parse().unwrap());
+        v
+    }
+
+    #[test]
+    fn every_strategy_is_valid_everywhere() {
+        for peers in layouts() {
+            for s in Strategy::ALL {
+                for bytes in [0, AUTO_LARGE_BYTES] {
+                    let t = s.resolve(&peers, Root::Any, bytes);
+                    t.validate()
+                        .unwrap_or_else(|e| panic!("{s} n={} : {e}", peers.len()));
+                    for r in peers.ranks() {
+                        let t = s.resolve(&peers, Root::At(r), bytes);
+                        t.validate().unwrap_or_else(|e| panic!("{s} root {r}: {e}"));
+                        match t.shape() {
+                            Shape::Trees(p) => {
+                                assert_eq!(p.len(), 1);
+                                assert_eq!(p[0].root, r);
+                            }
+                            Shape::Ring(_) => panic!("rooted ring"),
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn ring_is_a_real_ring() {
+        let t = Strategy::Ring.resolve(&PeerList::local(5), Root::Any, 0);
+        assert_eq!(t.shape(), &Shape::Ring((0..5).map(Rank).collect()));
+        let t = Strategy::Ring.resolve(&"b:1,a:1,b:2".parse().unwrap(), Root::Any, 0);
+        assert_eq!(t.shape(), &Shape::Ring(vec![Rank(0), Rank(2), Rank(1)]));
+    }
+
+    #[test]
+    fn binary_tree_star_crosses_hosts_only_between_masters() {
+        let peers = PeerList::with_hosts(&[3, 3, 3]);
+        let t = Strategy::BinaryTreeStar.resolve(&peers, Root::At(Rank(4)), 0);
+        let Shape::Trees(p) = t.shape() else { panic!() };
+        let g = &p[0].reduce;
+        for r in peers.ranks() {
+            for &next in g.nexts(r) {
+                if peers.host_of(next) != peers.host_of(r) {
+                    // only masters talk across hosts
+                    assert!(r == Rank(0) || r == Rank(6), "{r} -> {next}");
+                    assert_eq!(next, Rank(4));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn multi_and_clique_spread_roots() {
+        let peers = PeerList::with_hosts(&[2, 2, 2]);
+        let t = Strategy::MultiBinaryTreeStar.resolve(&peers, Root::Any, 0);
+        let Shape::Trees(p) = t.shape() else { panic!() };
+        let roots: Vec<Rank> = p.iter().map(|p| p.root).collect();
+        assert_eq!(roots, vec![Rank(0), Rank(2), Rank(4)]);
+        let t = Strategy::Clique.resolve(&peers, Root::Any, 0);
+        let Shape::Trees(p) = t.shape() else { panic!() };
+        assert_eq!(p.len(), 6);
+    }
+
+    #[test]
+    fn auto_depends_on_size_and_layout() {
+        let one = PeerList::local(8);
+        let two = PeerList::with_hosts(&[4, 4]);
+        assert_eq!(
+            Strategy::Auto.resolve(&one, Root::Any, 10).strategy(),
+            Strategy::BinaryTree
+        );
+        assert_eq!(
+            Strategy::Auto.resolve(&two, Root::Any, 10).strategy(),
+            Strategy::BinaryTreeStar
+        );
+        assert_eq!(
+            Strategy::Auto.resolve(&one, Root::Any, 1 << 20).strategy(),
+            Strategy::Ring
+        );
+        assert_eq!(
+            Strategy::Auto.resolve(&one, Root::Any, 1 << 20).digest(),
+            Strategy::Ring.resolve(&one, Root::Any, 0).digest()
+        );
+    }
+
+    #[test]
+    fn digests_differ_between_strategies_and_roots() {
+        // Two hosts, so that BINARY_TREE_STAR is not just a star.
+        let peers = PeerList::with_hosts(&[3, 3]);
+        let mut seen = std::collections::HashSet::new();
+        for s in &Strategy::ALL[..7] {
+            assert!(seen.insert(s.resolve(&peers, Root::Any, 0).digest()), "{s}");
+        }
+        let a = Strategy::Tree
+            .resolve(&peers, Root::At(Rank(1)), 0)
+            .digest();
+        let b = Strategy::Tree
+            .resolve(&peers, Root::At(Rank(2)), 0)
+            .digest();
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for s in Strategy::ALL {
+            assert_eq!(s.name().parse::<Strategy>(), Ok(s));
+        }
+        assert_eq!("binary-tree-star".parse(), Ok(Strategy::BinaryTreeStar));
+        assert!("HYPERCUBE".parse::<Strategy>().is_err());
+    }
+}

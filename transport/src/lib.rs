@@ -1,0 +1,244 @@
+//! Byte movers for KungFu-rs.
+//!
+//! Every backend implements one small trait, [`Transport`]: send a framed
+//! message ([`Header`] + payload) to a rank, and receive the next frame of an
+//! op instance ([`OpTag`]) from a set of peers, with a deadline. The
+//! collectives above never see sockets, shared memory or completion queues.
+//!
+//! Backends here:
+//! - [`tcp::TcpTransport`]: tokio, one connection per peer pair,
+//!   `TCP_NODELAY`, a handshake that checks cluster id, epoch, ranks and the
+//!   peer list.
+//! - [`mem::MemNetwork`]: in-process, for tests; it can delay and reorder
+//!   frames with a seeded RNG and kill ranks.
+//!
+//! # Quick start
+//!
+//! ```
+//! use bytes::Bytes;
+//! use kungfu_transport::{mem::{MemConfig, MemNetwork}, Epoch, FrameKind, Header, OpId, OpTag,
+//!     PeerSet, Transport};
+//! use kungfu_topology::Rank;
+//! use tokio::time::{Duration, Instant};
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap().block_on(async {
+//! let eps = MemNetwork::new(2, MemConfig::default());
+//! let tag = OpTag { epoch: Epoch(0), op: OpId(1), seq: 0 };
+//! let h = Header { kind: FrameKind::Data, tag, chunk: 0, step: 0, digest: 0, len: 0 };
+//! eps[0].send(Rank(1), h, Bytes::from_static(b"hello")).await.unwrap();
+//! let from = PeerSet::all(2);
+//! let f = eps[1].recv(tag, &from, Instant::now() + Duration::from_secs(5)).await.unwrap();
+//! assert_eq!((f.from, &f.payload[..]), (Rank(0), &b"hello"[..]));
+//! # });
+//! ```
+//!
+//! # Matching and memory
+//!
+//! Frames are matched on their [`OpTag`] (epoch, op id, per-name sequence
+//! number); the collective plan matches chunk and step inside an op and
+//! checks the spec digest. A frame that arrives before its op is posted is
+//! kept in a per-endpoint [`mailbox::Mailbox`] whose byte budget is bounded:
+//! when it is full the backend stops reading from that peer (back-pressure)
+//! instead of allocating. Frames of an older epoch are refused; frames of a
+//! retired op instance are dropped.
+//!
+//! # Errors
+//!
+//! A lost peer (closed connection, protocol violation, killed endpoint)
+//! fails every pending and later receive that names it, and every send to
+//! it; other peers stay usable. [`TransportError::Closed`] poisons the whole
+//! endpoint.
+//!
+//! # Thread safety and cleanup
+//!
+//! Endpoints are `Send + Sync` and used through `Arc`. Dropping the last
+//! handle (or calling [`Transport::shutdown`]) stops the background tasks
+//! and closes the connections.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use kungfu_topology::Rank;
+
+pub mod header;
+pub mod mailbox;
+pub mod mem;
+pub mod tcp;
+
+pub use header::{FrameKind, Header, HeaderError, OpId, OpTag, HEADER_LEN};
+pub use tokio::time::Instant;
+
+/// The cluster version. Frames of an older epoch are refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct Epoch(pub u32);
+
+impl std::fmt::Display for Epoch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "epoch {}", self.0)
+    }
+}
+
+/// A received frame.
+#[derive(Clone, Debug)]
+pub struct Frame {
+    pub from: Rank,
+    pub header: Header,
+    pub payload: Bytes,
+}
+
+/// A set of ranks, as a bitset.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PeerSet {
+    bits: Vec<u64>,
+}
+
+impl PeerSet {
+    pub fn new() -> PeerSet {
+        PeerSet::default()
+    }
+
+    /// Ranks `0..n`.
+    pub fn all(n: usize) -> PeerSet {
+        let mut s = PeerSet::new();
+        for r in 0..n {
+            s.insert(Rank(r as u32));
+        }
+        s
+    }
+
+    pub fn insert(&mut self, r: Rank) {
+        let (w, b) = (r.idx() / 64, r.idx() % 64);
+        if self.bits.len() <= w {
+            self.bits.resize(w + 1, 0);
+        }
+        self.bits[w] |= 1 << b;
+    }
+
+    pub fn contains(&self, r: Rank) -> bool {
+        let (w, b) = (r.idx() / 64, r.idx() % 64);
+        self.bits.get(w).is_some_and(|x| x & (1 << b) != 0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bits.iter().all(|&w| w == 0)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = Rank> + '_ {
+        self.bits.iter().enumerate().flat_map(|(w, &bits)| {
+            (0..64)
+                .filter(move |b| bits & (1u64 << b) != 0)
+                .map(move |b| Rank((w * 64 + b) as u32))
+        })
+    }
+}
+
+impl FromIterator<Rank> for PeerSet {
+    fn from_iter<I: IntoIterator<Item = Rank>>(iter: I) -> PeerSet {
+        let mut s = PeerSet::new();
+        for r in iter {
+            s.insert(r);
+        }
+        s
+    }
+}
+
+/// What a backend can do, so algorithms and the scheduler can adapt
+/// without asking which backend it is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capabilities {
+    /// The backend's name (`"tcp"`, `"mem"`, ...).
+    pub name: &'static str,
+    /// The largest payload one frame may carry.
+    pub max_frame: usize,
+    /// Whether a send moves the caller's bytes without copying them
+    /// (shared memory, RDMA).
+    pub zero_copy: bool,
+    /// Whether buffers must be registered before use (RDMA). Backends that
+    /// need it register and cache internally; it is never a method another
+    /// backend must fake.
+    pub needs_registration: bool,
+}
+
+/// Why a transport operation failed.
+///
+/// [`TransportError::PeerLost`] concerns one peer: the others stay usable.
+/// [`TransportError::Closed`] means the endpoint is shut down. Timeouts
+/// leave the endpoint usable.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum TransportError {
+    #[error("{peer} is lost: {reason}")]
+    PeerLost { peer: Rank, reason: Arc<str> },
+    #[error("handshake with {addr}{}: {reason}", peer.map(|p| format!(" ({p})")).unwrap_or_default())]
+    Handshake {
+        peer: Option<Rank>,
+        addr: String,
+        reason: String,
+    },
+    #[error("timed out waiting for {what}")]
+    Timeout { what: String },
+    #[error("frame payload of {len} bytes exceeds the limit of {max} bytes")]
+    FrameTooLarge { len: usize, max: usize },
+    #[error("refused a frame of {frame} from {peer}: this endpoint is at {current}")]
+    StaleEpoch {
+        peer: Rank,
+        frame: Epoch,
+        current: Epoch,
+    },
+    #[error("{peer} is not a peer of this cluster of {size}")]
+    NoSuchPeer { peer: Rank, size: usize },
+    #[error("transport is shut down")]
+    Closed,
+}
+
+/// A byte mover between the ranks of one cluster version.
+///
+/// Implementations are cheap to share (`Arc`) and every method may be called
+/// from many tasks at once. Frames between one pair of ranks may arrive in
+/// any order (the collectives do not rely on order).
+pub trait Transport: Send + Sync + 'static {
+    /// This endpoint's rank.
+    fn rank(&self) -> Rank;
+
+    /// The number of ranks.
+    fn size(&self) -> usize;
+
+    /// The epoch this endpoint was connected at.
+    fn epoch(&self) -> Epoch;
+
+    fn capabilities(&self) -> Capabilities;
+
+    /// Sends one frame. `header.len` is set from `payload`. Resolves when
+    /// the payload has been handed to the backend (it may be reused at
+    /// once, as `Bytes` is immutable). Dropping the future does not cut a
+    /// frame in half: a frame is sent whole or not at all.
+    fn send(
+        &self,
+        to: Rank,
+        header: Header,
+        payload: Bytes,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send;
+
+    /// Receives the next frame of op instance `tag` from any rank in
+    /// `from`. Fails with [`TransportError::PeerLost`] once a rank in `from`
+    /// is lost and no frame of `tag` is queued, and with
+    /// [`TransportError::Timeout`] at `deadline`. Cancel-safe: dropping the
+    /// future loses no frame.
+    fn recv<'a>(
+        &'a self,
+        tag: OpTag,
+        from: &'a PeerSet,
+        deadline: Instant,
+    ) -> impl Future<Output = Result<Frame, TransportError>> + Send + 'a;
+
+    /// Drops every queued and future frame of `tag`: the op is over (done or
+    /// failed), and late frames of it must not use memory.
+    fn retire(&self, tag: OpTag);
+
+    /// The first lost rank in `peers`, with the reason, if any.
+    fn check_peers(&self, peers: &PeerSet) -> Result<(), TransportError>;
+
+    /// Stops the endpoint: pending and later operations fail with
+    /// [`TransportError::Closed`]. Idempotent.
+    fn shutdown(&self);
+}

@@ -1,0 +1,440 @@
+//! Matching of incoming frames to receives, with a bounded byte budget.
+//!
+//! Every stream-like backend (TCP, in-memory; later QUIC and shared memory)
+//! shares this: reader tasks [`Mailbox::deliver`] frames, ops
+//! [`Mailbox::recv`] them by [`OpTag`]. A frame is removed only inside a
+//! poll that returns it, so a dropped receive loses nothing.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::future::poll_fn;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+
+use bytes::Bytes;
+use kungfu_topology::Rank;
+use tokio::sync::Notify;
+
+use crate::{Epoch, Frame, Header, Instant, OpTag, PeerSet, TransportError};
+
+/// How many retired op instances are remembered (their late frames dropped).
+const RETIRED_MEMORY: usize = 4096;
+
+#[derive(Default)]
+struct Slot {
+    frames: VecDeque<Frame>,
+    wakers: Vec<Waker>,
+}
+
+struct Inner {
+    epoch: Epoch,
+    slots: HashMap<OpTag, Slot>,
+    queued_bytes: usize,
+    lost: HashMap<Rank, Arc<str>>,
+    closed: bool,
+    retired: HashSet<OpTag>,
+    retired_order: VecDeque<OpTag>,
+    refused: u64,
+    last_refusal: Option<TransportError>,
+}
+
+/// Per-endpoint matching store. See the module docs.
+pub struct Mailbox {
+    inner: Mutex<Inner>,
+    space: Notify,
+    budget: usize,
+}
+
+impl Mailbox {
+    /// A mailbox at `epoch` that holds at most `budget` bytes of unmatched
+    /// payload (one frame is always admitted into an empty mailbox, so a
+    /// frame larger than the budget cannot wedge a peer).
+    pub fn new(epoch: Epoch, budget: usize) -> Mailbox {
+        Mailbox {
+            inner: Mutex::new(Inner {
+                epoch,
+                slots: HashMap::new(),
+                queued_bytes: 0,
+                lost: HashMap::new(),
+                closed: false,
+                retired: HashSet::new(),
+                retired_order: VecDeque::new(),
+                refused: 0,
+                last_refusal: None,
+            }),
+            space: Notify::new(),
+            budget,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A poisoned lock only means another thread panicked while holding
+        // it; the state is a plain store that stays consistent between
+        // statements, so keep serving rather than propagate the panic.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues a frame from `from`, waiting while the budget is exhausted
+    /// (the caller, a reader task, thereby stops reading that peer).
+    ///
+    /// Frames of an older epoch are refused: they are counted, remembered as
+    /// [`Mailbox::last_refusal`], and the error is returned so the reader
+    /// can log or act on it. Frames of retired ops are dropped.
+    pub async fn deliver(
+        &self,
+        from: Rank,
+        header: Header,
+        payload: Bytes,
+    ) -> Result<(), TransportError> {
+        let len = payload.len();
+        loop {
+            let notified = self.space.notified();
+            {
+                let mut inner = self.lock();
+                if inner.closed {
+                    return Err(TransportError::Closed);
+                }
+                if header.tag.epoch < inner.epoch {
+                    let err = TransportError::StaleEpoch {
+                        peer: from,
+                        frame: header.tag.epoch,
+                        current: inner.epoch,
+                    };
+                    inner.refused += 1;
+                    inner.last_refusal = Some(err.clone());
+                    return Err(err);
+                }
+                if inner.retired.contains(&header.tag) {
+                    return Ok(());
+                }
+                if inner.queued_bytes == 0 || inner.queued_bytes + len <= self.budget {
+                    inner.queued_bytes += len;
+                    let slot = inner.slots.entry(header.tag).or_default();
+                    slot.frames.push_back(Frame {
+                        from,
+                        header,
+                        payload,
+                    });
+                    for w in slot.wakers.drain(..) {
+                        w.wake();
+                    }
+                    return Ok(());
+                }
+            }
+            notified.await;
+        }
+    }
+
+    fn poll_recv(
+        &self,
+        cx: &mut Context<'_>,
+        tag: OpTag,
+        from: &PeerSet,
+    ) -> Poll<Result<Frame, TransportError>> {
+        let mut inner = self.lock();
+        if let Some(slot) = inner.slots.get_mut(&tag) {
+            if let Some(i) = slot.frames.iter().position(|f| from.contains(f.from)) {
+                let frame = slot.frames.remove(i).expect("index just found");
+                if slot.frames.is_empty() && slot.wakers.is_empty() {
+                    inner.slots.remove(&tag);
+                }
+                inner.queued_bytes -= frame.payload.len();
+                drop(inner);
+                self.space.notify_waiters();
+                return Poll::Ready(Ok(frame));
+            }
+        }
+        if inner.closed {
+            return Poll::Ready(Err(TransportError::Closed));
+        }
+        if let Some(err) = lost_in(&inner, from) {
+            return Poll::Ready(Err(err));
+        }
+        let slot = inner.slots.entry(tag).or_default();
+        if !slot.wakers.iter().any(|w| w.will_wake(cx.waker())) {
+            slot.wakers.push(cx.waker().clone());
+        }
+        Poll::Pending
+    }
+
+    fn forget_waiter(&self, tag: OpTag) {
+        let mut inner = self.lock();
+        if let Some(slot) = inner.slots.get_mut(&tag) {
+            // Wakers of other receivers of the same tag (rare) are woken so
+            // that none is left registered for a future that is gone.
+            for w in slot.wakers.drain(..) {
+                w.wake();
+            }
+            if slot.frames.is_empty() {
+                inner.slots.remove(&tag);
+            }
+        }
+    }
+
+    /// See [`crate::Transport::recv`].
+    pub async fn recv(
+        &self,
+        tag: OpTag,
+        from: &PeerSet,
+        deadline: Instant,
+    ) -> Result<Frame, TransportError> {
+        struct Guard<'a>(&'a Mailbox, OpTag);
+        impl Drop for Guard<'_> {
+            fn drop(&mut self) {
+                self.0.forget_waiter(self.1);
+            }
+        }
+        let _guard = Guard(self, tag);
+        match tokio::time::timeout_at(deadline, poll_fn(|cx| self.poll_recv(cx, tag, from))).await {
+            Ok(r) => r,
+            Err(_) => Err(TransportError::Timeout {
+                what: format!("a frame of op {} seq {} ({})", tag.op, tag.seq, tag.epoch),
+            }),
+        }
+    }
+
+    /// Marks `peer` lost: receives that name it fail once nothing of theirs
+    /// is queued. The first reason is kept.
+    pub fn fail_peer(&self, peer: Rank, reason: impl Into<Arc<str>>) {
+        let mut inner = self.lock();
+        inner.lost.entry(peer).or_insert_with(|| reason.into());
+        wake_all(&mut inner);
+    }
+
+    /// See [`crate::Transport::check_peers`].
+    pub fn check_peers(&self, peers: &PeerSet) -> Result<(), TransportError> {
+        let inner = self.lock();
+        if inner.closed {
+            return Err(TransportError::Closed);
+        }
+        match lost_in(&inner, peers) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// The reason `peer` was lost, if it was.
+    pub fn lost_reason(&self, peer: Rank) -> Option<Arc<str>> {
+        self.lock().lost.get(&peer).cloned()
+    }
+
+    /// See [`crate::Transport::retire`].
+    pub fn retire(&self, tag: OpTag) {
+        let mut inner = self.lock();
+        if let Some(slot) = inner.slots.remove(&tag) {
+            let freed: usize = slot.frames.iter().map(|f| f.payload.len()).sum();
+            inner.queued_bytes -= freed;
+            for w in slot.wakers {
+                w.wake();
+            }
+        }
+        if inner.retired.insert(tag) {
+            inner.retired_order.push_back(tag);
+            if inner.retired_order.len() > RETIRED_MEMORY {
+                let old = inner.retired_order.pop_front().expect("non-empty");
+                inner.retired.remove(&old);
+            }
+        }
+        drop(inner);
+        self.space.notify_waiters();
+    }
+
+    /// Fails everything pending and later. Idempotent.
+    pub fn close(&self) {
+        let mut inner = self.lock();
+        inner.closed = true;
+        inner.slots.retain(|_, s| {
+            for w in s.wakers.drain(..) {
+                w.wake();
+            }
+            false
+        });
+        inner.queued_bytes = 0;
+        drop(inner);
+        self.space.notify_waiters();
+    }
+
+    /// Bytes of unmatched payload held now.
+    pub fn queued_bytes(&self) -> usize {
+        self.lock().queued_bytes
+    }
+
+    /// How many frames were refused (older epoch).
+    pub fn refused(&self) -> u64 {
+        self.lock().refused
+    }
+
+    /// The last refusal, if any.
+    pub fn last_refusal(&self) -> Option<TransportError> {
+        self.lock().last_refusal.clone()
+    }
+}
+
+fn lost_in(inner: &Inner, from: &PeerSet) -> Option<TransportError> {
+    // Report the lowest lost rank so errors are reproducible.
+    inner
+        .lost
+        .iter()
+        .filter(|(r, _)| from.contains(**r))
+        .min_by_key(|(r, _)| **r)
+        .map(|(r, why)| TransportError::PeerLost {
+            peer: *r,
+            reason: why.clone(),
+        })
+}
+
+fn wake_all(inner: &mut Inner) {
+    for slot in inner.slots.values_mut() {
+        for w in slot.wakers.drain(..) {
+            w.wake();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{FrameKind, OpId};
+    use std::time::Duration;
+
+    fn tag(op: u64) -> OpTag {
+        OpTag {
+            epoch: Epoch(1),
+            op: OpId(op),
+            seq: 0,
+        }
+    }
+
+    fn header(t: OpTag, len: usize) -> Header {
+        Header {
+            kind: FrameKind::Data,
+            tag: t,
+            chunk: 0,
+            step: 0,
+            digest: 0,
+            len: len as u64,
+        }
+    }
+
+    fn soon() -> Instant {
+        Instant::now() + Duration::from_secs(5)
+    }
+
+    #[tokio::test]
+    async fn early_frames_wait_for_their_receive() {
+        let mb = Mailbox::new(Epoch(1), 1 << 20);
+        mb.deliver(Rank(1), header(tag(5), 3), Bytes::from_static(b"abc"))
+            .await
+            .unwrap();
+        assert_eq!(mb.queued_bytes(), 3);
+        let f = mb.recv(tag(5), &PeerSet::all(4), soon()).await.unwrap();
+        assert_eq!(&f.payload[..], b"abc");
+        assert_eq!(mb.queued_bytes(), 0);
+    }
+
+    #[tokio::test]
+    async fn receive_only_from_the_named_peers() {
+        let mb = Mailbox::new(Epoch(1), 1 << 20);
+        mb.deliver(Rank(2), header(tag(5), 1), Bytes::from_static(b"x"))
+            .await
+            .unwrap();
+        let only1: PeerSet = [Rank(1)].into_iter().collect();
+        let r = mb
+            .recv(tag(5), &only1, Instant::now() + Duration::from_millis(20))
+            .await;
+        assert!(matches!(r, Err(TransportError::Timeout { .. })));
+        // the frame is still there for a receive that names rank 2
+        assert!(mb.recv(tag(5), &PeerSet::all(3), soon()).await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn stale_epoch_is_refused_and_counted() {
+        let mb = Mailbox::new(Epoch(3), 1 << 20);
+        let old = OpTag {
+            epoch: Epoch(2),
+            ..tag(1)
+        };
+        let r = mb.deliver(Rank(0), header(old, 0), Bytes::new()).await;
+        assert!(matches!(r, Err(TransportError::StaleEpoch { .. })));
+        assert_eq!(mb.refused(), 1);
+        assert_eq!(mb.queued_bytes(), 0);
+    }
+
+    #[tokio::test]
+    async fn budget_applies_back_pressure() {
+        let mb = Arc::new(Mailbox::new(Epoch(1), 10));
+        mb.deliver(Rank(0), header(tag(1), 8), Bytes::from(vec![0; 8]))
+            .await
+            .unwrap();
+        let mb2 = mb.clone();
+        let blocked = tokio::spawn(async move {
+            mb2.deliver(Rank(0), header(tag(2), 8), Bytes::from(vec![0; 8]))
+                .await
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!blocked.is_finished(), "over budget must wait");
+        assert_eq!(mb.queued_bytes(), 8);
+        mb.recv(tag(1), &PeerSet::all(1), soon()).await.unwrap();
+        blocked.await.unwrap().unwrap();
+        assert_eq!(mb.queued_bytes(), 8);
+    }
+
+    #[tokio::test]
+    async fn lost_peer_fails_waiting_receive() {
+        let mb = Arc::new(Mailbox::new(Epoch(1), 1 << 20));
+        let mb2 = mb.clone();
+        let waiter = tokio::spawn(async move { mb2.recv(tag(1), &PeerSet::all(3), soon()).await });
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        mb.fail_peer(Rank(2), "connection reset");
+        match waiter.await.unwrap() {
+            Err(TransportError::PeerLost { peer, reason }) => {
+                assert_eq!(peer, Rank(2));
+                assert_eq!(&*reason, "connection reset");
+            }
+            other => panic!("{other:?}"),
+        }
+        let only01: PeerSet = [Rank(0), Rank(1)].into_iter().collect();
+        assert!(mb.check_peers(&only01).is_ok());
+    }
+
+    #[tokio::test]
+    async fn retired_frames_are_dropped() {
+        let mb = Mailbox::new(Epoch(1), 1 << 20);
+        mb.deliver(Rank(0), header(tag(1), 4), Bytes::from(vec![0; 4]))
+            .await
+            .unwrap();
+        mb.retire(tag(1));
+        assert_eq!(mb.queued_bytes(), 0);
+        mb.deliver(Rank(0), header(tag(1), 4), Bytes::from(vec![0; 4]))
+            .await
+            .unwrap();
+        assert_eq!(mb.queued_bytes(), 0);
+    }
+
+    #[tokio::test]
+    async fn dropped_receive_loses_nothing() {
+        let mb = Mailbox::new(Epoch(1), 1 << 20);
+        let from = PeerSet::all(1);
+        {
+            let fut = mb.recv(tag(1), &from, soon());
+            tokio::pin!(fut);
+            assert!(futures_poll_once(fut.as_mut()).await.is_none());
+        }
+        mb.deliver(Rank(0), header(tag(1), 1), Bytes::from_static(b"z"))
+            .await
+            .unwrap();
+        assert_eq!(
+            &mb.recv(tag(1), &from, soon()).await.unwrap().payload[..],
+            b"z"
+        );
+    }
+
+    async fn futures_poll_once<F: std::future::Future + Unpin>(mut f: F) -> Option<F::Output> {
+        poll_fn(|cx| {
+            Poll::Ready(match std::pin::Pin::new(&mut f).poll(cx) {
+                Poll::Ready(v) => Some(v),
+                Poll::Pending => None,
+            })
+        })
+        .await
+    }
+}

@@ -1,0 +1,234 @@
+//! An in-process transport for tests and simulation.
+//!
+//! Endpoints share one address space: a send delivers straight into the
+//! receiver's [`Mailbox`]. With [`MemConfig::delay`] set, each send first
+//! sleeps a random time drawn from a seeded RNG, so frames overtake one
+//! another; [`MemTransport::kill`] makes a rank vanish as a crashed process
+//! would.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use kungfu_topology::Rank;
+
+use crate::mailbox::Mailbox;
+use crate::{
+    Capabilities, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
+};
+
+/// A small, seeded, reproducible RNG (SplitMix64) for fault injection and
+/// simulation. Not for cryptography.
+#[derive(Clone, Debug)]
+pub struct SeededRng(u64);
+
+impl SeededRng {
+    pub fn new(seed: u64) -> SeededRng {
+        SeededRng(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// A value in `0..n` (`n > 0`).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+}
+
+/// Settings of an in-memory network.
+#[derive(Clone, Debug)]
+pub struct MemConfig {
+    pub epoch: Epoch,
+    pub max_frame: usize,
+    /// Unmatched bytes each endpoint holds before senders wait.
+    pub mailbox_bytes: usize,
+    /// `Some((seed, max))`: every send sleeps a random time in `0..max`
+    /// first, drawn from an RNG seeded with `seed`.
+    pub delay: Option<(u64, Duration)>,
+}
+
+impl Default for MemConfig {
+    fn default() -> MemConfig {
+        MemConfig {
+            epoch: Epoch(0),
+            max_frame: 64 << 20,
+            mailbox_bytes: 256 << 20,
+            delay: None,
+        }
+    }
+}
+
+struct Net {
+    mailboxes: Vec<Mailbox>,
+    dead: Vec<AtomicBool>,
+    rng: Mutex<SeededRng>,
+    config: MemConfig,
+}
+
+/// Builds in-memory networks.
+pub struct MemNetwork;
+
+impl MemNetwork {
+    /// `n` connected endpoints, endpoint `i` being rank `i`.
+    #[allow(clippy::new_ret_no_self)]
+    pub fn new(n: usize, config: MemConfig) -> Vec<Arc<MemTransport>> {
+        let seed = config.delay.map_or(0, |(s, _)| s);
+        let net = Arc::new(Net {
+            mailboxes: (0..n)
+                .map(|_| Mailbox::new(config.epoch, config.mailbox_bytes))
+                .collect(),
+            dead: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            rng: Mutex::new(SeededRng::new(seed)),
+            config,
+        });
+        (0..n)
+            .map(|i| {
+                Arc::new(MemTransport {
+                    net: net.clone(),
+                    rank: Rank(i as u32),
+                })
+            })
+            .collect()
+    }
+}
+
+/// One endpoint of a [`MemNetwork`].
+pub struct MemTransport {
+    net: Arc<Net>,
+    rank: Rank,
+}
+
+impl MemTransport {
+    fn mailbox(&self) -> &Mailbox {
+        &self.net.mailboxes[self.rank.idx()]
+    }
+
+    /// Makes this rank vanish: every other endpoint sees it lost, and this
+    /// endpoint is closed.
+    pub fn kill(&self) {
+        self.net.dead[self.rank.idx()].store(true, Ordering::SeqCst);
+        for (i, mb) in self.net.mailboxes.iter().enumerate() {
+            if i != self.rank.idx() {
+                mb.fail_peer(self.rank, "killed");
+            }
+        }
+        self.mailbox().close();
+    }
+
+    /// Delivers a frame as if `from` had sent it, bypassing every check a
+    /// well-behaved sender makes: for tests of what receivers do with
+    /// hostile or stale frames.
+    pub async fn inject(
+        &self,
+        from: Rank,
+        header: Header,
+        payload: Bytes,
+    ) -> Result<(), TransportError> {
+        self.mailbox().deliver(from, header, payload).await
+    }
+
+    /// The endpoint's mailbox, for inspection in tests.
+    pub fn mailbox_stats(&self) -> (usize, u64) {
+        (self.mailbox().queued_bytes(), self.mailbox().refused())
+    }
+}
+
+impl Transport for MemTransport {
+    fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.net.mailboxes.len()
+    }
+
+    fn epoch(&self) -> Epoch {
+        self.net.config.epoch
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            name: "mem",
+            max_frame: self.net.config.max_frame,
+            zero_copy: true,
+            needs_registration: false,
+        }
+    }
+
+    async fn send(
+        &self,
+        to: Rank,
+        mut header: Header,
+        payload: Bytes,
+    ) -> Result<(), TransportError> {
+        let size = self.size();
+        if to.idx() >= size {
+            return Err(TransportError::NoSuchPeer { peer: to, size });
+        }
+        if payload.len() > self.net.config.max_frame {
+            return Err(TransportError::FrameTooLarge {
+                len: payload.len(),
+                max: self.net.config.max_frame,
+            });
+        }
+        if self.net.dead[self.rank.idx()].load(Ordering::SeqCst) {
+            return Err(TransportError::Closed);
+        }
+        header.len = payload.len() as u64;
+        if let Some((_, max)) = self.net.config.delay {
+            let nanos = max.as_nanos().max(1) as u64;
+            let d = {
+                let mut rng = self.net.rng.lock().unwrap_or_else(|e| e.into_inner());
+                rng.below(nanos)
+            };
+            tokio::time::sleep(Duration::from_nanos(d)).await;
+        }
+        if self.net.dead[to.idx()].load(Ordering::SeqCst) {
+            return Err(TransportError::PeerLost {
+                peer: to,
+                reason: "killed".into(),
+            });
+        }
+        match self.net.mailboxes[to.idx()]
+            .deliver(self.rank, header, payload)
+            .await
+        {
+            // The receiver refusing a frame is the receiver's business, as
+            // with a real network; the sender is not told.
+            Ok(()) | Err(TransportError::StaleEpoch { .. }) => Ok(()),
+            Err(TransportError::Closed) => Err(TransportError::PeerLost {
+                peer: to,
+                reason: "closed".into(),
+            }),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn recv<'a>(
+        &'a self,
+        tag: OpTag,
+        from: &'a PeerSet,
+        deadline: Instant,
+    ) -> impl std::future::Future<Output = Result<Frame, TransportError>> + Send + 'a {
+        self.mailbox().recv(tag, from, deadline)
+    }
+
+    fn retire(&self, tag: OpTag) {
+        self.mailbox().retire(tag);
+    }
+
+    fn check_peers(&self, peers: &PeerSet) -> Result<(), TransportError> {
+        self.mailbox().check_peers(peers)
+    }
+
+    fn shutdown(&self) {
+        self.mailbox().close();
+    }
+}

@@ -1,0 +1,744 @@
+//! TCP backend: one connection per pair of ranks, `TCP_NODELAY`.
+//!
+//! Rank `i` dials every rank below it and accepts every rank above it. The
+//! dialer opens with a hello (cluster id, epoch, both ranks, the digest of
+//! the peer list); the acceptor answers with a status, and a mismatch is
+//! refused on both sides with an error that says what differs. A refused
+//! connection does not stop the acceptor from waiting for the right peer
+//! until the connect deadline, so a stray process cannot break a job.
+//!
+//! After the handshake each connection has a reader task (frames into the
+//! [`Mailbox`]; it stops reading while the mailbox is full) and a writer task
+//! fed by a queue, so a cancelled send never leaves half a frame on the
+//! wire, and frames queued together leave in one write.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use kungfu_topology::{PeerList, Rank};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+use crate::mailbox::Mailbox;
+use crate::{
+    Capabilities, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
+    HEADER_LEN,
+};
+
+const HELLO_MAGIC: [u8; 2] = *b"KH";
+const HELLO_VERSION: u8 = 1;
+const HELLO_LEN: usize = 32;
+const ACK_LEN: usize = 24;
+/// Frames a writer coalesces into one flush.
+const WRITE_BATCH: usize = 64;
+const IO_BUFFER: usize = 64 * 1024;
+
+/// Settings of a TCP endpoint.
+#[derive(Clone, Debug)]
+pub struct TcpConfig {
+    /// Identifies the job: workers of another job are refused.
+    pub cluster_id: u64,
+    pub epoch: Epoch,
+    pub rank: Rank,
+    pub peers: PeerList,
+    /// How long [`TcpTransport::connect`] waits for every peer.
+    pub connect_timeout: Duration,
+    /// The largest frame payload accepted; a larger one is a protocol error.
+    pub max_frame: usize,
+    /// Unmatched bytes held before the endpoint stops reading a peer.
+    pub mailbox_bytes: usize,
+}
+
+impl TcpConfig {
+    /// Defaults: 30 s to connect, 64 MiB frames, a 256 MiB mailbox.
+    pub fn new(cluster_id: u64, epoch: Epoch, rank: Rank, peers: PeerList) -> TcpConfig {
+        TcpConfig {
+            cluster_id,
+            epoch,
+            rank,
+            peers,
+            connect_timeout: Duration::from_secs(30),
+            max_frame: 64 << 20,
+            mailbox_bytes: 256 << 20,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Hello {
+    from: Rank,
+    to: Rank,
+    epoch: Epoch,
+    cluster_id: u64,
+    peers_digest: u64,
+}
+
+impl Hello {
+    fn encode(&self) -> [u8; HELLO_LEN] {
+        let mut b = [0u8; HELLO_LEN];
+        b[0..2].copy_from_slice(&HELLO_MAGIC);
+        b[2] = HELLO_VERSION;
+        b[3] = 1;
+        b[4..8].copy_from_slice(&self.from.0.to_le_bytes());
+        b[8..12].copy_from_slice(&self.to.0.to_le_bytes());
+        b[12..16].copy_from_slice(&self.epoch.0.to_le_bytes());
+        b[16..24].copy_from_slice(&self.cluster_id.to_le_bytes());
+        b[24..32].copy_from_slice(&self.peers_digest.to_le_bytes());
+        b
+    }
+
+    fn decode(b: &[u8; HELLO_LEN]) -> Result<Hello, String> {
+        if b[0..2] != HELLO_MAGIC || b[3] != 1 {
+            return Err(format!(
+                "not a KungFu-rs hello (first bytes {:02x?})",
+                &b[0..4]
+            ));
+        }
+        if b[2] != HELLO_VERSION {
+            return Err(format!(
+                "hello version {} (this build speaks {HELLO_VERSION})",
+                b[2]
+            ));
+        }
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        Ok(Hello {
+            from: Rank(u32_at(4)),
+            to: Rank(u32_at(8)),
+            epoch: Epoch(u32_at(12)),
+            cluster_id: u64_at(16),
+            peers_digest: u64_at(24),
+        })
+    }
+}
+
+/// The acceptor's answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+enum Status {
+    Ok = 0,
+    Cluster = 1,
+    Epoch = 2,
+    NotMe = 3,
+    PeerList = 4,
+    BadRank = 5,
+    Malformed = 6,
+}
+
+impl Status {
+    fn from_u8(v: u8) -> Option<Status> {
+        Some(match v {
+            0 => Status::Ok,
+            1 => Status::Cluster,
+            2 => Status::Epoch,
+            3 => Status::NotMe,
+            4 => Status::PeerList,
+            5 => Status::BadRank,
+            6 => Status::Malformed,
+            _ => return None,
+        })
+    }
+}
+
+struct Ack {
+    status: Status,
+    epoch: Epoch,
+    rank: Rank,
+    cluster_id: u64,
+}
+
+impl Ack {
+    fn encode(&self) -> [u8; ACK_LEN] {
+        let mut b = [0u8; ACK_LEN];
+        b[0..2].copy_from_slice(&HELLO_MAGIC);
+        b[2] = HELLO_VERSION;
+        b[3] = 2;
+        b[4] = self.status as u8;
+        b[8..12].copy_from_slice(&self.epoch.0.to_le_bytes());
+        b[12..16].copy_from_slice(&self.rank.0.to_le_bytes());
+        b[16..24].copy_from_slice(&self.cluster_id.to_le_bytes());
+        b
+    }
+
+    fn decode(b: &[u8; ACK_LEN]) -> Option<Ack> {
+        if b[0..2] != HELLO_MAGIC || b[2] != HELLO_VERSION || b[3] != 2 {
+            return None;
+        }
+        Some(Ack {
+            status: Status::from_u8(b[4])?,
+            epoch: Epoch(u32::from_le_bytes(b[8..12].try_into().ok()?)),
+            rank: Rank(u32::from_le_bytes(b[12..16].try_into().ok()?)),
+            cluster_id: u64::from_le_bytes(b[16..24].try_into().ok()?),
+        })
+    }
+}
+
+/// Checks a hello against this endpoint; `Err` carries the status to send
+/// back and a message for this side's error.
+fn check_hello(cfg: &TcpConfig, h: &Hello) -> Result<(), (Status, String)> {
+    let n = cfg.peers.len();
+    if h.cluster_id != cfg.cluster_id {
+        return Err((
+            Status::Cluster,
+            format!(
+                "cluster id {:#x} differs from ours {:#x}",
+                h.cluster_id, cfg.cluster_id
+            ),
+        ));
+    }
+    if h.epoch != cfg.epoch {
+        return Err((
+            Status::Epoch,
+            format!("peer is at {}, we are at {}", h.epoch, cfg.epoch),
+        ));
+    }
+    if h.to != cfg.rank {
+        return Err((
+            Status::NotMe,
+            format!("peer wanted {}, this is {}", h.to, cfg.rank),
+        ));
+    }
+    if h.peers_digest != cfg.peers.digest().0 {
+        return Err((Status::PeerList, "peer lists differ".to_string()));
+    }
+    if h.from.idx() >= n || h.from <= cfg.rank {
+        return Err((
+            Status::BadRank,
+            format!("{} may not dial {} in a cluster of {n}", h.from, cfg.rank),
+        ));
+    }
+    Ok(())
+}
+
+fn refusal_text(status: Status, ack: &Ack, cfg: &TcpConfig) -> String {
+    match status {
+        Status::Ok => "accepted".into(),
+        Status::Cluster => format!(
+            "refused: cluster id differs (peer {:#x}, ours {:#x})",
+            ack.cluster_id, cfg.cluster_id
+        ),
+        Status::Epoch => format!(
+            "refused: epoch differs (peer at {}, we are at {})",
+            ack.epoch, cfg.epoch
+        ),
+        Status::NotMe => format!(
+            "refused: that address is {}, not the rank we dialed",
+            ack.rank
+        ),
+        Status::PeerList => "refused: the peer lists differ".into(),
+        Status::BadRank => format!("refused: {} may not dial that peer", cfg.rank),
+        Status::Malformed => "refused: malformed hello".into(),
+    }
+}
+
+/// A TCP endpoint. Build with [`TcpTransport::connect`].
+pub struct TcpTransport {
+    rank: Rank,
+    size: usize,
+    epoch: Epoch,
+    max_frame: usize,
+    mailbox: Arc<Mailbox>,
+    writers: Vec<Option<mpsc::Sender<Outgoing>>>,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+}
+
+struct Outgoing {
+    header: [u8; HEADER_LEN],
+    payload: Bytes,
+    done: oneshot::Sender<Result<(), TransportError>>,
+}
+
+impl TcpTransport {
+    /// Connects to every peer of `config.peers`, accepting on `listener`
+    /// (which must listen at this rank's entry of the peer list, or wherever
+    /// the other ranks were told it is). Fails if a peer refuses the
+    /// handshake, or if not every peer is connected by
+    /// `config.connect_timeout`.
+    pub async fn connect(
+        config: TcpConfig,
+        listener: TcpListener,
+    ) -> Result<Arc<TcpTransport>, TransportError> {
+        let n = config.peers.len();
+        if config.rank.idx() >= n {
+            return Err(TransportError::NoSuchPeer {
+                peer: config.rank,
+                size: n,
+            });
+        }
+        let deadline = Instant::now() + config.connect_timeout;
+        let cfg = Arc::new(config);
+        let (dialed, accepted) = tokio::join!(
+            dial_lower(cfg.clone(), deadline),
+            accept_higher(cfg.clone(), listener, deadline)
+        );
+        let mut streams = dialed?;
+        streams.extend(accepted?);
+
+        let mailbox = Arc::new(Mailbox::new(cfg.epoch, cfg.mailbox_bytes));
+        let mut writers = Vec::with_capacity(n);
+        let mut tasks = Vec::with_capacity(2 * n);
+        for r in 0..n {
+            let rank = Rank(r as u32);
+            let Some(stream) = streams.remove(&rank) else {
+                writers.push(None);
+                continue;
+            };
+            let (rd, wr) = stream.into_split();
+            let (tx, rx) = mpsc::channel(1024);
+            writers.push(Some(tx));
+            tasks.push(tokio::spawn(read_loop(
+                rd,
+                rank,
+                mailbox.clone(),
+                cfg.max_frame,
+            )));
+            tasks.push(tokio::spawn(write_loop(wr, rank, rx, mailbox.clone())));
+        }
+        Ok(Arc::new(TcpTransport {
+            rank: cfg.rank,
+            size: n,
+            epoch: cfg.epoch,
+            max_frame: cfg.max_frame,
+            mailbox,
+            writers,
+            tasks: Mutex::new(tasks),
+        }))
+    }
+
+    /// How many frames were refused for carrying an older epoch, and the
+    /// last such refusal.
+    pub fn refusals(&self) -> (u64, Option<TransportError>) {
+        (self.mailbox.refused(), self.mailbox.last_refusal())
+    }
+}
+
+async fn dial_lower(
+    cfg: Arc<TcpConfig>,
+    deadline: Instant,
+) -> Result<HashMap<Rank, TcpStream>, TransportError> {
+    let mut set = tokio::task::JoinSet::new();
+    for r in 0..cfg.rank.0 {
+        let cfg = cfg.clone();
+        set.spawn(async move {
+            let peer = Rank(r);
+            dial_one(&cfg, peer, deadline).await.map(|s| (peer, s))
+        });
+    }
+    let mut out = HashMap::new();
+    while let Some(res) = set.join_next().await {
+        let (peer, s) = res.map_err(|e| TransportError::Handshake {
+            peer: None,
+            addr: String::new(),
+            reason: format!("dial task failed: {e}"),
+        })??;
+        out.insert(peer, s);
+    }
+    Ok(out)
+}
+
+async fn dial_one(
+    cfg: &TcpConfig,
+    peer: Rank,
+    deadline: Instant,
+) -> Result<TcpStream, TransportError> {
+    let p = cfg.peers.peer(peer).expect("peer below our rank");
+    let addr = p.to_string();
+    let mut backoff = Duration::from_millis(5);
+    let mut last_err = String::from("no attempt");
+    loop {
+        if Instant::now() >= deadline {
+            return Err(TransportError::Handshake {
+                peer: Some(peer),
+                addr,
+                reason: format!("could not connect before the deadline: {last_err}"),
+            });
+        }
+        let attempt = tokio::time::timeout_at(deadline, async {
+            let mut s = TcpStream::connect((p.host.as_str(), p.port))
+                .await
+                .map_err(|e| (true, format!("connect: {e}")))?;
+            s.set_nodelay(true)
+                .map_err(|e| (true, format!("nodelay: {e}")))?;
+            let hello = Hello {
+                from: cfg.rank,
+                to: peer,
+                epoch: cfg.epoch,
+                cluster_id: cfg.cluster_id,
+                peers_digest: cfg.peers.digest().0,
+            };
+            s.write_all(&hello.encode())
+                .await
+                .map_err(|e| (true, format!("send hello: {e}")))?;
+            let mut b = [0u8; ACK_LEN];
+            s.read_exact(&mut b)
+                .await
+                .map_err(|e| (true, format!("read answer: {e}")))?;
+            let ack = Ack::decode(&b).ok_or((false, "malformed answer to hello".to_string()))?;
+            if ack.status != Status::Ok {
+                return Err((false, refusal_text(ack.status, &ack, cfg)));
+            }
+            Ok(s)
+        })
+        .await;
+        match attempt {
+            Ok(Ok(s)) => return Ok(s),
+            // A refusal is final: retrying will not change the peer's mind.
+            Ok(Err((false, reason))) => {
+                return Err(TransportError::Handshake {
+                    peer: Some(peer),
+                    addr,
+                    reason,
+                })
+            }
+            Ok(Err((true, e))) => last_err = e,
+            Err(_) => last_err = "timed out".into(),
+        }
+        tokio::time::sleep(backoff.min(deadline.saturating_duration_since(Instant::now()))).await;
+        backoff = (backoff * 2).min(Duration::from_millis(200));
+    }
+}
+
+async fn accept_higher(
+    cfg: Arc<TcpConfig>,
+    listener: TcpListener,
+    deadline: Instant,
+) -> Result<HashMap<Rank, TcpStream>, TransportError> {
+    let n = cfg.peers.len();
+    let expected = n - 1 - cfg.rank.idx();
+    let mut out: HashMap<Rank, TcpStream> = HashMap::new();
+    let mut refusals: Vec<String> = Vec::new();
+    let mut pending = tokio::task::JoinSet::new();
+    while out.len() < expected {
+        tokio::select! {
+            acc = listener.accept() => {
+                let (s, addr) = match acc {
+                    Ok(x) => x,
+                    Err(e) => { refusals.push(format!("accept: {e}")); continue; }
+                };
+                let cfg = cfg.clone();
+                // Each handshake runs on its own so that a silent client
+                // cannot hold up the others.
+                pending.spawn(async move {
+                    let r = tokio::time::timeout_at(deadline, answer_hello(&cfg, s)).await;
+                    (addr, r.unwrap_or_else(|_| Err("no hello before the deadline".into())))
+                });
+            }
+            Some(done) = pending.join_next(), if !pending.is_empty() => {
+                let Ok((addr, res)) = done else { continue };
+                match res {
+                    Ok((rank, s)) => {
+                        match out.entry(rank) {
+                            std::collections::hash_map::Entry::Occupied(_) => {
+                                refusals.push(format!("{addr}: second connection from {rank}"));
+                            }
+                            std::collections::hash_map::Entry::Vacant(v) => {
+                                v.insert(s);
+                            }
+                        }
+                    }
+                    Err(why) => refusals.push(format!("{addr}: {why}")),
+                }
+            }
+            _ = tokio::time::sleep_until(deadline) => {
+                let missing: Vec<String> = (cfg.rank.0 + 1..n as u32)
+                    .map(Rank)
+                    .filter(|r| !out.contains_key(r))
+                    .map(|r| r.0.to_string())
+                    .collect();
+                return Err(TransportError::Handshake {
+                    peer: None,
+                    addr: listener.local_addr().map(|a| a.to_string()).unwrap_or_default(),
+                    reason: format!(
+                        "ranks [{}] did not connect before the deadline{}",
+                        missing.join(", "),
+                        if refusals.is_empty() { String::new() } else {
+                            format!("; refused: {}", refusals.join("; "))
+                        }
+                    ),
+                });
+            }
+        }
+    }
+    Ok(out)
+}
+
+async fn answer_hello(cfg: &TcpConfig, mut s: TcpStream) -> Result<(Rank, TcpStream), String> {
+    s.set_nodelay(true).map_err(|e| format!("nodelay: {e}"))?;
+    let mut b = [0u8; HELLO_LEN];
+    s.read_exact(&mut b)
+        .await
+        .map_err(|e| format!("read hello: {e}"))?;
+    let mut ack = Ack {
+        status: Status::Ok,
+        epoch: cfg.epoch,
+        rank: cfg.rank,
+        cluster_id: cfg.cluster_id,
+    };
+    let verdict = Hello::decode(&b)
+        .map_err(|e| (Status::Malformed, e))
+        .and_then(|h| check_hello(cfg, &h).map(|()| h));
+    match verdict {
+        Ok(h) => {
+            s.write_all(&ack.encode())
+                .await
+                .map_err(|e| format!("send answer: {e}"))?;
+            Ok((h.from, s))
+        }
+        Err((status, why)) => {
+            ack.status = status;
+            // Best effort: the refusal is reported here either way.
+            let _ = s.write_all(&ack.encode()).await;
+            Err(why)
+        }
+    }
+}
+
+async fn read_loop(rd: OwnedReadHalf, peer: Rank, mailbox: Arc<Mailbox>, max_frame: usize) {
+    let mut rd = BufReader::with_capacity(IO_BUFFER, rd);
+    loop {
+        let mut hb = [0u8; HEADER_LEN];
+        if let Err(e) = rd.read_exact(&mut hb).await {
+            let why = if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                "connection closed by peer".to_string()
+            } else {
+                format!("read: {e}")
+            };
+            mailbox.fail_peer(peer, why);
+            return;
+        }
+        let header = match Header::decode(&hb, max_frame) {
+            Ok(h) => h,
+            Err(e) => {
+                // The stream cannot be resynchronised after a bad header.
+                mailbox.fail_peer(peer, format!("protocol violation: {e}"));
+                return;
+            }
+        };
+        let len = header.len as usize; // checked against max_frame by decode
+        let mut buf = BytesMut::with_capacity(len);
+        while buf.len() < len {
+            let want = len - buf.len();
+            match rd.read_buf(&mut (&mut buf).limit(want)).await {
+                Ok(0) => {
+                    mailbox.fail_peer(peer, "connection closed in the middle of a frame");
+                    return;
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    mailbox.fail_peer(peer, format!("read: {e}"));
+                    return;
+                }
+            }
+        }
+        match mailbox.deliver(peer, header, buf.freeze()).await {
+            // Refused frames are counted by the mailbox; the connection goes on.
+            Ok(()) | Err(TransportError::StaleEpoch { .. }) => {}
+            Err(_) => return,
+        }
+    }
+}
+
+async fn write_loop(
+    wr: OwnedWriteHalf,
+    peer: Rank,
+    mut rx: mpsc::Receiver<Outgoing>,
+    mailbox: Arc<Mailbox>,
+) {
+    let mut wr = BufWriter::with_capacity(IO_BUFFER, wr);
+    let mut lost: Option<TransportError> = None;
+    let mut batch: Vec<oneshot::Sender<Result<(), TransportError>>> = Vec::new();
+    while let Some(first) = rx.recv().await {
+        let mut next = Some(first);
+        while let Some(msg) = next.take() {
+            if lost.is_none() {
+                let res = async {
+                    wr.write_all(&msg.header).await?;
+                    wr.write_all(&msg.payload).await
+                }
+                .await;
+                if let Err(e) = res {
+                    let reason: Arc<str> = format!("write: {e}").into();
+                    mailbox.fail_peer(peer, reason.clone());
+                    lost = Some(TransportError::PeerLost { peer, reason });
+                }
+            }
+            batch.push(msg.done);
+            if batch.len() < WRITE_BATCH {
+                next = rx.try_recv().ok();
+            }
+        }
+        if lost.is_none() {
+            if let Err(e) = wr.flush().await {
+                let reason: Arc<str> = format!("write: {e}").into();
+                mailbox.fail_peer(peer, reason.clone());
+                lost = Some(TransportError::PeerLost { peer, reason });
+            }
+        }
+        for done in batch.drain(..) {
+            // The sender may have given up waiting; that is fine.
+            let _ = done.send(match &lost {
+                None => Ok(()),
+                Some(e) => Err(e.clone()),
+            });
+        }
+    }
+}
+
+impl Transport for TcpTransport {
+    fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn epoch(&self) -> Epoch {
+        self.epoch
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            name: "tcp",
+            max_frame: self.max_frame,
+            zero_copy: false,
+            needs_registration: false,
+        }
+    }
+
+    async fn send(
+        &self,
+        to: Rank,
+        mut header: Header,
+        payload: Bytes,
+    ) -> Result<(), TransportError> {
+        let writer = match self.writers.get(to.idx()) {
+            Some(Some(w)) => w,
+            _ => {
+                return Err(TransportError::NoSuchPeer {
+                    peer: to,
+                    size: self.size,
+                })
+            }
+        };
+        if payload.len() > self.max_frame {
+            return Err(TransportError::FrameTooLarge {
+                len: payload.len(),
+                max: self.max_frame,
+            });
+        }
+        if let Some(reason) = self.mailbox.lost_reason(to) {
+            return Err(TransportError::PeerLost { peer: to, reason });
+        }
+        header.len = payload.len() as u64;
+        let (done, wait) = oneshot::channel();
+        let msg = Outgoing {
+            header: header.encode(),
+            payload,
+            done,
+        };
+        writer.send(msg).await.map_err(|_| TransportError::Closed)?;
+        wait.await.map_err(|_| TransportError::Closed)?
+    }
+
+    fn recv<'a>(
+        &'a self,
+        tag: OpTag,
+        from: &'a PeerSet,
+        deadline: Instant,
+    ) -> impl std::future::Future<Output = Result<Frame, TransportError>> + Send + 'a {
+        self.mailbox.recv(tag, from, deadline)
+    }
+
+    fn retire(&self, tag: OpTag) {
+        self.mailbox.retire(tag);
+    }
+
+    fn check_peers(&self, peers: &PeerSet) -> Result<(), TransportError> {
+        self.mailbox.check_peers(peers)
+    }
+
+    fn shutdown(&self) {
+        self.mailbox.close();
+        let tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|e| e.into_inner()));
+        for t in tasks {
+            t.abort();
+        }
+    }
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hello_round_trip_and_refusals() {
+        let h = Hello {
+            from: Rank(3),
+            to: Rank(1),
+            epoch: Epoch(2),
+            cluster_id: 0xfeed,
+            peers_digest: 77,
+        };
+        assert_eq!(Hello::decode(&h.encode()), Ok(h));
+        let mut bad = h.encode();
+        bad[0] = 0;
+        assert!(Hello::decode(&bad).is_err());
+
+        let peers = PeerList::local(4);
+        let cfg = TcpConfig::new(0xfeed, Epoch(2), Rank(1), peers.clone());
+        let ok = Hello {
+            peers_digest: peers.digest().0,
+            ..h
+        };
+        assert_eq!(check_hello(&cfg, &ok), Ok(()));
+        let st = |h: Hello| check_hello(&cfg, &h).unwrap_err().0;
+        assert_eq!(
+            st(Hello {
+                cluster_id: 1,
+                ..ok
+            }),
+            Status::Cluster
+        );
+        assert_eq!(
+            st(Hello {
+                epoch: Epoch(1),
+                ..ok
+            }),
+            Status::Epoch
+        );
+        assert_eq!(st(Hello { to: Rank(2), ..ok }), Status::NotMe);
+        assert_eq!(
+            st(Hello {
+                peers_digest: 0,
+                ..ok
+            }),
+            Status::PeerList
+        );
+        assert_eq!(
+            st(Hello {
+                from: Rank(0),
+                ..ok
+            }),
+            Status::BadRank
+        );
+        assert_eq!(
+            st(Hello {
+                from: Rank(9),
+                ..ok
+            }),
+            Status::BadRank
+        );
+    }
+}
