@@ -115,6 +115,13 @@ impl PeerSet {
         self.bits[w] |= 1 << b;
     }
 
+    pub fn remove(&mut self, r: Rank) {
+        let (w, b) = (r.idx() / 64, r.idx() % 64);
+        if let Some(x) = self.bits.get_mut(w) {
+            *x &= !(1 << b);
+        }
+    }
+
     pub fn contains(&self, r: Rank) -> bool {
         let (w, b) = (r.idx() / 64, r.idx() % 64);
         self.bits.get(w).is_some_and(|x| x & (1 << b) != 0)
@@ -231,9 +238,18 @@ pub trait Transport: Send + Sync + 'static {
         deadline: Instant,
     ) -> impl Future<Output = Result<Frame, TransportError>> + Send + 'a;
 
-    /// Drops every queued and future frame of `tag`: the op is over (done or
-    /// failed), and late frames of it must not use memory.
+    /// Ends op instance `tag` (done or failed): its queued and later frames
+    /// no longer hold memory. Their headers become *strays*, readable with
+    /// [`Transport::recv_stray`] (a bounded number of them).
     fn retire(&self, tag: OpTag);
+
+    /// The next stray: the header of a frame (payload dropped) that arrived
+    /// for a retired op instance. A late frame is how a rank learns that a
+    /// peer ran an op with another spec after it had finished its own.
+    fn recv_stray(
+        &self,
+        deadline: Instant,
+    ) -> impl Future<Output = Result<Frame, TransportError>> + Send + '_;
 
     /// The first lost rank in `peers`, with the reason, if any.
     fn check_peers(&self, peers: &PeerSet) -> Result<(), TransportError>;

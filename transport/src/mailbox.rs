@@ -16,8 +16,11 @@ use tokio::sync::Notify;
 
 use crate::{Epoch, Frame, Header, Instant, OpTag, PeerSet, TransportError};
 
-/// How many retired op instances are remembered (their late frames dropped).
+/// How many retired op instances are remembered (their late frames become
+/// strays).
 const RETIRED_MEMORY: usize = 4096;
+/// How many stray headers are kept for the layer above; more are dropped.
+const STRAY_MEMORY: usize = 4096;
 
 #[derive(Default)]
 struct Slot {
@@ -35,6 +38,10 @@ struct Inner {
     retired_order: VecDeque<OpTag>,
     refused: u64,
     last_refusal: Option<TransportError>,
+    /// Frames of retired ops, payload dropped: the layer above checks them
+    /// (a late frame with another spec digest reveals a disagreeing rank).
+    strays: VecDeque<Frame>,
+    stray_wakers: Vec<Waker>,
 }
 
 /// Per-endpoint matching store. See the module docs.
@@ -60,6 +67,8 @@ impl Mailbox {
                 retired_order: VecDeque::new(),
                 refused: 0,
                 last_refusal: None,
+                strays: VecDeque::new(),
+                stray_wakers: Vec::new(),
             }),
             space: Notify::new(),
             budget,
@@ -104,6 +113,7 @@ impl Mailbox {
                     return Err(err);
                 }
                 if inner.retired.contains(&header.tag) {
+                    push_stray(&mut inner, from, header);
                     return Ok(());
                 }
                 if inner.queued_bytes == 0 || inner.queued_bytes + len <= self.budget {
@@ -226,6 +236,9 @@ impl Mailbox {
             for w in slot.wakers {
                 w.wake();
             }
+            for f in slot.frames {
+                push_stray(&mut inner, f.from, f.header);
+            }
         }
         if inner.retired.insert(tag) {
             inner.retired_order.push_back(tag);
@@ -249,8 +262,35 @@ impl Mailbox {
             false
         });
         inner.queued_bytes = 0;
+        for w in inner.stray_wakers.drain(..) {
+            w.wake();
+        }
         drop(inner);
         self.space.notify_waiters();
+    }
+
+    /// The next frame (header only, empty payload) that arrived for a
+    /// retired op, or was queued when it was retired.
+    pub async fn recv_stray(&self, deadline: Instant) -> Result<Frame, TransportError> {
+        let poll = poll_fn(|cx| {
+            let mut inner = self.lock();
+            if let Some(f) = inner.strays.pop_front() {
+                return Poll::Ready(Ok(f));
+            }
+            if inner.closed {
+                return Poll::Ready(Err(TransportError::Closed));
+            }
+            if !inner.stray_wakers.iter().any(|w| w.will_wake(cx.waker())) {
+                inner.stray_wakers.push(cx.waker().clone());
+            }
+            Poll::Pending
+        });
+        match tokio::time::timeout_at(deadline, poll).await {
+            Ok(r) => r,
+            Err(_) => Err(TransportError::Timeout {
+                what: "a stray frame".into(),
+            }),
+        }
     }
 
     /// Bytes of unmatched payload held now.
@@ -280,6 +320,20 @@ fn lost_in(inner: &Inner, from: &PeerSet) -> Option<TransportError> {
             peer: *r,
             reason: why.clone(),
         })
+}
+
+fn push_stray(inner: &mut Inner, from: Rank, mut header: Header) {
+    if inner.strays.len() < STRAY_MEMORY {
+        header.len = 0;
+        inner.strays.push_back(Frame {
+            from,
+            header,
+            payload: Bytes::new(),
+        });
+        for w in inner.stray_wakers.drain(..) {
+            w.wake();
+        }
+    }
 }
 
 fn wake_all(inner: &mut Inner) {
@@ -397,17 +451,25 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn retired_frames_are_dropped() {
+    async fn retired_frames_become_strays_without_payload() {
         let mb = Mailbox::new(Epoch(1), 1 << 20);
         mb.deliver(Rank(0), header(tag(1), 4), Bytes::from(vec![0; 4]))
             .await
             .unwrap();
         mb.retire(tag(1));
         assert_eq!(mb.queued_bytes(), 0);
-        mb.deliver(Rank(0), header(tag(1), 4), Bytes::from(vec![0; 4]))
+        mb.deliver(Rank(2), header(tag(1), 4), Bytes::from(vec![0; 4]))
             .await
             .unwrap();
         assert_eq!(mb.queued_bytes(), 0);
+        for from in [Rank(0), Rank(2)] {
+            let f = mb.recv_stray(soon()).await.unwrap();
+            assert_eq!((f.from, f.header.tag, f.payload.len()), (from, tag(1), 0));
+        }
+        let none = mb
+            .recv_stray(Instant::now() + Duration::from_millis(10))
+            .await;
+        assert!(matches!(none, Err(TransportError::Timeout { .. })));
     }
 
     #[tokio::test]

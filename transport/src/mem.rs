@@ -220,6 +220,13 @@ impl Transport for MemTransport {
         self.mailbox().recv(tag, from, deadline)
     }
 
+    fn recv_stray(
+        &self,
+        deadline: Instant,
+    ) -> impl std::future::Future<Output = Result<Frame, TransportError>> + Send + '_ {
+        self.mailbox().recv_stray(deadline)
+    }
+
     fn retire(&self, tag: OpTag) {
         self.mailbox().retire(tag);
     }

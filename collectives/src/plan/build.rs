@@ -1,0 +1,308 @@
+//! Generators: one plan per (op kind, topology shape).
+//!
+//! All offsets are computed in elements and turned into byte ranges at the
+//! end, with `usize` arithmetic throughout (ops of more than 4 GiB work).
+//!
+//! Tags: `chunk` numbers the chunk (for block-wise ops, `block * chunks +
+//! chunk`), `step` the phase (tree reduce 0, tree broadcast 1; ring steps
+//! `0..2(n-1)`).
+
+use std::ops::Range;
+
+use kungfu_topology::{Graph, Rank, Root, Shape, Topology};
+
+use super::{chunks, segment, ActionId, Plan, PlanBuilder};
+use crate::{OpKind, OpSpec, ReduceOp};
+
+/// How to cut and where to run one op.
+pub struct PlanInput<'a> {
+    pub spec: &'a OpSpec,
+    pub me: Rank,
+    pub size: usize,
+    /// Largest chunk in bytes (at least one element).
+    pub chunk_bytes: usize,
+    /// The topology for a root (`Root::Any` for unrooted ops); block-wise
+    /// tree algorithms ask for one per block owner.
+    pub topology: &'a dyn Fn(Root) -> std::sync::Arc<Topology>,
+}
+
+struct Ctx<'a> {
+    me: Rank,
+    n: usize,
+    esize: usize,
+    b: PlanBuilder,
+    input: &'a PlanInput<'a>,
+}
+
+impl Ctx<'_> {
+    fn bytes(&self, r: &Range<usize>) -> Range<usize> {
+        r.start * self.esize..r.end * self.esize
+    }
+
+    /// Reduce `range` along `g` into its root: receive from every child,
+    /// then send to the parent. Returns (receives, send to parent).
+    fn tree_reduce(
+        &mut self,
+        g: &Graph,
+        chunk: u32,
+        step: u16,
+        range: &Range<usize>,
+    ) -> (Vec<ActionId>, Option<ActionId>) {
+        let br = self.bytes(range);
+        let recvs: Vec<ActionId> = g
+            .prevs(self.me)
+            .iter()
+            .map(|&c| self.b.recv(c, chunk, step, br.clone(), true, &[]))
+            .collect();
+        let send = g
+            .nexts(self.me)
+            .first()
+            .map(|&p| self.b.send(p, chunk, step, br.clone(), &recvs));
+        (recvs, send)
+    }
+
+    /// Broadcast `range` along `g` from its root. A non-root receives once
+    /// `before_recv` are done (it must not overwrite bytes still to be
+    /// sent); the root sends once `root_deps` are done.
+    fn tree_bcast(
+        &mut self,
+        g: &Graph,
+        chunk: u32,
+        step: u16,
+        range: &Range<usize>,
+        before_recv: &[ActionId],
+        root_deps: &[ActionId],
+    ) {
+        let br = self.bytes(range);
+        let recv;
+        let deps: &[ActionId] = match g.prevs(self.me).first() {
+            Some(&p) => {
+                recv = [self.b.recv(p, chunk, step, br.clone(), false, before_recv)];
+                &recv
+            }
+            None => root_deps,
+        };
+        for &c in g.nexts(self.me) {
+            self.b.send(c, chunk, step, br.clone(), deps);
+        }
+    }
+
+    /// Ring reduce-scatter of one chunk: after it, position `pos` holds the
+    /// full reduction of segment `pos`. `seg(k)` is segment `k`'s element
+    /// range. Returns the sends and receives by step.
+    fn ring_rs(
+        &mut self,
+        order: &[Rank],
+        chunk: u32,
+        seg: &dyn Fn(usize) -> Range<usize>,
+    ) -> (Vec<ActionId>, Vec<ActionId>) {
+        let n = self.n;
+        let pos = order
+            .iter()
+            .position(|&r| r == self.me)
+            .expect("me in ring");
+        let (next, prev) = (order[(pos + 1) % n], order[(pos + n - 1) % n]);
+        let mut sends = Vec::with_capacity(n - 1);
+        let mut recvs: Vec<ActionId> = Vec::with_capacity(n - 1);
+        for s in 0..n - 1 {
+            // Position pos sends segment pos-s-1 and receives pos-s-2, so it
+            // ends owning segment pos; a segment is reduced into before it
+            // is forwarded (the send depends on the previous receive).
+            let deps: Vec<ActionId> = recvs.last().copied().into_iter().collect();
+            let out = self.bytes(&seg((pos + 2 * n - s - 1) % n));
+            sends.push(self.b.send(next, chunk, s as u16, out, &deps));
+            let inn = self.bytes(&seg((pos + 2 * n - s - 2) % n));
+            recvs.push(self.b.recv(prev, chunk, s as u16, inn, true, &[]));
+        }
+        (sends, recvs)
+    }
+
+    /// Ring allgather of one chunk, position `pos` starting with segment
+    /// `pos`. `first_deps` gate the first send; `recv_deps(s)` gate the
+    /// receive of step `s` (it overwrites a segment that may still have to
+    /// be sent by an earlier phase). Steps are numbered from `step0`.
+    fn ring_ag(
+        &mut self,
+        order: &[Rank],
+        chunk: u32,
+        step0: usize,
+        seg: &dyn Fn(usize) -> Range<usize>,
+        first_deps: &[ActionId],
+        recv_deps: &dyn Fn(usize) -> Vec<ActionId>,
+    ) {
+        let n = self.n;
+        let pos = order
+            .iter()
+            .position(|&r| r == self.me)
+            .expect("me in ring");
+        let (next, prev) = (order[(pos + 1) % n], order[(pos + n - 1) % n]);
+        let mut last: Vec<ActionId> = first_deps.to_vec();
+        for s in 0..n - 1 {
+            let step = (step0 + s) as u16;
+            let out = self.bytes(&seg((pos + n - s) % n));
+            self.b.send(next, chunk, step, out, &last);
+            let inn = self.bytes(&seg((pos + 2 * n - s - 1) % n));
+            last = vec![self.b.recv(prev, chunk, step, inn, false, &recv_deps(s))];
+        }
+    }
+}
+
+fn pairs_of(t: &Topology) -> &[kungfu_topology::GraphPair] {
+    match t.shape() {
+        Shape::Trees(p) => p,
+        Shape::Ring(_) => unreachable!("rooted topologies are trees"),
+    }
+}
+
+/// Builds rank `input.me`'s plan. Fails only if the op needs more tags than
+/// the header can carry (an absurdly small chunk size for the count).
+pub fn build(input: &PlanInput<'_>) -> Result<Plan, String> {
+    let spec = input.spec;
+    let n = input.size;
+    let esize = spec.dtype.size();
+    let chunk_elems = (input.chunk_bytes / esize).max(1);
+    let mut cx = Ctx {
+        me: input.me,
+        n,
+        esize,
+        b: PlanBuilder::new(),
+        input,
+    };
+    let op = spec.kind.reduce_op().unwrap_or(ReduceOp::Sum);
+    if n == 1 {
+        return Ok(cx.b.finish(spec.dtype, op));
+    }
+    let count = spec.count;
+    let cs: Vec<Range<usize>> = chunks(count, chunk_elems).collect();
+    let nchunks = cs.len();
+    let blockwise = matches!(
+        spec.kind,
+        OpKind::Allgather | OpKind::Gather { .. } | OpKind::ReduceScatter(_) | OpKind::Alltoall
+    );
+    let tags = if blockwise {
+        nchunks.checked_mul(n)
+    } else {
+        Some(nchunks)
+    };
+    if tags.is_none_or(|t| t > u32::MAX as usize) {
+        return Err(format!(
+            "{} chunks of {} bytes are more than a frame tag can number; raise the chunk size",
+            nchunks, input.chunk_bytes
+        ));
+    }
+    let tag = |block: usize, c: usize| (block * nchunks + c) as u32;
+    let block = |j: usize, r: &Range<usize>| j * count + r.start..j * count + r.end;
+
+    match spec.kind {
+        OpKind::Allreduce(_) => {
+            let topo = (cx.input.topology)(Root::Any);
+            match topo.shape() {
+                Shape::Trees(pairs) => {
+                    for (c, r) in cs.iter().enumerate() {
+                        let p = &pairs[c % pairs.len()];
+                        let (recvs, up) = cx.tree_reduce(&p.reduce, c as u32, 0, r);
+                        let before: Vec<ActionId> = up.into_iter().collect();
+                        cx.tree_bcast(&p.broadcast, c as u32, 1, r, &before, &recvs);
+                    }
+                }
+                Shape::Ring(order) => {
+                    for (c, r) in cs.iter().enumerate() {
+                        let seg = |k: usize| segment(r, n, k);
+                        let (sends, recvs) = cx.ring_rs(order, c as u32, &seg);
+                        let last = [*recvs.last().expect("n > 1")];
+                        cx.ring_ag(order, c as u32, n - 1, &seg, &last, &|s| vec![sends[s]]);
+                    }
+                }
+            }
+        }
+        OpKind::Reduce { root, .. } => {
+            let topo = (cx.input.topology)(Root::At(root));
+            let g = &pairs_of(&topo)[0].reduce;
+            for (c, r) in cs.iter().enumerate() {
+                cx.tree_reduce(g, c as u32, 0, r);
+            }
+        }
+        OpKind::Broadcast { root } => {
+            let topo = (cx.input.topology)(Root::At(root));
+            let g = &pairs_of(&topo)[0].broadcast;
+            for (c, r) in cs.iter().enumerate() {
+                cx.tree_bcast(g, c as u32, 0, r, &[], &[]);
+            }
+        }
+        OpKind::Allgather => {
+            let topo = (cx.input.topology)(Root::Any);
+            match topo.shape() {
+                Shape::Ring(order) => {
+                    for (c, r) in cs.iter().enumerate() {
+                        let seg = |k: usize| block(order[k].idx(), r);
+                        cx.ring_ag(order, tag(0, c), 0, &seg, &[], &|_| Vec::new());
+                    }
+                }
+                Shape::Trees(_) => {
+                    for j in 0..n {
+                        let tj = (cx.input.topology)(Root::At(Rank(j as u32)));
+                        let g = &pairs_of(&tj)[0].broadcast;
+                        for (c, r) in cs.iter().enumerate() {
+                            cx.tree_bcast(g, tag(j, c), 0, &block(j, r), &[], &[]);
+                        }
+                    }
+                }
+            }
+        }
+        OpKind::ReduceScatter(_) => {
+            let topo = (cx.input.topology)(Root::Any);
+            match topo.shape() {
+                Shape::Ring(order) => {
+                    for (c, r) in cs.iter().enumerate() {
+                        let seg = |k: usize| block(order[k].idx(), r);
+                        cx.ring_rs(order, tag(0, c), &seg);
+                    }
+                }
+                Shape::Trees(_) => {
+                    for j in 0..n {
+                        let tj = (cx.input.topology)(Root::At(Rank(j as u32)));
+                        let g = &pairs_of(&tj)[0].reduce;
+                        for (c, r) in cs.iter().enumerate() {
+                            cx.tree_reduce(g, tag(j, c), 0, &block(j, r));
+                        }
+                    }
+                }
+            }
+        }
+        OpKind::Gather { root } => {
+            // Tree gather: each rank forwards to its parent its own blocks
+            // and every block of its subtree, as they arrive.
+            let topo = (cx.input.topology)(Root::At(root));
+            let g = &pairs_of(&topo)[0].reduce;
+            let parent = g.nexts(cx.me).first().copied();
+            let children: Vec<Rank> = g.prevs(cx.me).to_vec();
+            for (c, r) in cs.iter().enumerate() {
+                if let Some(p) = parent {
+                    let br = cx.bytes(&block(cx.me.idx(), r));
+                    cx.b.send(p, tag(cx.me.idx(), c), 0, br, &[]);
+                }
+                for &ch in &children {
+                    for j in g.subtree_of(ch) {
+                        let br = cx.bytes(&block(j.idx(), r));
+                        let got = cx.b.recv(ch, tag(j.idx(), c), 0, br.clone(), false, &[]);
+                        if let Some(p) = parent {
+                            cx.b.send(p, tag(j.idx(), c), 0, br, &[got]);
+                        }
+                    }
+                }
+            }
+        }
+        OpKind::Alltoall => {
+            // Direct exchange; the output half starts at n * count.
+            for (c, r) in cs.iter().enumerate() {
+                for j in (0..n).filter(|&j| j != cx.me.idx()) {
+                    let out = cx.bytes(&block(j, r));
+                    cx.b.send(Rank(j as u32), tag(0, c), 0, out, &[]);
+                    let inn = cx.bytes(&block(n + j, r));
+                    cx.b.recv(Rank(j as u32), tag(0, c), 0, inn, false, &[]);
+                }
+            }
+        }
+    }
+    Ok(cx.b.finish(spec.dtype, op))
+}

@@ -1,0 +1,366 @@
+//! Sans-IO plans: what one rank does for one op.
+//!
+//! A plan is a small dependency graph of *actions* over byte ranges of the
+//! op's working buffer: `Send { to, chunk, step, range }` and
+//! `Recv { from, chunk, step, range, reduce|copy }`. An action becomes ready
+//! when the actions it depends on are complete. The plan owns no buffer and
+//! does no IO: the driver asks [`Plan::poll_transmit`] what to send, reports
+//! with [`Plan::handle_sent`] when the bytes are taken, and feeds arriving
+//! frames to [`Plan::handle_frame`], passing the working buffer each time.
+//!
+//! Frames may arrive in any order, also ahead of the actions they feed (a
+//! ring neighbour can be a few steps ahead); such a frame is held (by
+//! reference, no copy) until its dependencies complete. Each `(peer, chunk,
+//! step)` is expected exactly once; anything else is a protocol error, so
+//! memory per op is bounded by the op's own size.
+//!
+//! Every algorithm is a generator of these graphs ([`build`]), so one
+//! engine runs all of them, in the real scheduler and in the deterministic
+//! simulation alike.
+
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
+
+use bytes::Bytes;
+use kungfu_topology::Rank;
+use kungfu_transport::PeerSet;
+
+use crate::dtype::{reduce_into, DType, ReduceOp};
+
+pub mod build;
+mod chunk;
+
+pub use chunk::{chunks, segment};
+
+/// Identifies an action of a plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ActionId(u32);
+
+#[derive(Clone, Debug)]
+enum Action {
+    Send {
+        to: Rank,
+        chunk: u32,
+        step: u16,
+        range: Range<usize>,
+    },
+    Recv {
+        from: Rank,
+        range: Range<usize>,
+        reduce: bool,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    Waiting,
+    /// A receive whose frame is here but whose dependencies are not done.
+    Arrived,
+    /// A send handed out by `poll_transmit`, not yet reported sent.
+    InFlight,
+    Done,
+}
+
+/// A frame the driver must send: the bytes of `range` of the working
+/// buffer, to `to`, tagged `(chunk, step)`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Transmit {
+    pub id: ActionId,
+    pub to: Rank,
+    pub chunk: u32,
+    pub step: u16,
+    pub range: Range<usize>,
+}
+
+/// A frame the plan cannot accept. Each is a protocol error of the sender.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    #[error("unexpected frame (chunk {chunk}, step {step}) from {from}")]
+    Unexpected { from: Rank, chunk: u32, step: u16 },
+    #[error("duplicate frame (chunk {chunk}, step {step}) from {from}")]
+    Duplicate { from: Rank, chunk: u32, step: u16 },
+    #[error("frame (chunk {chunk}, step {step}) from {from} has {got} bytes, expected {want}")]
+    Length {
+        from: Rank,
+        chunk: u32,
+        step: u16,
+        got: usize,
+        want: usize,
+    },
+}
+
+/// Collects actions; see [`build`] for the generators.
+pub struct PlanBuilder {
+    actions: Vec<Action>,
+    deps: Vec<Vec<ActionId>>,
+    recv_index: HashMap<(Rank, u32, u16), ActionId>,
+}
+
+impl PlanBuilder {
+    pub fn new() -> PlanBuilder {
+        PlanBuilder {
+            actions: Vec::new(),
+            deps: Vec::new(),
+            recv_index: HashMap::new(),
+        }
+    }
+
+    fn push(&mut self, a: Action, deps: &[ActionId]) -> ActionId {
+        let id = ActionId(u32::try_from(self.actions.len()).expect("plan of < 2^32 actions"));
+        self.actions.push(a);
+        self.deps.push(deps.to_vec());
+        id
+    }
+
+    /// Sends `range` to `to` once `deps` are complete.
+    pub fn send(
+        &mut self,
+        to: Rank,
+        chunk: u32,
+        step: u16,
+        range: Range<usize>,
+        deps: &[ActionId],
+    ) -> ActionId {
+        self.push(
+            Action::Send {
+                to,
+                chunk,
+                step,
+                range,
+            },
+            deps,
+        )
+    }
+
+    /// Receives `(chunk, step)` from `from` into `range`, reducing into it
+    /// or overwriting it, once `deps` are complete.
+    pub fn recv(
+        &mut self,
+        from: Rank,
+        chunk: u32,
+        step: u16,
+        range: Range<usize>,
+        reduce: bool,
+        deps: &[ActionId],
+    ) -> ActionId {
+        let id = self.push(
+            Action::Recv {
+                from,
+                range,
+                reduce,
+            },
+            deps,
+        );
+        let dup = self.recv_index.insert((from, chunk, step), id);
+        assert!(dup.is_none(), "generator made two receives of one tag");
+        id
+    }
+
+    /// Finishes the plan; `dtype` and `op` drive reducing receives.
+    pub fn finish(self, dtype: DType, op: ReduceOp) -> Plan {
+        let n = self.actions.len();
+        let mut dependents = vec![Vec::new(); n];
+        let mut deps_left = vec![0u32; n];
+        let mut ready = VecDeque::new();
+        let mut peers = PeerSet::new();
+        for (i, deps) in self.deps.iter().enumerate() {
+            deps_left[i] = deps.len() as u32;
+            for d in deps {
+                dependents[d.0 as usize].push(ActionId(i as u32));
+            }
+            if deps.is_empty() && matches!(self.actions[i], Action::Send { .. }) {
+                ready.push_back(ActionId(i as u32));
+            }
+            match &self.actions[i] {
+                Action::Send { to, .. } => peers.insert(*to),
+                Action::Recv { from, .. } => peers.insert(*from),
+            }
+        }
+        Plan {
+            actions: self.actions,
+            state: vec![State::Waiting; n],
+            deps_left,
+            dependents,
+            ready,
+            recv_index: self.recv_index,
+            arrived: HashMap::new(),
+            done: 0,
+            dtype,
+            op,
+            peers,
+        }
+    }
+}
+
+impl Default for PlanBuilder {
+    fn default() -> Self {
+        PlanBuilder::new()
+    }
+}
+
+/// One rank's part of one op. See the module docs.
+pub struct Plan {
+    actions: Vec<Action>,
+    state: Vec<State>,
+    deps_left: Vec<u32>,
+    dependents: Vec<Vec<ActionId>>,
+    ready: VecDeque<ActionId>,
+    recv_index: HashMap<(Rank, u32, u16), ActionId>,
+    arrived: HashMap<ActionId, Bytes>,
+    done: usize,
+    dtype: DType,
+    op: ReduceOp,
+    peers: PeerSet,
+}
+
+impl Plan {
+    /// Every rank this plan sends to or receives from.
+    pub fn peers(&self) -> &PeerSet {
+        &self.peers
+    }
+
+    /// How many actions the plan has (for tests and stats).
+    pub fn len(&self) -> usize {
+        self.actions.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.actions.is_empty()
+    }
+
+    /// Whether every action is complete.
+    pub fn is_done(&self) -> bool {
+        self.done == self.actions.len()
+    }
+
+    /// The next frame to send, if one is ready. The driver takes the bytes
+    /// of `range` and then calls [`Plan::handle_sent`].
+    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        let id = self.ready.pop_front()?;
+        let Action::Send {
+            to,
+            chunk,
+            step,
+            ref range,
+        } = self.actions[id.0 as usize]
+        else {
+            unreachable!("only sends are queued as ready");
+        };
+        self.state[id.0 as usize] = State::InFlight;
+        Some(Transmit {
+            id,
+            to,
+            chunk,
+            step,
+            range: range.clone(),
+        })
+    }
+
+    /// The bytes of a transmitted range are taken (copied, or sent from
+    /// place): actions that overwrite them may now run.
+    pub fn handle_sent(&mut self, id: ActionId, work: &mut [u8]) {
+        assert_eq!(
+            self.state[id.0 as usize],
+            State::InFlight,
+            "handle_sent for an action not handed out"
+        );
+        self.complete(id, work);
+    }
+
+    /// A data frame of this op arrived.
+    pub fn handle_frame(
+        &mut self,
+        from: Rank,
+        chunk: u32,
+        step: u16,
+        payload: Bytes,
+        work: &mut [u8],
+    ) -> Result<(), PlanError> {
+        let id = *self
+            .recv_index
+            .get(&(from, chunk, step))
+            .ok_or(PlanError::Unexpected { from, chunk, step })?;
+        let i = id.0 as usize;
+        if self.state[i] != State::Waiting {
+            return Err(PlanError::Duplicate { from, chunk, step });
+        }
+        let Action::Recv { ref range, .. } = self.actions[i] else {
+            unreachable!("recv_index holds receives");
+        };
+        if payload.len() != range.len() {
+            return Err(PlanError::Length {
+                from,
+                chunk,
+                step,
+                got: payload.len(),
+                want: range.len(),
+            });
+        }
+        if self.deps_left[i] == 0 {
+            self.apply(id, &payload, work);
+            self.complete(id, work);
+        } else {
+            self.state[i] = State::Arrived;
+            self.arrived.insert(id, payload);
+        }
+        Ok(())
+    }
+
+    /// The ranks from which frames are still expected (for timeout errors).
+    pub fn waiting_for(&self) -> Vec<Rank> {
+        let mut v: Vec<Rank> = self
+            .actions
+            .iter()
+            .zip(&self.state)
+            .filter_map(|(a, s)| match a {
+                Action::Recv { from, .. } if *s == State::Waiting => Some(*from),
+                _ => None,
+            })
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    fn apply(&self, id: ActionId, payload: &[u8], work: &mut [u8]) {
+        let Action::Recv {
+            ref range, reduce, ..
+        } = self.actions[id.0 as usize]
+        else {
+            unreachable!("apply on a receive");
+        };
+        let dst = &mut work[range.clone()];
+        if reduce {
+            reduce_into(self.dtype, self.op, dst, payload);
+        } else {
+            dst.copy_from_slice(payload);
+        }
+    }
+
+    /// Marks `id` complete and runs whatever that unblocks (iteratively, so
+    /// long chains do not recurse).
+    fn complete(&mut self, id: ActionId, work: &mut [u8]) {
+        let mut stack = vec![id];
+        while let Some(id) = stack.pop() {
+            self.state[id.0 as usize] = State::Done;
+            self.done += 1;
+            for k in 0..self.dependents[id.0 as usize].len() {
+                let d = self.dependents[id.0 as usize][k];
+                let di = d.0 as usize;
+                self.deps_left[di] -= 1;
+                if self.deps_left[di] != 0 {
+                    continue;
+                }
+                match (&self.actions[di], self.state[di]) {
+                    (Action::Send { .. }, _) => self.ready.push_back(d),
+                    (Action::Recv { .. }, State::Arrived) => {
+                        let payload = self.arrived.remove(&d).expect("arrived payload");
+                        self.apply(d, &payload, work);
+                        stack.push(d);
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+}

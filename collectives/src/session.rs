@@ -1,0 +1,802 @@
+//! The scheduler: starts ops, drives their plans over a [`Transport`], and
+//! reports completions.
+//!
+//! Each op runs as its own task: it takes frames of its [`OpTag`] from the
+//! transport (so ops in flight never wait on each other, and ranks may
+//! issue them in any order), hands them to its plan, and sends what the
+//! plan says. Every wait is bounded by the op timeout, counted from the
+//! op's last progress.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::ops::Range;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use kungfu_topology::{PeerList, Rank, Root, Strategy, Topology};
+use kungfu_transport::{
+    Epoch, Frame, FrameKind, Header, Instant, OpTag, PeerSet, Transport, TransportError,
+};
+use tokio::sync::oneshot;
+use tokio::task::JoinSet;
+
+use crate::abort::{Abort, AbortReason};
+use crate::dtype::scale_down;
+use crate::names::{check_name, NameTable};
+use crate::plan::build::{build, PlanInput};
+use crate::plan::Plan;
+use crate::{CollectiveError, DType, Element, OpKind, OpSpec, ReduceOp};
+
+/// Settings of a [`Session`].
+#[derive(Clone, Debug)]
+pub struct SessionConfig {
+    /// The strategy every op uses (`AUTO` chooses per op size).
+    pub strategy: Strategy,
+    /// Ops are cut into chunks of at most this many bytes, which pipeline.
+    pub chunk_bytes: usize,
+    /// An op fails when it makes no progress for this long.
+    pub op_timeout: Duration,
+}
+
+impl Default for SessionConfig {
+    /// `AUTO`, 1 MiB chunks, 60 s without progress.
+    fn default() -> SessionConfig {
+        SessionConfig {
+            strategy: Strategy::Auto,
+            chunk_bytes: 1 << 20,
+            op_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// The result of an op: the working buffer and where this rank's output
+/// lies in it (`None` for non-roots of reduce and gather).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OpOutput {
+    work: Vec<u8>,
+    range: Option<Range<usize>>,
+}
+
+impl OpOutput {
+    /// This rank's output bytes, if it has an output.
+    pub fn bytes(&self) -> Option<&[u8]> {
+        self.range.as_ref().map(|r| &self.work[r.clone()])
+    }
+
+    /// The output as elements; empty where the rank has no output.
+    pub fn to_vec<E: Element>(&self) -> Vec<E> {
+        self.bytes()
+            .map(bytemuck::pod_collect_to_vec::<u8, E>)
+            .unwrap_or_default()
+    }
+}
+
+/// A completion callback: runs once, on a runtime thread, with the result.
+pub type Callback = Box<dyn FnOnce(Result<OpOutput, CollectiveError>) + Send + 'static>;
+
+/// A pending op. Await it, or [`OpHandle::wait`] for it from a thread that
+/// is not a runtime worker. Dropping the handle does not cancel the op (the
+/// other ranks need this rank's part).
+#[must_use = "an op handle does nothing unless awaited or waited on"]
+pub struct OpHandle<O> {
+    rx: oneshot::Receiver<Result<O, CollectiveError>>,
+}
+
+impl<O> OpHandle<O> {
+    fn pair() -> (oneshot::Sender<Result<O, CollectiveError>>, OpHandle<O>) {
+        let (tx, rx) = oneshot::channel();
+        (tx, OpHandle { rx })
+    }
+
+    /// Blocks the calling thread until the op completes. Panics if called
+    /// on a thread that drives the tokio runtime (use `.await` there).
+    pub fn wait(self) -> Result<O, CollectiveError> {
+        self.rx
+            .blocking_recv()
+            .unwrap_or(Err(CollectiveError::Closed))
+    }
+
+    /// The result, if the op has completed.
+    pub fn try_result(&mut self) -> Option<Result<O, CollectiveError>> {
+        match self.rx.try_recv() {
+            Ok(r) => Some(r),
+            Err(oneshot::error::TryRecvError::Empty) => None,
+            Err(oneshot::error::TryRecvError::Closed) => Some(Err(CollectiveError::Closed)),
+        }
+    }
+}
+
+impl<O> Future for OpHandle<O> {
+    type Output = Result<O, CollectiveError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Pin::new(&mut self.rx)
+            .poll(cx)
+            .map(|r| r.unwrap_or(Err(CollectiveError::Closed)))
+    }
+}
+
+struct Inner<T> {
+    transport: Arc<T>,
+    peers: PeerList,
+    config: SessionConfig,
+    names: Mutex<NameTable>,
+    topologies: Mutex<HashMap<(Strategy, Root), Arc<Topology>>>,
+    tombstones: Mutex<Tombstones>,
+    runtime: tokio::runtime::Handle,
+}
+
+/// How many finished ops are remembered, to judge their late frames.
+const TOMBSTONES: usize = 4096;
+
+/// The digest and spec of recently finished ops. A frame that arrives for
+/// one of them with another digest comes from a rank that ran the op with
+/// another spec after this rank was done: every rank is told.
+#[derive(Default)]
+struct Tombstones {
+    map: HashMap<OpTag, (u32, OpSpec)>,
+    order: std::collections::VecDeque<OpTag>,
+}
+
+impl Tombstones {
+    fn insert(&mut self, tag: OpTag, digest: u32, spec: OpSpec) {
+        if self.map.insert(tag, (digest, spec)).is_none() {
+            self.order.push_back(tag);
+            if self.order.len() > TOMBSTONES {
+                let old = self.order.pop_front().expect("non-empty");
+                self.map.remove(&old);
+            }
+        }
+    }
+}
+
+/// Named asynchronous collectives over one transport. Cheap to clone.
+///
+/// # Thread safety
+/// All methods take `&self` and may be called from any thread. Ops are
+/// started at the call; completion is reported through the returned
+/// handle or the callback.
+pub struct Session<T: Transport> {
+    inner: Arc<Inner<T>>,
+}
+
+impl<T: Transport> Clone for Session<T> {
+    fn clone(&self) -> Self {
+        Session {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+fn lock<X>(m: &Mutex<X>) -> MutexGuard<'_, X> {
+    // The guarded tables stay consistent between statements; a panic
+    // elsewhere must not take the session down with it.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl<T: Transport> Session<T> {
+    /// A session over `transport`, whose ranks are `peers`. Ops run on the
+    /// tokio runtime this is called from.
+    pub fn new(
+        transport: Arc<T>,
+        peers: PeerList,
+        config: SessionConfig,
+    ) -> Result<Session<T>, CollectiveError> {
+        let invalid = |reason: String| CollectiveError::InvalidArgument {
+            name: "<session>".into(),
+            reason,
+        };
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|_| invalid("Session::new must be called inside a tokio runtime".into()))?;
+        if peers.len() != transport.size() {
+            return Err(invalid(format!(
+                "peer list has {} ranks, the transport {}",
+                peers.len(),
+                transport.size()
+            )));
+        }
+        if config.chunk_bytes == 0 || config.op_timeout.is_zero() {
+            return Err(invalid(
+                "chunk_bytes and op_timeout must be positive".into(),
+            ));
+        }
+        let inner = Arc::new(Inner {
+            transport,
+            peers,
+            config,
+            names: Mutex::new(NameTable::default()),
+            topologies: Mutex::new(HashMap::new()),
+            tombstones: Mutex::new(Tombstones::default()),
+            runtime,
+        });
+        inner.runtime.spawn(watch_strays(Arc::downgrade(&inner)));
+        Ok(Session { inner })
+    }
+
+    pub fn rank(&self) -> Rank {
+        self.inner.transport.rank()
+    }
+
+    pub fn size(&self) -> usize {
+        self.inner.transport.size()
+    }
+
+    pub fn epoch(&self) -> Epoch {
+        self.inner.transport.epoch()
+    }
+
+    pub fn peers(&self) -> &PeerList {
+        &self.inner.peers
+    }
+
+    pub fn config(&self) -> &SessionConfig {
+        &self.inner.config
+    }
+
+    pub fn transport(&self) -> &Arc<T> {
+        &self.inner.transport
+    }
+
+    /// The topology an op of `bytes` bytes per rank and `root` runs on.
+    pub fn topology(&self, root: Root, bytes: usize) -> Arc<Topology> {
+        let s = match self.inner.config.strategy {
+            Strategy::Auto => Strategy::auto_choice(&self.inner.peers, bytes),
+            s => s,
+        };
+        lock(&self.inner.topologies)
+            .entry((s, root))
+            .or_insert_with(|| Arc::new(s.resolve(&self.inner.peers, root, bytes)))
+            .clone()
+    }
+
+    /// Starts an op on raw bytes; `input` must be `spec.input_len(size)`
+    /// bytes (it is copied, so it may be reused at once).
+    pub fn submit(&self, name: &str, spec: OpSpec, input: &[u8]) -> OpHandle<OpOutput> {
+        let (tx, h) = OpHandle::pair();
+        self.start(
+            name.into(),
+            spec,
+            input,
+            Box::new(move |r| drop(tx.send(r))),
+            false,
+        );
+        h
+    }
+
+    /// Starts an op whose completion runs `callback` (once, with the final
+    /// status) instead of completing a handle.
+    pub fn submit_with_callback(&self, name: &str, spec: OpSpec, input: &[u8], callback: Callback) {
+        self.start(name.into(), spec, input, callback, false);
+    }
+
+    fn typed<E: Element>(
+        &self,
+        name: &str,
+        kind: OpKind,
+        count: usize,
+        input: &[E],
+    ) -> OpHandle<Vec<E>> {
+        let (tx, h) = OpHandle::pair();
+        let spec = OpSpec {
+            kind,
+            dtype: E::DTYPE,
+            count,
+        };
+        let cb: Callback = Box::new(move |r| drop(tx.send(r.map(|o| o.to_vec::<E>()))));
+        self.start(name.into(), spec, bytemuck::cast_slice(input), cb, false);
+        h
+    }
+
+    /// Every rank gets the reduction of every rank's `input`.
+    pub fn allreduce<E: Element>(&self, name: &str, input: &[E], op: ReduceOp) -> OpHandle<Vec<E>> {
+        self.typed(name, OpKind::Allreduce(op), input.len(), input)
+    }
+
+    /// `root` gets the reduction; other ranks get an empty vector.
+    pub fn reduce<E: Element>(
+        &self,
+        name: &str,
+        input: &[E],
+        op: ReduceOp,
+        root: Rank,
+    ) -> OpHandle<Vec<E>> {
+        self.typed(name, OpKind::Reduce { op, root }, input.len(), input)
+    }
+
+    /// Every rank gets `root`'s `data`; other ranks pass a buffer of the
+    /// same length (its contents are ignored).
+    pub fn broadcast<E: Element>(&self, name: &str, data: &[E], root: Rank) -> OpHandle<Vec<E>> {
+        self.typed(name, OpKind::Broadcast { root }, data.len(), data)
+    }
+
+    /// Every rank gets every rank's `input`, concatenated in rank order.
+    pub fn allgather<E: Element>(&self, name: &str, input: &[E]) -> OpHandle<Vec<E>> {
+        self.typed(name, OpKind::Allgather, input.len(), input)
+    }
+
+    /// `root` gets every rank's `input` in rank order; others get nothing.
+    pub fn gather<E: Element>(&self, name: &str, input: &[E], root: Rank) -> OpHandle<Vec<E>> {
+        self.typed(name, OpKind::Gather { root }, input.len(), input)
+    }
+
+    /// `input` is `size` blocks; rank `r` gets the reduction of block `r`.
+    pub fn reduce_scatter<E: Element>(
+        &self,
+        name: &str,
+        input: &[E],
+        op: ReduceOp,
+    ) -> OpHandle<Vec<E>> {
+        let count = input.len() / self.size();
+        if count * self.size() != input.len() {
+            return self.invalid(
+                name,
+                format!(
+                    "reduce-scatter input of {} elements is not {} equal blocks",
+                    input.len(),
+                    self.size()
+                ),
+            );
+        }
+        self.typed(name, OpKind::ReduceScatter(op), count, input)
+    }
+
+    /// `input` is `size` blocks; rank `r` gets block `r` of every rank.
+    pub fn alltoall<E: Element>(&self, name: &str, input: &[E]) -> OpHandle<Vec<E>> {
+        let count = input.len() / self.size();
+        if count * self.size() != input.len() {
+            return self.invalid(
+                name,
+                format!(
+                    "alltoall input of {} elements is not {} equal blocks",
+                    input.len(),
+                    self.size()
+                ),
+            );
+        }
+        self.typed(name, OpKind::Alltoall, count, input)
+    }
+
+    /// Completes on every rank once every rank has called it (with the same
+    /// name). Names let unrelated barriers overlap.
+    pub fn barrier(&self, name: &str) -> OpHandle<()> {
+        let (tx, h) = OpHandle::pair();
+        let spec = OpSpec {
+            kind: OpKind::Allreduce(ReduceOp::Max),
+            dtype: DType::U8,
+            count: 0,
+        };
+        self.start(
+            name.into(),
+            spec,
+            &[],
+            Box::new(move |r| drop(tx.send(r.map(|_| ())))),
+            false,
+        );
+        h
+    }
+
+    /// Whether every rank passed the same bytes (length included).
+    pub fn consensus(&self, name: &str, data: &[u8]) -> OpHandle<bool> {
+        let (tx, h) = OpHandle::pair();
+        if let Err(reason) = check_name(name) {
+            drop(tx.send(Err(self.invalid_err(name, reason))));
+            return h;
+        }
+        // max(x) == min(x) across ranks, computed as one allreduce-max of
+        // [x, !x]: the second half yields !min(x). First on the lengths,
+        // then, if they agree, on the bytes. Internal names end in NUL so
+        // they cannot collide with a caller's.
+        let len = data.len() as u64;
+        let session = self.clone();
+        let data = data.to_vec();
+        let name = name.to_string();
+        self.inner.runtime.spawn(async move {
+            let r = async {
+                let spec = |count| OpSpec {
+                    kind: OpKind::Allreduce(ReduceOp::Max),
+                    dtype: DType::U64,
+                    count,
+                };
+                let lens = [len, !len];
+                let out = session
+                    .start_internal(
+                        &format!("{name}\0len"),
+                        spec(2),
+                        bytemuck::cast_slice(&lens),
+                    )
+                    .await?;
+                let v: Vec<u64> = out.to_vec();
+                if v[0] != !v[1] {
+                    return Ok(false);
+                }
+                let mut both = data.clone();
+                both.extend(data.iter().map(|b| !b));
+                let spec = OpSpec {
+                    kind: OpKind::Allreduce(ReduceOp::Max),
+                    dtype: DType::U8,
+                    count: both.len(),
+                };
+                let out = session
+                    .start_internal(&format!("{name}\0data"), spec, &both)
+                    .await?;
+                let b = out.bytes().unwrap_or_default();
+                let (max, notmin) = b.split_at(data.len());
+                Ok(max.iter().zip(notmin).all(|(a, b)| *a == !*b))
+            }
+            .await;
+            drop(tx.send(r));
+        });
+        h
+    }
+
+    fn start_internal(&self, name: &str, spec: OpSpec, input: &[u8]) -> OpHandle<OpOutput> {
+        let (tx, h) = OpHandle::pair();
+        self.start(
+            name.into(),
+            spec,
+            input,
+            Box::new(move |r| drop(tx.send(r))),
+            true,
+        );
+        h
+    }
+
+    fn invalid_err(&self, name: &str, reason: String) -> CollectiveError {
+        CollectiveError::InvalidArgument {
+            name: name.into(),
+            reason,
+        }
+    }
+
+    fn invalid<O>(&self, name: &str, reason: String) -> OpHandle<O> {
+        let (tx, h) = OpHandle::pair();
+        drop(tx.send(Err(self.invalid_err(name, reason))));
+        h
+    }
+
+    /// Validates, plans and spawns one op. Errors before the spawn complete
+    /// the callback at once.
+    fn start(&self, name: Arc<str>, spec: OpSpec, input: &[u8], done: Callback, internal: bool) {
+        match self.prepare(name.clone(), spec, input, internal) {
+            Ok(mut op) => {
+                let inner = self.inner.clone();
+                self.inner.runtime.spawn(async move {
+                    let r = op.run(&inner).await;
+                    inner.transport.retire(op.tag);
+                    lock(&inner.tombstones).insert(op.tag, op.digest, op.spec);
+                    lock(&inner.names).end(op.tag.op);
+                    if let Err(e) = &r {
+                        op.notify_failure(&inner, e);
+                    }
+                    done(r);
+                });
+            }
+            Err(e) => done(Err(e)),
+        }
+    }
+
+    fn prepare(
+        &self,
+        name: Arc<str>,
+        spec: OpSpec,
+        input: &[u8],
+        internal: bool,
+    ) -> Result<RunningOp, CollectiveError> {
+        let n = self.size();
+        let me = self.rank();
+        let invalid = |reason: String| CollectiveError::InvalidArgument {
+            name: name.clone(),
+            reason,
+        };
+        if !internal {
+            check_name(&name).map_err(invalid)?;
+        }
+        spec.validate(n).map_err(invalid)?;
+        let want = spec.input_len(n).expect("validated");
+        if input.len() != want {
+            return Err(invalid(format!(
+                "{} needs {want} input bytes, got {}",
+                spec.describe(),
+                input.len()
+            )));
+        }
+        let bytes = spec.block_bytes().expect("validated");
+        let root = spec.kind.root();
+        let topo = self.topology(root, bytes);
+        let digest = spec.digest(&topo).short();
+        let plan = build(&PlanInput {
+            spec: &spec,
+            me,
+            size: n,
+            chunk_bytes: self.inner.config.chunk_bytes,
+            topology: &|r| self.topology(r, bytes),
+        })
+        .map_err(invalid)?;
+        let (op, seq) = lock(&self.inner.names).begin(&name)?;
+        Ok(RunningOp {
+            name,
+            spec,
+            tag: OpTag {
+                epoch: self.epoch(),
+                op,
+                seq,
+            },
+            digest,
+            work: spec.init_work(input, me, n),
+            plan,
+            remote_abort: false,
+        })
+    }
+
+    /// Stops the transport: ops in flight and later fail.
+    pub fn shutdown(&self) {
+        self.inner.transport.shutdown();
+    }
+}
+
+/// One op in flight: its plan, buffer and identity.
+struct RunningOp {
+    name: Arc<str>,
+    spec: OpSpec,
+    tag: OpTag,
+    digest: u32,
+    work: Vec<u8>,
+    plan: Plan,
+    /// The op failed because a peer said so (not to be echoed back).
+    remote_abort: bool,
+}
+
+type SendResult = Result<(), (Rank, TransportError)>;
+
+impl RunningOp {
+    async fn run<T: Transport>(&mut self, inner: &Inner<T>) -> Result<OpOutput, CollectiveError> {
+        let t = &inner.transport;
+        let (me, n) = (t.rank(), t.size());
+        let needed = self.plan.peers().clone();
+        t.check_peers(&needed)
+            .map_err(|e| self.transport_error(e))?;
+        // Aborts may come from any rank, so listen to all, and drop lost
+        // ranks this op does not need as they are reported.
+        let mut listen: PeerSet = (0..n as u32).map(Rank).filter(|&r| r != me).collect();
+        let mut sends: JoinSet<SendResult> = JoinSet::new();
+        let timeout = inner.config.op_timeout;
+        let mut deadline = Instant::now() + timeout;
+        loop {
+            while let Some(tx) = self.plan.poll_transmit() {
+                let payload = Bytes::copy_from_slice(&self.work[tx.range.clone()]);
+                self.plan.handle_sent(tx.id, &mut self.work);
+                let header = self.header(FrameKind::Data, tx.chunk, tx.step);
+                let t = t.clone();
+                sends.spawn(
+                    async move { t.send(tx.to, header, payload).await.map_err(|e| (tx.to, e)) },
+                );
+            }
+            if self.plan.is_done() {
+                break;
+            }
+            tokio::select! {
+                Some(joined) = sends.join_next(), if !sends.is_empty() => {
+                    self.check_send(joined)?;
+                }
+                r = t.recv(self.tag, &listen, deadline) => match r {
+                    Ok(frame) => {
+                        deadline = Instant::now() + timeout;
+                        self.handle_frame(inner, frame)?;
+                    }
+                    Err(TransportError::PeerLost { peer, .. }) if !needed.contains(peer) => {
+                        listen.remove(peer);
+                    }
+                    Err(TransportError::Timeout { .. }) => {
+                        return Err(CollectiveError::Timeout {
+                            name: self.name.clone(),
+                            epoch: self.tag.epoch,
+                            after: timeout,
+                            waiting: self.plan.waiting_for(),
+                        });
+                    }
+                    Err(e) => return Err(self.transport_error(e)),
+                }
+            }
+        }
+        // Complete only once every frame is handed to the transport, so a
+        // caller that shuts down after the last op loses nothing.
+        loop {
+            match tokio::time::timeout_at(deadline, sends.join_next()).await {
+                Ok(Some(joined)) => self.check_send(joined)?,
+                Ok(None) => break,
+                Err(_) => {
+                    return Err(CollectiveError::Timeout {
+                        name: self.name.clone(),
+                        epoch: self.tag.epoch,
+                        after: timeout,
+                        waiting: Vec::new(),
+                    })
+                }
+            }
+        }
+        let range = self.spec.output_range(me, n);
+        if let (Some(ReduceOp::Avg), Some(r)) = (self.spec.kind.reduce_op(), &range) {
+            scale_down(self.spec.dtype, &mut self.work[r.clone()], n);
+        }
+        Ok(OpOutput {
+            work: std::mem::take(&mut self.work),
+            range,
+        })
+    }
+
+    fn header(&self, kind: FrameKind, chunk: u32, step: u16) -> Header {
+        Header {
+            kind,
+            tag: self.tag,
+            chunk,
+            step,
+            digest: self.digest,
+            len: 0,
+        }
+    }
+
+    fn check_send(
+        &self,
+        joined: Result<SendResult, tokio::task::JoinError>,
+    ) -> Result<(), CollectiveError> {
+        match joined {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err((_, e))) => Err(self.transport_error(e)),
+            Err(e) => Err(CollectiveError::Transport {
+                name: self.name.clone(),
+                epoch: self.tag.epoch,
+                source: TransportError::Handshake {
+                    peer: None,
+                    addr: String::new(),
+                    reason: format!("send task failed: {e}"),
+                },
+            }),
+        }
+    }
+
+    fn transport_error(&self, e: TransportError) -> CollectiveError {
+        match e {
+            TransportError::PeerLost { peer, .. } => CollectiveError::PeerLost {
+                name: self.name.clone(),
+                epoch: self.tag.epoch,
+                peer,
+                source: e,
+            },
+            TransportError::Closed => CollectiveError::Closed,
+            e => CollectiveError::Transport {
+                name: self.name.clone(),
+                epoch: self.tag.epoch,
+                source: e,
+            },
+        }
+    }
+
+    fn handle_frame<T: Transport>(
+        &mut self,
+        inner: &Inner<T>,
+        f: Frame,
+    ) -> Result<(), CollectiveError> {
+        let me = inner.transport.rank();
+        match f.header.kind {
+            FrameKind::Abort => Err(match Abort::decode(&f.payload) {
+                Ok(a) => {
+                    self.remote_abort = true;
+                    a.to_error(&self.name, self.tag.epoch, me, &self.spec)
+                }
+                Err(why) => CollectiveError::Protocol {
+                    name: self.name.clone(),
+                    epoch: self.tag.epoch,
+                    peer: f.from,
+                    reason: format!("malformed abort frame: {why}"),
+                },
+            }),
+            FrameKind::Data if f.header.digest != self.digest => {
+                Err(CollectiveError::Mismatch {
+                    name: self.name.clone(),
+                    epoch: self.tag.epoch,
+                    ranks: vec![me, f.from],
+                    detail: format!(
+                        "rank {} sent a frame for a different op spec (digest {:08x}); rank {} has {} (digest {:08x})",
+                        f.from.0, f.header.digest, me.0, self.spec.describe(), self.digest
+                    ),
+                })
+            }
+            FrameKind::Data => {
+                let (chunk, step) = (f.header.chunk, f.header.step);
+                self.plan
+                    .handle_frame(f.from, chunk, step, f.payload, &mut self.work)
+                    .map_err(|e| CollectiveError::Protocol {
+                            name: self.name.clone(),
+                            epoch: self.tag.epoch,
+                            peer: f.from,
+                            reason: e.to_string(),
+                    })
+            }
+        }
+    }
+
+    /// Tells every other rank that this op failed here and why, so none
+    /// waits for its deadline. Errors that came from a peer's abort are not
+    /// echoed; local-only errors (invalid arguments, shutdown) concern no one
+    /// else.
+    fn notify_failure<T: Transport>(&self, inner: &Inner<T>, e: &CollectiveError) {
+        let me = inner.transport.rank();
+        if self.remote_abort {
+            return;
+        }
+        let (reason, offender) = match e {
+            CollectiveError::Mismatch { ranks, .. } => {
+                (AbortReason::Mismatch, ranks.get(1).copied().unwrap_or(me))
+            }
+            CollectiveError::Protocol { peer, .. } => (AbortReason::Protocol, *peer),
+            CollectiveError::PeerLost { peer, .. } => (AbortReason::PeerLost, *peer),
+            CollectiveError::Timeout { waiting, .. } => {
+                (AbortReason::Timeout, waiting.first().copied().unwrap_or(me))
+            }
+            _ => return,
+        };
+        let abort = Abort::new(reason, me, offender, &self.spec);
+        send_aborts(inner, self.tag, self.digest, &abort);
+    }
+}
+
+/// Sends `abort` for op `tag` to every other rank. Best effort: the local
+/// error stands either way; each send is bounded by the op timeout.
+fn send_aborts<T: Transport>(inner: &Inner<T>, tag: OpTag, digest: u32, abort: &Abort) {
+    let t = &inner.transport;
+    let me = t.rank();
+    let payload = abort.encode();
+    let header = Header {
+        kind: FrameKind::Abort,
+        tag,
+        chunk: 0,
+        step: 0,
+        digest,
+        len: 0,
+    };
+    for r in (0..t.size() as u32).map(Rank).filter(|&r| r != me) {
+        if t.check_peers(&[r].into_iter().collect()).is_err() {
+            continue;
+        }
+        let t = t.clone();
+        let payload = payload.clone();
+        let budget = inner.config.op_timeout;
+        inner.runtime.spawn(async move {
+            let _ = tokio::time::timeout(budget, t.send(r, header, payload)).await;
+        });
+    }
+}
+
+/// Reads strays (frames of finished ops) and tells every rank when one
+/// reveals a disagreeing peer. Ends when the session is dropped or the
+/// transport closes.
+async fn watch_strays<T: Transport>(weak: std::sync::Weak<Inner<T>>) {
+    loop {
+        let Some(inner) = weak.upgrade() else { return };
+        let t = inner.transport.clone();
+        drop(inner);
+        // Wake up now and then to notice that the session is gone.
+        let f = match t
+            .recv_stray(Instant::now() + Duration::from_millis(500))
+            .await
+        {
+            Ok(f) => f,
+            Err(TransportError::Timeout { .. }) => continue,
+            Err(_) => return,
+        };
+        if f.header.kind != FrameKind::Data {
+            continue;
+        }
+        let Some(inner) = weak.upgrade() else { return };
+        let tomb = lock(&inner.tombstones).map.get(&f.header.tag).copied();
+        if let Some((digest, spec)) = tomb {
+            if f.header.digest != digest {
+                let abort = Abort::new(AbortReason::Mismatch, t.rank(), f.from, &spec);
+                send_aborts(&inner, f.header.tag, digest, &abort);
+            }
+        }
+    }
+}

@@ -1,0 +1,253 @@
+//! What an op is: its kind, element type, count, and the buffer layout it
+//! works in.
+
+use std::ops::Range;
+
+use kungfu_topology::{Digest, Rank, Root, Topology};
+
+use crate::{DType, ReduceOp};
+
+/// The collectives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OpKind {
+    /// Every rank gets the reduction of every rank's `count` elements.
+    Allreduce(ReduceOp),
+    /// The root gets the reduction.
+    Reduce { op: ReduceOp, root: Rank },
+    /// Every rank gets the root's `count` elements.
+    Broadcast { root: Rank },
+    /// Every rank gets the `count` elements of every rank, in rank order.
+    Allgather,
+    /// The root gets the `count` elements of every rank, in rank order.
+    Gather { root: Rank },
+    /// Each rank gives `size * count` elements; rank `r` gets the reduction
+    /// of block `r` (`count` elements).
+    ReduceScatter(ReduceOp),
+    /// Each rank gives `size` blocks of `count`; rank `r` gets block `r` of
+    /// every rank, in rank order.
+    Alltoall,
+}
+
+impl OpKind {
+    pub fn name(&self) -> &'static str {
+        match self {
+            OpKind::Allreduce(_) => "allreduce",
+            OpKind::Reduce { .. } => "reduce",
+            OpKind::Broadcast { .. } => "broadcast",
+            OpKind::Allgather => "allgather",
+            OpKind::Gather { .. } => "gather",
+            OpKind::ReduceScatter(_) => "reduce-scatter",
+            OpKind::Alltoall => "alltoall",
+        }
+    }
+
+    /// The kind's number on the wire.
+    pub(crate) fn code(&self) -> u8 {
+        match self {
+            OpKind::Allreduce(_) => 1,
+            OpKind::Reduce { .. } => 2,
+            OpKind::Broadcast { .. } => 3,
+            OpKind::Allgather => 4,
+            OpKind::Gather { .. } => 5,
+            OpKind::ReduceScatter(_) => 6,
+            OpKind::Alltoall => 7,
+        }
+    }
+
+    pub fn reduce_op(&self) -> Option<ReduceOp> {
+        match *self {
+            OpKind::Allreduce(op) | OpKind::ReduceScatter(op) | OpKind::Reduce { op, .. } => {
+                Some(op)
+            }
+            _ => None,
+        }
+    }
+
+    pub fn root(&self) -> Root {
+        match *self {
+            OpKind::Reduce { root, .. } | OpKind::Broadcast { root } | OpKind::Gather { root } => {
+                Root::At(root)
+            }
+            _ => Root::Any,
+        }
+    }
+}
+
+/// One op as every rank must agree on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct OpSpec {
+    pub kind: OpKind,
+    pub dtype: DType,
+    /// Elements per rank (per block for the block-wise ops).
+    pub count: usize,
+}
+
+impl OpSpec {
+    /// Checks the spec against a cluster of `size` ranks.
+    pub fn validate(&self, size: usize) -> Result<(), String> {
+        if let Some(op) = self.kind.reduce_op() {
+            if !op.supports(self.dtype) {
+                return Err(format!(
+                    "{op} is only defined for floating-point types, not {}",
+                    self.dtype
+                ));
+            }
+        }
+        if let Root::At(r) = self.kind.root() {
+            if r.idx() >= size {
+                return Err(format!("root {} outside a cluster of {size}", r.0));
+            }
+        }
+        self.work_len(size)
+            .map(|_| ())
+            .ok_or_else(|| format!("count {} overflows the address space", self.count))
+    }
+
+    /// Bytes of one rank's contribution (`count` elements).
+    pub fn block_bytes(&self) -> Option<usize> {
+        self.count.checked_mul(self.dtype.size())
+    }
+
+    /// Bytes the caller passes in.
+    pub fn input_len(&self, size: usize) -> Option<usize> {
+        let b = self.block_bytes()?;
+        match self.kind {
+            OpKind::ReduceScatter(_) | OpKind::Alltoall => b.checked_mul(size),
+            _ => Some(b),
+        }
+    }
+
+    /// Bytes of the working buffer a plan runs in.
+    pub fn work_len(&self, size: usize) -> Option<usize> {
+        let b = self.block_bytes()?;
+        match self.kind {
+            OpKind::Allreduce(_) | OpKind::Reduce { .. } | OpKind::Broadcast { .. } => Some(b),
+            OpKind::Allgather | OpKind::Gather { .. } | OpKind::ReduceScatter(_) => {
+                b.checked_mul(size)
+            }
+            OpKind::Alltoall => b.checked_mul(size)?.checked_mul(2),
+        }
+    }
+
+    /// Builds the working buffer of rank `me` from its input (which must be
+    /// [`OpSpec::input_len`] bytes).
+    pub fn init_work(&self, input: &[u8], me: Rank, size: usize) -> Vec<u8> {
+        let b = self.block_bytes().expect("validated");
+        let mut work = vec![0u8; self.work_len(size).expect("validated")];
+        match self.kind {
+            OpKind::Allreduce(_) | OpKind::Reduce { .. } | OpKind::ReduceScatter(_) => {
+                work.copy_from_slice(input)
+            }
+            OpKind::Broadcast { root } => {
+                if root == me {
+                    work.copy_from_slice(input)
+                }
+            }
+            OpKind::Allgather | OpKind::Gather { .. } => {
+                work[me.idx() * b..(me.idx() + 1) * b].copy_from_slice(input)
+            }
+            OpKind::Alltoall => {
+                let half = b * size;
+                work[..half].copy_from_slice(input);
+                let mine = me.idx() * b..(me.idx() + 1) * b;
+                work.copy_within(mine.clone(), half + mine.start);
+            }
+        }
+        work
+    }
+
+    /// Where rank `me`'s result lies in its working buffer; `None` where the
+    /// rank gets no result (non-roots of reduce and gather).
+    pub fn output_range(&self, me: Rank, size: usize) -> Option<Range<usize>> {
+        let b = self.block_bytes().expect("validated");
+        let w = self.work_len(size).expect("validated");
+        match self.kind {
+            OpKind::Allreduce(_) | OpKind::Broadcast { .. } | OpKind::Allgather => Some(0..w),
+            OpKind::Reduce { root, .. } | OpKind::Gather { root } => (root == me).then_some(0..w),
+            OpKind::ReduceScatter(_) => Some(me.idx() * b..(me.idx() + 1) * b),
+            OpKind::Alltoall => Some(w / 2..w),
+        }
+    }
+
+    /// A digest of everything ranks must agree on, including the topology
+    /// the op runs on.
+    pub fn digest(&self, topology: &Topology) -> Digest {
+        let (op, root) = (
+            self.kind.reduce_op().map_or(0, |o| o as u64),
+            match self.kind.root() {
+                Root::At(r) => u64::from(r.0) + 1,
+                Root::Any => 0,
+            },
+        );
+        Digest::EMPTY
+            .u64(u64::from(self.kind.code()))
+            .u64(op)
+            .u64(root)
+            .u64(self.dtype as u64)
+            .u64(self.count as u64)
+            .u64(topology.digest().0)
+    }
+
+    /// A one-line description for error messages.
+    pub fn describe(&self) -> String {
+        let mut s = format!("{} {} count={}", self.kind.name(), self.dtype, self.count);
+        if let Some(op) = self.kind.reduce_op() {
+            s.push_str(&format!(" op={op}"));
+        }
+        if let Root::At(r) = self.kind.root() {
+            s.push_str(&format!(" root={}", r.0));
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts() {
+        let n = 3;
+        let s = OpSpec {
+            kind: OpKind::Alltoall,
+            dtype: DType::U16,
+            count: 2,
+        };
+        assert_eq!(s.input_len(n), Some(12));
+        let input: Vec<u8> = (0..12).collect();
+        let w = s.init_work(&input, Rank(1), n);
+        assert_eq!(w.len(), 24);
+        assert_eq!(&w[12 + 4..12 + 8], &input[4..8]);
+        assert_eq!(s.output_range(Rank(1), n), Some(12..24));
+
+        let g = OpSpec {
+            kind: OpKind::Gather { root: Rank(2) },
+            dtype: DType::F32,
+            count: 1,
+        };
+        assert_eq!(g.output_range(Rank(0), n), None);
+        assert_eq!(g.output_range(Rank(2), n), Some(0..12));
+    }
+
+    #[test]
+    fn validation() {
+        let bad = OpSpec {
+            kind: OpKind::Allreduce(ReduceOp::Avg),
+            dtype: DType::I32,
+            count: 1,
+        };
+        assert!(bad.validate(2).is_err());
+        let root = OpSpec {
+            kind: OpKind::Broadcast { root: Rank(4) },
+            dtype: DType::I32,
+            count: 1,
+        };
+        assert!(root.validate(4).is_err());
+        let huge = OpSpec {
+            kind: OpKind::Allgather,
+            dtype: DType::F64,
+            count: usize::MAX / 4,
+        };
+        assert!(huge.validate(2).is_err());
+    }
+}
