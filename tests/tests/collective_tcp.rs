@@ -1,0 +1,119 @@
+//! The collectives over real TCP on loopback, 4 ranks in one process.
+
+use std::time::Duration;
+
+use kungfu_collectives::{CollectiveError, ReduceOp, Session, SessionConfig};
+use kungfu_tests::tcp_cluster;
+use kungfu_topology::{Rank, Strategy};
+use kungfu_transport::tcp::TcpTransport;
+use kungfu_transport::Transport;
+
+async fn sessions(n: usize, strategy: Strategy, chunk_bytes: usize) -> Vec<Session<TcpTransport>> {
+    let (ts, peers) = tcp_cluster(n, 0x5eed).await;
+    ts.into_iter()
+        .map(|t| {
+            let cfg = SessionConfig {
+                strategy,
+                chunk_bytes,
+                op_timeout: Duration::from_secs(30),
+            };
+            Session::new(t, peers.clone(), cfg).unwrap()
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_op_every_strategy_over_tcp() {
+    let n = 4;
+    for strategy in Strategy::ALL {
+        let ss = sessions(n, strategy, 4096).await;
+        let mut tasks = Vec::new();
+        for s in ss {
+            tasks.push(tokio::spawn(async move {
+                let r = s.rank().0 as usize;
+                let big: Vec<f32> = (0..100_003).map(|i| ((i + r) % 7) as f32).collect();
+                let x: Vec<i32> = (0..12).map(|i| (r * 100 + i) as i32).collect();
+                let ar = s.allreduce("big", &big, ReduceOp::Sum);
+                let avg = s.allreduce("avg", &[r as f64 * 4.0; 3], ReduceOp::Avg);
+                let red = s.reduce("red", &x, ReduceOp::Max, Rank(1));
+                let bc = s.broadcast("bc", &x, Rank(3));
+                let ag = s.allgather("ag", &x[..2]);
+                let ga = s.gather("ga", &x[..2], Rank(0));
+                let rs = s.reduce_scatter("rs", &x[..8], ReduceOp::Sum);
+                let a2a = s.alltoall("a2a", &x[..4]);
+                let cons = s.consensus("cons", b"same");
+                let want_big: Vec<f32> = (0..100_003)
+                    .map(|i| (0..4).map(|q| ((i + q) % 7) as f32).sum())
+                    .collect();
+                assert_eq!(ar.await.unwrap(), want_big);
+                assert_eq!(avg.await.unwrap(), vec![6.0; 3]);
+                let red = red.await.unwrap();
+                if r == 1 {
+                    assert_eq!(red, (0..12).map(|i| 300 + i).collect::<Vec<i32>>());
+                } else {
+                    assert!(red.is_empty());
+                }
+                assert_eq!(
+                    bc.await.unwrap(),
+                    (0..12).map(|i| 300 + i).collect::<Vec<i32>>()
+                );
+                let ag_want: Vec<i32> = (0..4).flat_map(|q| [q * 100, q * 100 + 1]).collect();
+                assert_eq!(ag.await.unwrap(), ag_want);
+                let ga = ga.await.unwrap();
+                if r == 0 {
+                    assert_eq!(ga, ag_want);
+                } else {
+                    assert!(ga.is_empty());
+                }
+                let b = 2 * r as i32;
+                assert_eq!(rs.await.unwrap(), vec![600 + 4 * b, 600 + 4 * (b + 1)]);
+                assert_eq!(
+                    a2a.await.unwrap(),
+                    (0..4).map(|q| q * 100 + r as i32).collect::<Vec<_>>()
+                );
+                assert!(cons.await.unwrap());
+                s.barrier("end").await.unwrap();
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap_or_else(|e| panic!("{strategy}: {e}"));
+        }
+    }
+}
+
+/// A rank whose transport goes away in the middle of a stream of
+/// allreduces: the others fail with an error naming it, within seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_rank_fails_the_others_fast() {
+    let ss = sessions(4, Strategy::Ring, 1 << 16).await;
+    let victim = ss[3].clone();
+    let mut tasks = Vec::new();
+    for s in ss.into_iter().take(3) {
+        tasks.push(tokio::spawn(async move {
+            for i in 0.. {
+                if let Err(e) = s
+                    .allreduce(&format!("step{i}"), &[1.0f32; 4096], ReduceOp::Sum)
+                    .await
+                {
+                    return e;
+                }
+            }
+            unreachable!()
+        }));
+    }
+    for i in 0..5 {
+        victim
+            .allreduce(&format!("step{i}"), &[1.0f32; 4096], ReduceOp::Sum)
+            .await
+            .unwrap();
+    }
+    let started = std::time::Instant::now();
+    victim.transport().shutdown();
+    for t in tasks {
+        match t.await.unwrap() {
+            CollectiveError::PeerLost { peer, .. } => assert_eq!(peer, Rank(3)),
+            other => panic!("{other}"),
+        }
+    }
+    assert!(started.elapsed() < Duration::from_secs(10));
+}

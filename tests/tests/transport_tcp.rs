@@ -1,0 +1,226 @@
+//! The TCP transport on loopback: handshake refusals, hostile frames, and
+//! lost peers.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use kungfu_tests::{bind_loopback, tcp_cluster};
+use kungfu_topology::Rank;
+use kungfu_transport::tcp::{TcpConfig, TcpTransport};
+use kungfu_transport::{
+    Epoch, FrameKind, Header, Instant, OpId, OpTag, PeerSet, Transport, TransportError,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+fn tag(epoch: u32, op: u64) -> OpTag {
+    OpTag {
+        epoch: Epoch(epoch),
+        op: OpId(op),
+        seq: 0,
+    }
+}
+
+fn data(t: OpTag, len: usize) -> Header {
+    Header {
+        kind: FrameKind::Data,
+        tag: t,
+        chunk: 0,
+        step: 0,
+        digest: 0,
+        len: len as u64,
+    }
+}
+
+fn soon() -> Instant {
+    Instant::now() + Duration::from_secs(10)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_flow_both_ways_in_any_order() {
+    let (ts, _) = tcp_cluster(3, 7).await;
+    let all = PeerSet::all(3);
+    // many ops interleaved, received in the reverse order of sending
+    for op in 0..50u64 {
+        for from in 0..3usize {
+            let to = (from + 1) % 3;
+            let payload = Bytes::from(vec![op as u8; (op as usize) * 1000]);
+            ts[from]
+                .send(Rank(to as u32), data(tag(0, op), 0), payload)
+                .await
+                .unwrap();
+        }
+    }
+    for op in (0..50u64).rev() {
+        for t in &ts {
+            let f = t.recv(tag(0, op), &all, soon()).await.unwrap();
+            assert_eq!(f.payload.len(), op as usize * 1000);
+            assert!(f.payload.iter().all(|&b| b == op as u8));
+            assert_eq!(f.header.len, f.payload.len() as u64);
+        }
+    }
+}
+
+/// Endpoints of another job (cluster id) or another epoch are refused,
+/// with an error that says what differs, on both sides.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handshake_mismatches_are_refused() {
+    for (what, id1, epoch1, expect) in [
+        ("cluster", 0xbad, 0, "cluster id differs"),
+        ("epoch", 0x600d, 3, "epoch differs"),
+    ] {
+        let (ls, peers) = bind_loopback(2).await;
+        let mut ls = ls.into_iter();
+        let mut c0 = TcpConfig::new(0x600d, Epoch(0), Rank(0), peers.clone());
+        c0.connect_timeout = Duration::from_millis(1500);
+        let mut c1 = TcpConfig::new(id1, Epoch(epoch1), Rank(1), peers.clone());
+        c1.connect_timeout = Duration::from_millis(1500);
+        let a = tokio::spawn(TcpTransport::connect(c0, ls.next().unwrap()));
+        let b = tokio::spawn(TcpTransport::connect(c1, ls.next().unwrap()));
+        let eb = b.await.unwrap().err().expect("dialer refused");
+        assert!(eb.to_string().contains(expect), "{what}: {eb}");
+        assert!(
+            matches!(
+                eb,
+                TransportError::Handshake {
+                    peer: Some(Rank(0)),
+                    ..
+                }
+            ),
+            "{eb:?}"
+        );
+        let ea = a.await.unwrap().err().expect("acceptor gives up");
+        assert!(
+            ea.to_string().contains("ranks [1] did not connect"),
+            "{what}: {ea}"
+        );
+        assert!(ea.to_string().contains("refused"), "{what}: {ea}");
+    }
+}
+
+/// Speaks the handshake as rank 1 of a 2-rank cluster whose rank 0 is a
+/// real endpoint, and returns the raw stream.
+async fn hostile_peer(epoch: u32, max_frame: usize) -> (std::sync::Arc<TcpTransport>, TcpStream) {
+    let (mut ls, peers) = bind_loopback(2).await;
+    let mut cfg = TcpConfig::new(1, Epoch(epoch), Rank(0), peers.clone());
+    cfg.max_frame = max_frame;
+    cfg.connect_timeout = Duration::from_secs(10);
+    let l0 = ls.remove(0);
+    let server = tokio::spawn(TcpTransport::connect(cfg, l0));
+    let p0 = peers.peer(Rank(0)).unwrap().clone();
+    let mut s = TcpStream::connect((p0.host.as_str(), p0.port))
+        .await
+        .unwrap();
+    let mut hello = [0u8; 32];
+    hello[0..2].copy_from_slice(b"KH");
+    hello[2] = 1;
+    hello[3] = 1;
+    hello[4..8].copy_from_slice(&1u32.to_le_bytes());
+    hello[8..12].copy_from_slice(&0u32.to_le_bytes());
+    hello[12..16].copy_from_slice(&epoch.to_le_bytes());
+    hello[16..24].copy_from_slice(&1u64.to_le_bytes());
+    hello[24..32].copy_from_slice(&peers.digest().0.to_le_bytes());
+    s.write_all(&hello).await.unwrap();
+    let mut ack = [0u8; 24];
+    s.read_exact(&mut ack).await.unwrap();
+    assert_eq!(ack[4], 0, "hello accepted");
+    (server.await.unwrap().unwrap(), s)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_header_loses_the_peer_with_a_reason() {
+    let (t, mut s) = hostile_peer(0, 1 << 20).await;
+    let mut h = data(tag(0, 1), 0).encode();
+    h[0] = b'X';
+    s.write_all(&h).await.unwrap();
+    let from: PeerSet = [Rank(1)].into_iter().collect();
+    match t.recv(tag(0, 1), &from, soon()).await {
+        Err(TransportError::PeerLost { peer, reason }) => {
+            assert_eq!(peer, Rank(1));
+            assert!(reason.contains("protocol violation: bad magic"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // sends to the lost peer fail too
+    let r = t.send(Rank(1), data(tag(0, 2), 0), Bytes::new()).await;
+    assert!(matches!(r, Err(TransportError::PeerLost { .. })), "{r:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_frame_is_refused_before_allocation() {
+    let (t, mut s) = hostile_peer(0, 1 << 20).await;
+    // claims a 1 TiB payload; nothing of it follows
+    let h = data(tag(0, 1), 1 << 40).encode();
+    s.write_all(&h).await.unwrap();
+    let from: PeerSet = [Rank(1)].into_iter().collect();
+    match t.recv(tag(0, 1), &from, soon()).await {
+        Err(TransportError::PeerLost { reason, .. }) => {
+            assert!(reason.contains("exceeds the limit"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_epoch_frames_are_refused_and_the_stream_goes_on() {
+    let (t, mut s) = hostile_peer(4, 1 << 20).await;
+    let mut wire = Vec::new();
+    wire.extend_from_slice(&data(tag(3, 1), 3).encode());
+    wire.extend_from_slice(b"old");
+    wire.extend_from_slice(&data(tag(4, 1), 3).encode());
+    wire.extend_from_slice(b"new");
+    s.write_all(&wire).await.unwrap();
+    let from: PeerSet = [Rank(1)].into_iter().collect();
+    let f = t.recv(tag(4, 1), &from, soon()).await.unwrap();
+    assert_eq!(&f.payload[..], b"new");
+    let (count, last) = t.refusals();
+    assert_eq!(count, 1);
+    assert!(
+        matches!(
+            last,
+            Some(TransportError::StaleEpoch {
+                frame: Epoch(3),
+                current: Epoch(4),
+                ..
+            })
+        ),
+        "{last:?}"
+    );
+    // the old frame was not queued under its own tag either
+    let r = t
+        .recv(tag(3, 1), &from, Instant::now() + Duration::from_millis(50))
+        .await;
+    assert!(matches!(r, Err(TransportError::Timeout { .. })), "{r:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_endpoint_is_lost_to_the_others() {
+    let (ts, _) = tcp_cluster(3, 9).await;
+    let all = PeerSet::all(3);
+    let waiter = {
+        let t = ts[0].clone();
+        let all = all.clone();
+        tokio::spawn(async move { t.recv(tag(0, 5), &all, soon()).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let started = std::time::Instant::now();
+    ts[2].shutdown();
+    match waiter.await.unwrap() {
+        Err(TransportError::PeerLost { peer, reason }) => {
+            assert_eq!(peer, Rank(2));
+            assert!(reason.contains("closed"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(5));
+    // ranks 0 and 1 still talk
+    ts[1]
+        .send(Rank(0), data(tag(0, 6), 0), Bytes::from_static(b"ok"))
+        .await
+        .unwrap();
+    let only1: PeerSet = [Rank(1)].into_iter().collect();
+    assert_eq!(
+        &ts[0].recv(tag(0, 6), &only1, soon()).await.unwrap().payload[..],
+        b"ok"
+    );
+}
