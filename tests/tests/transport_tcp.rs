@@ -42,11 +42,10 @@ async fn frames_flow_both_ways_in_any_order() {
     let all = PeerSet::all(3);
     // many ops interleaved, received in the reverse order of sending
     for op in 0..50u64 {
-        for from in 0..3usize {
+        for (from, t) in ts.iter().enumerate() {
             let to = (from + 1) % 3;
             let payload = Bytes::from(vec![op as u8; (op as usize) * 1000]);
-            ts[from]
-                .send(Rank(to as u32), data(tag(0, op), 0), payload)
+            t.send(Rank(to as u32), data(tag(0, op), 0), payload)
                 .await
                 .unwrap();
         }
