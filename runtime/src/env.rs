@@ -1,0 +1,393 @@
+//! What a worker learns from its environment: who it is and how to find
+//! its peers, whichever launcher started it.
+//!
+//! | launcher | identity | peers |
+//! |---|---|---|
+//! | `kungfu-run` | `KUNGFU_RANK`, `KUNGFU_SIZE`, `KUNGFU_LOCAL_RANK`, `KUNGFU_LOCAL_SIZE` | `KUNGFU_PEERS` (the full list) |
+//! | torchrun | `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | rendezvous at `MASTER_ADDR`:`MASTER_PORT`+1 |
+//! | Slurm `srun` | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID` | rendezvous on the first node of `SLURM_JOB_NODELIST` |
+//! | Open MPI `mpirun` | `OMPI_COMM_WORLD_RANK`, `_SIZE`, `_LOCAL_RANK` | rendezvous on 127.0.0.1 when all ranks share a host |
+//!
+//! `KUNGFU_RENDEZVOUS=host:port` overrides the rendezvous address for any
+//! launcher, and `KUNGFU_RENDEZVOUS_PORT` just the port. Where no port is
+//! given (Slurm, Open MPI), it is derived from the job id, so every rank of
+//! a job computes the same one.
+
+use std::time::Duration;
+
+use kungfu_topology::{fnv1a64, PeerList, Strategy};
+
+use crate::BootstrapError;
+
+/// Which launcher started this worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Launcher {
+    KungfuRun,
+    Torchrun,
+    Slurm,
+    OpenMpi,
+    /// Nothing set: a single worker.
+    Single,
+}
+
+/// How a worker finds its peers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Discovery {
+    /// The launcher gave the full peer list.
+    Peers(PeerList),
+    /// Workers register with a rendezvous server that rank 0 runs here.
+    Rendezvous { host: String, port: u16 },
+}
+
+/// Everything the runtime reads from the environment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkerEnv {
+    pub launcher: Launcher,
+    pub rank: usize,
+    pub size: usize,
+    pub discovery: Discovery,
+    pub strategy: Strategy,
+    pub transport: String,
+    /// The cluster version (the transport's epoch).
+    pub cluster_version: u32,
+    /// Set by kungfu-run; with a rendezvous, rank 0 chooses it.
+    pub cluster_id: Option<u64>,
+    pub connect_timeout: Duration,
+    pub op_timeout: Duration,
+    pub chunk_bytes: usize,
+}
+
+fn parse<T: std::str::FromStr>(var: &str, v: &str) -> Result<T, BootstrapError> {
+    v.trim().parse().map_err(|_| BootstrapError::Env {
+        var: var.to_string(),
+        reason: format!("cannot parse {v:?}"),
+    })
+}
+
+/// A port in 20000..40000 derived from a job id, the same on every rank.
+fn derived_port(job: &str) -> u16 {
+    20_000 + (fnv1a64(0xcbf2_9ce4_8422_2325, job.as_bytes()) % 20_000) as u16
+}
+
+/// The first host name of a Slurm node list such as `node[07-09,12],gpu1`.
+pub fn first_slurm_host(list: &str) -> Option<String> {
+    let list = list.trim();
+    let end = list
+        .char_indices()
+        .scan(0i32, |depth, (i, c)| {
+            match c {
+                '[' => *depth += 1,
+                ']' => *depth -= 1,
+                _ => {}
+            }
+            Some((i, c, *depth))
+        })
+        .find(|&(_, c, d)| c == ',' && d == 0)
+        .map_or(list.len(), |(i, _, _)| i);
+    let first = &list[..end];
+    match first.split_once('[') {
+        None => (!first.is_empty()).then(|| first.to_string()),
+        Some((prefix, rest)) => {
+            let inner = rest.strip_suffix(']')?;
+            let lo = inner.split([',', '-']).next()?;
+            if lo.is_empty() || !lo.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            Some(format!("{prefix}{lo}"))
+        }
+    }
+}
+
+fn rendezvous_override(
+    get: &dyn Fn(&str) -> Option<String>,
+) -> Result<Option<(String, u16)>, BootstrapError> {
+    let Some(v) = get("KUNGFU_RENDEZVOUS") else {
+        return Ok(None);
+    };
+    let (h, p) = v.rsplit_once(':').ok_or_else(|| BootstrapError::Env {
+        var: "KUNGFU_RENDEZVOUS".into(),
+        reason: format!("expected HOST:PORT, got {v:?}"),
+    })?;
+    Ok(Some((
+        h.trim_matches(['[', ']']).to_string(),
+        parse("KUNGFU_RENDEZVOUS", p)?,
+    )))
+}
+
+impl WorkerEnv {
+    /// Reads the process environment.
+    pub fn from_env() -> Result<WorkerEnv, BootstrapError> {
+        WorkerEnv::from_vars(&|k| std::env::var(k).ok())
+    }
+
+    /// Reads from `get` (a stand-in for the environment, for tests).
+    pub fn from_vars(get: &dyn Fn(&str) -> Option<String>) -> Result<WorkerEnv, BootstrapError> {
+        let need = |k: &str| {
+            get(k).ok_or_else(|| BootstrapError::Env {
+                var: k.into(),
+                reason: "not set".into(),
+            })
+        };
+        let num = |k: &str| -> Result<usize, BootstrapError> { parse(k, &need(k)?) };
+        let port_override = get("KUNGFU_RENDEZVOUS_PORT")
+            .map(|p| parse::<u16>("KUNGFU_RENDEZVOUS_PORT", &p))
+            .transpose()?;
+        let over = rendezvous_override(get)?;
+        let rdv = |host: String, port: u16| {
+            let (h, p) = over.clone().unwrap_or((host, port));
+            Discovery::Rendezvous {
+                host: h,
+                port: port_override.unwrap_or(p),
+            }
+        };
+
+        let (launcher, rank, size, discovery) = if get("KUNGFU_RANK").is_some() {
+            let peers: PeerList =
+                need("KUNGFU_PEERS")?
+                    .parse()
+                    .map_err(|e| BootstrapError::Env {
+                        var: "KUNGFU_PEERS".into(),
+                        reason: format!("{e}"),
+                    })?;
+            let (rank, size) = (num("KUNGFU_RANK")?, num("KUNGFU_SIZE")?);
+            if size != peers.len() {
+                return Err(BootstrapError::Env {
+                    var: "KUNGFU_SIZE".into(),
+                    reason: format!("{size}, but KUNGFU_PEERS lists {} peers", peers.len()),
+                });
+            }
+            (Launcher::KungfuRun, rank, size, Discovery::Peers(peers))
+        } else if get("OMPI_COMM_WORLD_RANK").is_some() {
+            let (rank, size) = (num("OMPI_COMM_WORLD_RANK")?, num("OMPI_COMM_WORLD_SIZE")?);
+            let local_size = get("OMPI_COMM_WORLD_LOCAL_SIZE")
+                .map(|v| parse::<usize>("OMPI_COMM_WORLD_LOCAL_SIZE", &v))
+                .transpose()?;
+            if over.is_none() && local_size != Some(size) {
+                return Err(BootstrapError::Env {
+                    var: "KUNGFU_RENDEZVOUS".into(),
+                    reason: "mpirun across hosts: set KUNGFU_RENDEZVOUS=HOST:PORT (a host of rank 0) and pass it with -x".into(),
+                });
+            }
+            let job = [
+                "OMPI_MCA_ess_base_jobid",
+                "OMPI_MCA_orte_ess_jobid",
+                "PMIX_NAMESPACE",
+                "OMPI_MCA_orte_hnp_uri",
+            ]
+            .iter()
+            .find_map(|k| get(k))
+            .unwrap_or_else(|| "ompi".into());
+            (
+                Launcher::OpenMpi,
+                rank,
+                size,
+                rdv("127.0.0.1".into(), derived_port(&job)),
+            )
+        } else if get("SLURM_PROCID").is_some() {
+            let (rank, size) = (num("SLURM_PROCID")?, num("SLURM_NTASKS")?);
+            let nodes = need("SLURM_JOB_NODELIST")?;
+            let host = first_slurm_host(&nodes).ok_or_else(|| BootstrapError::Env {
+                var: "SLURM_JOB_NODELIST".into(),
+                reason: format!("cannot find a first host in {nodes:?}"),
+            })?;
+            let job = get("SLURM_JOB_ID").unwrap_or_else(|| nodes.clone());
+            (Launcher::Slurm, rank, size, rdv(host, derived_port(&job)))
+        } else if get("RANK").is_some() && get("WORLD_SIZE").is_some() {
+            let (rank, size) = (num("RANK")?, num("WORLD_SIZE")?);
+            let host = need("MASTER_ADDR")?;
+            let port: u16 = parse("MASTER_PORT", &need("MASTER_PORT")?)?;
+            // torchrun's agent serves its own store on MASTER_PORT.
+            let port = port.checked_add(1).ok_or_else(|| BootstrapError::Env {
+                var: "MASTER_PORT".into(),
+                reason: "65535 leaves no port for the rendezvous; set KUNGFU_RENDEZVOUS_PORT"
+                    .into(),
+            })?;
+            (Launcher::Torchrun, rank, size, rdv(host, port))
+        } else {
+            let peers = PeerList::local(1);
+            (Launcher::Single, 0, 1, Discovery::Peers(peers))
+        };
+        if size == 0 || rank >= size {
+            return Err(BootstrapError::Env {
+                var: "rank".into(),
+                reason: format!("rank {rank} outside a cluster of {size}"),
+            });
+        }
+        if size > PeerList::MAX_SIZE {
+            return Err(BootstrapError::Env {
+                var: "size".into(),
+                reason: format!("{size} workers; at most {}", PeerList::MAX_SIZE),
+            });
+        }
+        let ms = |k: &str, default: u64| -> Result<Duration, BootstrapError> {
+            Ok(Duration::from_millis(
+                get(k).map(|v| parse(k, &v)).transpose()?.unwrap_or(default),
+            ))
+        };
+        let strategy = match get("KUNGFU_STRATEGY") {
+            Some(s) => s.parse().map_err(|e| BootstrapError::Env {
+                var: "KUNGFU_STRATEGY".into(),
+                reason: format!("{e}"),
+            })?,
+            None => Strategy::Auto,
+        };
+        let cluster_id = get("KUNGFU_CLUSTER_ID")
+            .map(|v| {
+                u64::from_str_radix(v.trim().trim_start_matches("0x"), 16).map_err(|_| {
+                    BootstrapError::Env {
+                        var: "KUNGFU_CLUSTER_ID".into(),
+                        reason: format!("expected hex, got {v:?}"),
+                    }
+                })
+            })
+            .transpose()?;
+        let chunk_bytes = get("KUNGFU_CHUNK_BYTES")
+            .map(|v| parse("KUNGFU_CHUNK_BYTES", &v))
+            .transpose()?
+            .unwrap_or(1 << 20);
+        Ok(WorkerEnv {
+            launcher,
+            rank,
+            size,
+            discovery,
+            strategy,
+            transport: get("KUNGFU_TRANSPORT").unwrap_or_else(|| "tcp".into()),
+            cluster_version: get("KUNGFU_CLUSTER_VERSION")
+                .map(|v| parse("KUNGFU_CLUSTER_VERSION", &v))
+                .transpose()?
+                .unwrap_or(0),
+            cluster_id,
+            connect_timeout: ms("KUNGFU_CONNECT_TIMEOUT_MS", 60_000)?,
+            op_timeout: ms("KUNGFU_OP_TIMEOUT_MS", 60_000)?,
+            chunk_bytes,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&str, &str)]) -> Result<WorkerEnv, BootstrapError> {
+        let m: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        WorkerEnv::from_vars(&move |k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn kungfu_run_variables() {
+        let e = env(&[
+            ("KUNGFU_RANK", "1"),
+            ("KUNGFU_SIZE", "2"),
+            ("KUNGFU_PEERS", "127.0.0.1:5000,127.0.0.1:5001"),
+            ("KUNGFU_STRATEGY", "ring"),
+            ("KUNGFU_CLUSTER_ID", "0xabc"),
+        ])
+        .unwrap();
+        assert_eq!((e.launcher, e.rank, e.size), (Launcher::KungfuRun, 1, 2));
+        assert_eq!(e.strategy, Strategy::Ring);
+        assert_eq!(e.cluster_id, Some(0xabc));
+        assert!(env(&[
+            ("KUNGFU_RANK", "1"),
+            ("KUNGFU_SIZE", "3"),
+            ("KUNGFU_PEERS", "a:1,a:2")
+        ])
+        .is_err());
+    }
+
+    #[test]
+    fn torchrun_variables() {
+        let e = env(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+            ("MASTER_ADDR", "10.1.2.3"),
+            ("MASTER_PORT", "29500"),
+        ])
+        .unwrap();
+        assert_eq!(e.launcher, Launcher::Torchrun);
+        assert_eq!(
+            e.discovery,
+            Discovery::Rendezvous {
+                host: "10.1.2.3".into(),
+                port: 29501
+            }
+        );
+        assert!(env(&[
+            ("RANK", "4"),
+            ("WORLD_SIZE", "4"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "1")
+        ])
+        .is_err());
+    }
+
+    #[test]
+    fn slurm_and_mpi_variables() {
+        let e = env(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_JOB_NODELIST", "gpu[07-09],x1"),
+            ("SLURM_JOB_ID", "77"),
+        ])
+        .unwrap();
+        match e.discovery {
+            Discovery::Rendezvous { host, port } => {
+                assert_eq!(host, "gpu07");
+                assert_eq!(port, derived_port("77"));
+            }
+            d => panic!("{d:?}"),
+        }
+        let m = env(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ("KUNGFU_RENDEZVOUS_PORT", "4444"),
+        ])
+        .unwrap();
+        assert_eq!(
+            m.discovery,
+            Discovery::Rendezvous {
+                host: "127.0.0.1".into(),
+                port: 4444
+            }
+        );
+        // across hosts, mpirun needs an explicit rendezvous
+        assert!(env(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2")
+        ])
+        .is_err());
+        let o = env(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("KUNGFU_RENDEZVOUS", "h0:99"),
+        ])
+        .unwrap();
+        assert_eq!(
+            o.discovery,
+            Discovery::Rendezvous {
+                host: "h0".into(),
+                port: 99
+            }
+        );
+    }
+
+    #[test]
+    fn nothing_set_is_a_single_worker() {
+        let e = env(&[]).unwrap();
+        assert_eq!((e.launcher, e.rank, e.size), (Launcher::Single, 0, 1));
+    }
+
+    #[test]
+    fn slurm_node_lists() {
+        assert_eq!(first_slurm_host("node1"), Some("node1".into()));
+        assert_eq!(first_slurm_host("a[001-004,9],b2"), Some("a001".into()));
+        assert_eq!(first_slurm_host("x[3],y"), Some("x3".into()));
+        assert_eq!(first_slurm_host("bad[]"), None);
+        assert_eq!(first_slurm_host(""), None);
+    }
+}

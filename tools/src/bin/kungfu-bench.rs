@@ -1,0 +1,605 @@
+//! `kungfu-bench`: the collective benchmark, in the manner of nccl-tests.
+//! Run it under kungfu-run (or any launcher the runtime understands):
+//!
+//! ```text
+//! kungfu-run -np 4 kungfu-bench allreduce -b 1K -e 64M -f 2 -n 20 -w 5 -c 1
+//! ```
+//!
+//! Rank 0 prints one row per size: `size count type redop root`, then
+//! `time algbw busbw #wrong` out of place and in place. `time` is the
+//! slowest rank's mean time per op. `algbw` = size / time; `busbw` scales
+//! it by the nccl-tests factor of the op (2(n-1)/n for allreduce, (n-1)/n
+//! for allgather, reduce-scatter and alltoall, 1 for broadcast and reduce),
+//! where `size` is the per-rank buffer for allreduce, broadcast and reduce
+//! and the whole (n-block) buffer for the others. `-c 1` checks every
+//! element of the last iteration exactly; any wrong value makes the exit
+//! status non-zero.
+
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use kungfu::{Worker, WorkerEnv};
+use kungfu_collectives::{
+    reduce_into, scale_down, DType, OpKind, OpOutput, OpSpec, ReduceOp, Session,
+};
+use kungfu_tools::plot::{svg, Series};
+use kungfu_tools::{fmt_size, parse_size};
+use kungfu_topology::{Rank, Strategy};
+use kungfu_transport::tcp::TcpTransport;
+
+const USAGE: &str = "\
+usage: kungfu-bench OP [options]     (run under kungfu-run)
+
+OP: allreduce | broadcast | allgather | reduce-scatter | reduce | alltoall
+
+  -b SIZE        smallest size in bytes (default 1K; K, M, G suffixes)
+  -e SIZE        largest size (default 64M)
+  -f FACTOR      size multiplier between rows (default 2)
+  -n ITERS       timed iterations per size (default 20)
+  -w WARMUP      untimed iterations per size (default 5)
+  -c 0|1         check every result exactly (default 1)
+  -d TYPE        float, half, bfloat16, double, int8, uint8, int32, ... (float)
+  -o OP          sum, prod, min, max, avg (default sum)
+  -r ROOT        root of broadcast and reduce (default 0)
+  --strategy S   override KUNGFU_STRATEGY
+  --json FILE    write the results as JSON (rank 0)
+  --plot FILE    draw busbw against size as SVG (rank 0)
+";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Op {
+    Allreduce,
+    Broadcast,
+    Allgather,
+    ReduceScatter,
+    Reduce,
+    Alltoall,
+}
+
+impl Op {
+    fn parse(s: &str) -> Option<Op> {
+        Some(match s {
+            "allreduce" | "all_reduce" => Op::Allreduce,
+            "broadcast" => Op::Broadcast,
+            "allgather" | "all_gather" => Op::Allgather,
+            "reduce-scatter" | "reduce_scatter" | "reducescatter" => Op::ReduceScatter,
+            "reduce" => Op::Reduce,
+            "alltoall" | "all_to_all" => Op::Alltoall,
+            _ => return None,
+        })
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Op::Allreduce => "allreduce",
+            Op::Broadcast => "broadcast",
+            Op::Allgather => "allgather",
+            Op::ReduceScatter => "reduce-scatter",
+            Op::Reduce => "reduce",
+            Op::Alltoall => "alltoall",
+        }
+    }
+
+    /// Whether `size` counts all n blocks (nccl-tests' convention).
+    fn blockwise(self) -> bool {
+        matches!(self, Op::Allgather | Op::ReduceScatter | Op::Alltoall)
+    }
+
+    fn busbw_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            Op::Allreduce => 2.0 * (n - 1.0) / n,
+            Op::Allgather | Op::ReduceScatter | Op::Alltoall => (n - 1.0) / n,
+            Op::Broadcast | Op::Reduce => 1.0,
+        }
+    }
+
+    fn rooted(self) -> bool {
+        matches!(self, Op::Broadcast | Op::Reduce)
+    }
+
+    fn reduces(self) -> bool {
+        matches!(self, Op::Allreduce | Op::ReduceScatter | Op::Reduce)
+    }
+}
+
+struct Args {
+    op: Op,
+    min: usize,
+    max: usize,
+    factor: usize,
+    iters: usize,
+    warmup: usize,
+    check: bool,
+    dtype: DType,
+    redop: ReduceOp,
+    root: usize,
+    strategy: Option<Strategy>,
+    json: Option<String>,
+    plot: Option<String>,
+}
+
+fn parse_args(a: &[String]) -> anyhow::Result<Option<Args>> {
+    if a.is_empty() || a.iter().any(|x| x == "-h" || x == "--help") {
+        return Ok(None);
+    }
+    let op = Op::parse(&a[0]).with_context(|| format!("unknown op {:?}", a[0]))?;
+    let mut r = Args {
+        op,
+        min: 1024,
+        max: 64 << 20,
+        factor: 2,
+        iters: 20,
+        warmup: 5,
+        check: true,
+        dtype: DType::F32,
+        redop: ReduceOp::Sum,
+        root: 0,
+        strategy: None,
+        json: None,
+        plot: None,
+    };
+    let mut i = 1;
+    while i < a.len() {
+        let flag = a[i].as_str();
+        let v = a
+            .get(i + 1)
+            .with_context(|| format!("{flag} needs a value"))?;
+        match flag {
+            "-b" => r.min = parse_size(v)?,
+            "-e" => r.max = parse_size(v)?,
+            "-f" => r.factor = v.parse().context("-f needs a number")?,
+            "-n" => r.iters = v.parse().context("-n needs a number")?,
+            "-w" => r.warmup = v.parse().context("-w needs a number")?,
+            "-c" => r.check = v != "0",
+            "-d" => r.dtype = DType::parse(v).with_context(|| format!("unknown type {v:?}"))?,
+            "-o" => {
+                r.redop = ReduceOp::parse(v).with_context(|| format!("unknown reduction {v:?}"))?
+            }
+            "-r" => r.root = v.parse().context("-r needs a rank")?,
+            "--strategy" => r.strategy = Some(v.parse()?),
+            "--json" => r.json = Some(v.clone()),
+            "--plot" => r.plot = Some(v.clone()),
+            _ => bail!("unknown option {flag:?}"),
+        }
+        i += 2;
+    }
+    if r.factor < 2 {
+        bail!("-f must be at least 2");
+    }
+    if r.iters == 0 {
+        bail!("-n must be at least 1");
+    }
+    if r.min > r.max {
+        bail!("-b {} is larger than -e {}", r.min, r.max);
+    }
+    if r.op.reduces() && !r.redop.supports(r.dtype) {
+        bail!("{} is not defined for {}", r.redop, r.dtype);
+    }
+    Ok(Some(r))
+}
+
+fn nccl_type(d: DType) -> &'static str {
+    match d {
+        DType::U8 => "uint8",
+        DType::I8 => "int8",
+        DType::U16 => "uint16",
+        DType::I16 => "int16",
+        DType::U32 => "uint32",
+        DType::I32 => "int32",
+        DType::U64 => "uint64",
+        DType::I64 => "int64",
+        DType::F16 => "half",
+        DType::BF16 => "bfloat16",
+        DType::F32 => "float",
+        DType::F64 => "double",
+    }
+}
+
+fn sizes(min: usize, max: usize, factor: usize, esize: usize) -> Vec<usize> {
+    let mut v = Vec::new();
+    let mut s = min;
+    if s == 0 {
+        v.push(0);
+        s = esize;
+    }
+    while s <= max {
+        v.push(s);
+        s = match s.checked_mul(factor) {
+            Some(x) => x,
+            None => break,
+        };
+    }
+    v
+}
+
+/// The exact test input of `rank`: `len` elements of small integers.
+fn input(dtype: DType, redop: ReduceOp, rank: usize, len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len * dtype.size());
+    for i in 0..len {
+        let v: u8 = if redop == ReduceOp::Prod {
+            1 + u8::from((rank + i) % 5 == 0)
+        } else {
+            ((rank + i) % 7 + 1) as u8
+        };
+        let f = f32::from(v);
+        match dtype {
+            DType::U8 | DType::I8 => out.push(v),
+            DType::U16 | DType::I16 => out.extend_from_slice(&u16::from(v).to_le_bytes()),
+            DType::U32 | DType::I32 => out.extend_from_slice(&u32::from(v).to_le_bytes()),
+            DType::U64 | DType::I64 => out.extend_from_slice(&u64::from(v).to_le_bytes()),
+            DType::F16 => out.extend_from_slice(&half::f16::from_f32(f).to_le_bytes()),
+            DType::BF16 => out.extend_from_slice(&half::bf16::from_f32(f).to_le_bytes()),
+            DType::F32 => out.extend_from_slice(&f.to_le_bytes()),
+            DType::F64 => out.extend_from_slice(&f64::from(f).to_le_bytes()),
+        }
+    }
+    out
+}
+
+/// What rank `me` must get (None: no output on this rank).
+fn expected(spec: &OpSpec, me: usize, n: usize, redop: ReduceOp) -> Option<Vec<u8>> {
+    let per = spec.input_len(n)? / spec.dtype.size();
+    let inputs: Vec<Vec<u8>> = (0..n).map(|r| input(spec.dtype, redop, r, per)).collect();
+    let b = spec.block_bytes()?;
+    let reduce_all = |op: ReduceOp, range: std::ops::Range<usize>| {
+        let mut acc = inputs[0][range.clone()].to_vec();
+        for x in &inputs[1..] {
+            reduce_into(spec.dtype, op, &mut acc, &x[range.clone()]);
+        }
+        if op == ReduceOp::Avg {
+            scale_down(spec.dtype, &mut acc, n);
+        }
+        acc
+    };
+    match spec.kind {
+        OpKind::Allreduce(op) => Some(reduce_all(op, 0..b)),
+        OpKind::Reduce { op, root } => (root.idx() == me).then(|| reduce_all(op, 0..b)),
+        OpKind::Broadcast { root } => Some(inputs[root.idx()].clone()),
+        OpKind::Allgather => Some(inputs.concat()),
+        OpKind::Gather { root } => (root.idx() == me).then(|| inputs.concat()),
+        OpKind::ReduceScatter(op) => Some(reduce_all(op, me * b..(me + 1) * b)),
+        OpKind::Alltoall => Some(
+            (0..n)
+                .flat_map(|j| inputs[j][me * b..(me + 1) * b].to_vec())
+                .collect(),
+        ),
+    }
+}
+
+fn wrong_values(spec: &OpSpec, out: &OpOutput, want: &Option<Vec<u8>>) -> u64 {
+    let e = spec.dtype.size();
+    match (out.bytes(), want) {
+        (Some(got), Some(want)) if got.len() == want.len() => got
+            .chunks_exact(e)
+            .zip(want.chunks_exact(e))
+            .filter(|(a, b)| a != b)
+            .count() as u64,
+        (None, None) => 0,
+        // a missing or mis-sized output: every expected value is wrong
+        (_, Some(want)) => (want.len() / e).max(1) as u64,
+        (Some(got), None) => (got.len() / e).max(1) as u64,
+    }
+}
+
+#[derive(Clone, Copy, Default)]
+struct Cell {
+    time_us: f64,
+    algbw: f64,
+    busbw: f64,
+    wrong: u64,
+}
+
+struct Row {
+    size: usize,
+    count: usize,
+    oop: Cell,
+    ip: Cell,
+}
+
+/// Runs `iters` ops of `spec`, in place or not; returns the mean time per
+/// op on this rank and the output of the last one.
+async fn time_ops(
+    s: &Session<TcpTransport>,
+    name: &str,
+    spec: OpSpec,
+    input: &[u8],
+    iters: usize,
+    in_place: bool,
+) -> anyhow::Result<(f64, OpOutput)> {
+    let mut buf = input.to_vec();
+    let mut last = None;
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        let out = s.submit(name, spec, &buf).await?;
+        if in_place {
+            // the result lands in the caller's buffer where shapes allow
+            if let Some(o) = out.bytes() {
+                if o.len() == buf.len() {
+                    buf.copy_from_slice(o);
+                }
+            }
+        }
+        last = Some(out);
+    }
+    let dt = t0.elapsed().as_secs_f64() / iters as f64;
+    Ok((dt, last.expect("iters >= 1")))
+}
+
+async fn measure(
+    s: &Session<TcpTransport>,
+    args: &Args,
+    spec: OpSpec,
+    in_place: bool,
+) -> anyhow::Result<(f64, u64)> {
+    let n = s.size();
+    let me = s.rank().idx();
+    let per = spec.input_len(n).context("size overflows")? / spec.dtype.size();
+    let inp = input(spec.dtype, args.redop, me, per);
+    let name = format!(
+        "bench/{}/{}",
+        args.op.name(),
+        if in_place { "ip" } else { "oop" }
+    );
+    if args.warmup > 0 {
+        time_ops(s, &name, spec, &inp, args.warmup, in_place).await?;
+    }
+    let (dt, _) = time_ops(s, &name, spec, &inp, args.iters, in_place).await?;
+    let mut wrong = 0;
+    if args.check {
+        // one fresh op from the pristine input, checked element by element
+        let out = s.submit(&name, spec, &inp).await?;
+        wrong = wrong_values(&spec, &out, &expected(&spec, me, n, args.redop));
+    }
+    // the slowest rank's time, and the wrong values of all ranks
+    let t = s.allreduce("bench/time", &[dt], ReduceOp::Max).await?[0];
+    let w = s.allreduce("bench/wrong", &[wrong], ReduceOp::Sum).await?[0];
+    Ok((t, w))
+}
+
+fn cell(op: Op, n: usize, size: usize, t: f64, wrong: u64) -> Cell {
+    let algbw = if t > 0.0 { size as f64 / t / 1e9 } else { 0.0 };
+    Cell {
+        time_us: t * 1e6,
+        algbw,
+        busbw: algbw * op.busbw_factor(n),
+        wrong,
+    }
+}
+
+async fn bench(args: Args) -> anyhow::Result<bool> {
+    let mut env = WorkerEnv::from_env()?;
+    if let Some(st) = args.strategy {
+        env.strategy = st;
+    }
+    let strategy = env.strategy;
+    let w = Worker::start(env).await?;
+    let s = w.session();
+    let (n, me) = (s.size(), s.rank().idx());
+    if args.op.rooted() && args.root >= n {
+        bail!("root {} outside a cluster of {n}", args.root);
+    }
+    let es = args.dtype.size();
+    let kind = match args.op {
+        Op::Allreduce => OpKind::Allreduce(args.redop),
+        Op::Broadcast => OpKind::Broadcast {
+            root: Rank(args.root as u32),
+        },
+        Op::Allgather => OpKind::Allgather,
+        Op::ReduceScatter => OpKind::ReduceScatter(args.redop),
+        Op::Reduce => OpKind::Reduce {
+            op: args.redop,
+            root: Rank(args.root as u32),
+        },
+        Op::Alltoall => OpKind::Alltoall,
+    };
+    if me == 0 {
+        println!(
+            "# kungfu-bench {}: {n} ranks, strategy {strategy}, transport {}, iters {}, warmup {}, check {}",
+            args.op.name(),
+            w.env().transport,
+            args.iters,
+            args.warmup,
+            u8::from(args.check)
+        );
+        println!("#");
+        println!("# {:>58}{:>34}", "out-of-place", "in-place");
+        println!(
+            "# {:>10} {:>12} {:>8} {:>6} {:>6} {:>9} {:>7} {:>7} {:>6} {:>9} {:>7} {:>7} {:>6}",
+            "size",
+            "count",
+            "type",
+            "redop",
+            "root",
+            "time",
+            "algbw",
+            "busbw",
+            "#wrong",
+            "time",
+            "algbw",
+            "busbw",
+            "#wrong"
+        );
+        println!(
+            "# {:>10} {:>12} {:>8} {:>6} {:>6} {:>9} {:>7} {:>7} {:>6} {:>9} {:>7} {:>7} {:>6}",
+            "(B)",
+            "(elements)",
+            "",
+            "",
+            "",
+            "(us)",
+            "(GB/s)",
+            "(GB/s)",
+            "",
+            "(us)",
+            "(GB/s)",
+            "(GB/s)",
+            ""
+        );
+    }
+    let all = sizes(args.min, args.max, args.factor, es);
+    let started = Instant::now();
+    let mut rows = Vec::new();
+    for (k, &size) in all.iter().enumerate() {
+        let total = size / es;
+        let count = if args.op.blockwise() {
+            total / n
+        } else {
+            total
+        };
+        let shown = if args.op.blockwise() {
+            count * n
+        } else {
+            count
+        };
+        if size > 0 && shown == 0 {
+            continue; // too small to give every rank an element
+        }
+        let spec = OpSpec {
+            kind,
+            dtype: args.dtype,
+            count,
+        };
+        let bytes = shown * es;
+        let (t1, w1) = measure(s, &args, spec, false).await?;
+        let (t2, w2) = measure(s, &args, spec, true).await?;
+        let row = Row {
+            size: bytes,
+            count: shown,
+            oop: cell(args.op, n, bytes, t1, w1),
+            ip: cell(args.op, n, bytes, t2, w2),
+        };
+        if me == 0 {
+            let redop = if args.op.reduces() {
+                args.redop.name()
+            } else {
+                "none"
+            };
+            let root = if args.op.rooted() {
+                args.root as i64
+            } else {
+                -1
+            };
+            println!(
+                "  {:>10} {:>12} {:>8} {:>6} {:>6} {:>9.2} {:>7.2} {:>7.2} {:>6} {:>9.2} {:>7.2} {:>7.2} {:>6}",
+                row.size, row.count, nccl_type(args.dtype), redop, root,
+                row.oop.time_us, row.oop.algbw, row.oop.busbw, row.oop.wrong,
+                row.ip.time_us, row.ip.algbw, row.ip.busbw, row.ip.wrong
+            );
+            if started.elapsed() > Duration::from_secs(2) && k + 1 < all.len() {
+                eprintln!(
+                    "kungfu-bench: {} done ({}/{} sizes, {:.0?})",
+                    fmt_size(bytes),
+                    k + 1,
+                    all.len(),
+                    started.elapsed()
+                );
+            }
+        }
+        rows.push(row);
+    }
+    let wrong: u64 = rows.iter().map(|r| r.oop.wrong + r.ip.wrong).sum();
+    if me == 0 {
+        let bw: Vec<f64> = rows.iter().map(|r| r.oop.busbw).collect();
+        let avg = if bw.is_empty() {
+            0.0
+        } else {
+            bw.iter().sum::<f64>() / bw.len() as f64
+        };
+        println!(
+            "# Out of bounds values : {wrong} {}",
+            if wrong == 0 { "OK" } else { "FAILED" }
+        );
+        println!("# Avg bus bandwidth    : {avg:.4}");
+        println!("#");
+        if let Some(path) = &args.json {
+            std::fs::write(path, json(&args, n, strategy, &rows, avg, wrong))
+                .with_context(|| format!("writing {path}"))?;
+        }
+        if let Some(path) = &args.plot {
+            let series = [
+                Series {
+                    label: "out-of-place".into(),
+                    points: rows.iter().map(|r| (r.size, r.oop.busbw)).collect(),
+                },
+                Series {
+                    label: "in-place".into(),
+                    points: rows.iter().map(|r| (r.size, r.ip.busbw)).collect(),
+                },
+            ];
+            let title = format!(
+                "kungfu-bench {} ({} ranks, {strategy}, {})",
+                args.op.name(),
+                n,
+                nccl_type(args.dtype)
+            );
+            std::fs::write(path, svg(&title, &series))
+                .with_context(|| format!("writing {path}"))?;
+        }
+    }
+    s.barrier("bench/end").await?;
+    Ok(wrong == 0)
+}
+
+fn json(args: &Args, n: usize, strategy: Strategy, rows: &[Row], avg: f64, wrong: u64) -> String {
+    let c = |c: &Cell| {
+        format!(
+            r#"{{"time_us":{:.3},"algbw_gbps":{:.6},"busbw_gbps":{:.6},"wrong":{}}}"#,
+            c.time_us, c.algbw, c.busbw, c.wrong
+        )
+    };
+    let mut o = format!(
+        r#"{{"op":"{}","ranks":{n},"strategy":"{strategy}","type":"{}","redop":"{}","iters":{},"warmup":{},"rows":["#,
+        args.op.name(),
+        nccl_type(args.dtype),
+        args.redop,
+        args.iters,
+        args.warmup
+    );
+    for (i, r) in rows.iter().enumerate() {
+        let _ = write!(
+            o,
+            r#"{}{{"size":{},"count":{},"out_of_place":{},"in_place":{}}}"#,
+            if i > 0 { "," } else { "" },
+            r.size,
+            r.count,
+            c(&r.oop),
+            c(&r.ip)
+        );
+    }
+    let _ = write!(o, r#"],"avg_busbw_gbps":{avg:.6},"wrong":{wrong}}}"#);
+    o.push('\n');
+    o
+}
+
+fn main() {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let args = match parse_args(&argv) {
+        Ok(Some(a)) => a,
+        Ok(None) => {
+            print!("{USAGE}");
+            return;
+        }
+        Err(e) => {
+            eprintln!("kungfu-bench: {e:#}\n\n{USAGE}");
+            std::process::exit(2);
+        }
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    match rt.block_on(bench(args)) {
+        Ok(true) => {}
+        Ok(false) => {
+            eprintln!("kungfu-bench: wrong values found");
+            std::process::exit(1);
+        }
+        Err(e) => {
+            eprintln!("kungfu-bench: error: {e:#}");
+            std::process::exit(1);
+        }
+    }
+}

@@ -1,0 +1,153 @@
+//! `kungfu-run`: start a KungFu-rs job.
+//!
+//! ```text
+//! kungfu-run -np N [-H host:slots,...] [--strategy S] [--transport T]
+//!            [--timeout DUR] [-x NAME=VALUE]... [--] PROGRAM ARGS...
+//! ```
+
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use kungfu_tools::launch::{run, LaunchOptions};
+use kungfu_tools::{parse_duration, parse_hosts, HostSlots};
+
+const USAGE: &str = "\
+usage: kungfu-run -np N [options] [--] PROGRAM [ARGS...]
+
+Starts N workers of PROGRAM and gives each its identity in the environment
+(KUNGFU_RANK, KUNGFU_SIZE, KUNGFU_LOCAL_RANK, KUNGFU_LOCAL_SIZE, KUNGFU_PEERS,
+KUNGFU_STRATEGY, KUNGFU_TRANSPORT, KUNGFU_CLUSTER_VERSION, KUNGFU_CLUSTER_ID).
+Each output line is prefixed with the worker's rank. If a worker fails, the
+others are stopped and kungfu-run exits non-zero, naming it.
+
+options:
+  -np N                 number of workers (required)
+  -H host:slots,...     hosts and their slots (default: 127.0.0.1:N); ranks fill
+                        hosts in order; workers on other machines start via ssh
+  --strategy S          STAR, RING, TREE, BINARY_TREE, BINARY_TREE_STAR,
+                        MULTI_BINARY_TREE_STAR, CLIQUE or AUTO (default AUTO)
+  --transport T         tcp (default)
+  --timeout DUR         stop the job after DUR (e.g. 90s, 5m); exit status 124
+  --grace DUR           after a worker fails, how long the others may take to
+                        exit by themselves before SIGTERM (default 2s)
+  --port-base P         first port on each host of a multi-machine job (38000)
+  -x NAME=VALUE         set an environment variable for every worker
+  -h, --help            this text
+";
+
+fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
+    let mut np: Option<usize> = None;
+    let mut hosts: Option<Vec<HostSlots>> = None;
+    let mut o = LaunchOptions {
+        np: 0,
+        hosts: Vec::new(),
+        strategy: None,
+        transport: "tcp".into(),
+        timeout: None,
+        port_base: 38000,
+        self_host: None,
+        cluster_id: None,
+        grace: Duration::from_secs(2),
+        env: Vec::new(),
+        program: Vec::new(),
+    };
+    let mut i = 0;
+    let value = |i: &mut usize, flag: &str| -> anyhow::Result<String> {
+        *i += 1;
+        args.get(*i)
+            .cloned()
+            .with_context(|| format!("{flag} needs a value"))
+    };
+    while i < args.len() {
+        let a = args[i].as_str();
+        match a {
+            "-h" | "--help" => return Ok(None),
+            "-np" | "-n" | "--np" => {
+                np = Some(value(&mut i, a)?.parse().context("-np needs a number")?)
+            }
+            "-H" | "--hosts" => hosts = Some(parse_hosts(&value(&mut i, a)?)?),
+            "--strategy" => {
+                let s = value(&mut i, a)?;
+                s.parse::<kungfu_topology::Strategy>()?;
+                o.strategy = Some(s);
+            }
+            "--transport" => {
+                o.transport = value(&mut i, a)?;
+                if o.transport != "tcp" {
+                    bail!(
+                        "transport {:?} is not available (this build has: tcp)",
+                        o.transport
+                    );
+                }
+            }
+            "--timeout" => o.timeout = Some(parse_duration(&value(&mut i, a)?)?),
+            "--grace" => o.grace = parse_duration(&value(&mut i, a)?)?,
+            "--port-base" => {
+                o.port_base = value(&mut i, a)?
+                    .parse()
+                    .context("--port-base needs a port")?
+            }
+            "--self" => o.self_host = Some(value(&mut i, a)?),
+            "--cluster-id" => {
+                o.cluster_id = Some(
+                    u64::from_str_radix(&value(&mut i, a)?, 16).context("--cluster-id is hex")?,
+                )
+            }
+            "-x" => {
+                let kv = value(&mut i, a)?;
+                let (k, v) = kv
+                    .split_once('=')
+                    .with_context(|| format!("-x {kv:?}: expected NAME=VALUE"))?;
+                o.env.push((k.to_string(), v.to_string()));
+            }
+            "--" => {
+                o.program = args[i + 1..].to_vec();
+                break;
+            }
+            _ if a.starts_with('-') => bail!("unknown option {a:?}"),
+            _ => {
+                o.program = args[i..].to_vec();
+                break;
+            }
+        }
+        i += 1;
+    }
+    o.np = np.context("-np is required")?;
+    o.hosts = hosts.unwrap_or_else(|| {
+        vec![HostSlots {
+            host: "127.0.0.1".into(),
+            slots: o.np,
+        }]
+    });
+    if o.program.is_empty() {
+        bail!("no program given");
+    }
+    Ok(Some(o))
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let opts = match parse_args(&args) {
+        Ok(Some(o)) => o,
+        Ok(None) => {
+            print!("{USAGE}");
+            return;
+        }
+        Err(e) => {
+            eprintln!("kungfu-run: {e:#}\n\n{USAGE}");
+            std::process::exit(2);
+        }
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    match rt.block_on(run(opts)) {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("kungfu-run: {e:#}");
+            std::process::exit(1);
+        }
+    }
+}

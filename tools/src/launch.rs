@@ -1,0 +1,332 @@
+//! The launcher behind `kungfu-run`: start the workers, relay their output
+//! with rank prefixes, forward signals, and stop everything when one worker
+//! fails or the job's time runs out.
+//!
+//! Stopping goes in three phases, each bounded: the other workers get
+//! `grace` to exit by themselves (they usually do, since their collectives
+//! fail with an error naming the lost rank, and that error is worth
+//! seeing), then SIGTERM, then SIGKILL three seconds later.
+
+use std::io::Write;
+use std::os::unix::process::ExitStatusExt;
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
+
+use anyhow::Context;
+use kungfu_topology::fnv1a64;
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, BufReader};
+use tokio::process::Command;
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use crate::{assign_ranks, is_local_host, peer_list, HostSlots};
+
+/// What `kungfu-run` was asked to do.
+#[derive(Clone, Debug)]
+pub struct LaunchOptions {
+    pub np: usize,
+    pub hosts: Vec<HostSlots>,
+    pub strategy: Option<String>,
+    pub transport: String,
+    /// Bounds the whole job.
+    pub timeout: Option<Duration>,
+    /// Ports on multi-machine layouts: `port_base + local rank`.
+    pub port_base: u16,
+    /// Set on the remote side of an ssh launch: only this host's workers.
+    pub self_host: Option<String>,
+    pub cluster_id: Option<u64>,
+    /// How long the other workers may take to exit by themselves after one
+    /// failed, before they are sent SIGTERM.
+    pub grace: Duration,
+    /// Extra `NAME=VALUE` for every worker.
+    pub env: Vec<(String, String)>,
+    pub program: Vec<String>,
+}
+
+const TERM_TO_KILL: Duration = Duration::from_secs(3);
+/// Longest line relayed at once; longer lines are split.
+const MAX_LINE: u64 = 64 * 1024;
+
+struct Proc {
+    label: String,
+    pid: Option<i32>,
+    alive: bool,
+}
+
+fn describe(status: &ExitStatus) -> (String, i32) {
+    if let Some(code) = status.code() {
+        (format!("exited with status {code}"), code)
+    } else if let Some(sig) = status.signal() {
+        let name = Signal::try_from(sig)
+            .map_or_else(|_| format!("signal {sig}"), |s| s.as_str().to_string());
+        (format!("was killed by signal {sig} ({name})"), 128 + sig)
+    } else {
+        ("ended in an unknown way".into(), 1)
+    }
+}
+
+fn shell_quote(s: &str) -> String {
+    if !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_./:=,@+".contains(&b))
+    {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+fn job_id() -> u64 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    fnv1a64(
+        fnv1a64(0xcbf2_9ce4_8422_2325, &now.to_le_bytes()),
+        &std::process::id().to_le_bytes(),
+    )
+}
+
+async fn relay<R: AsyncRead + Unpin>(pipe: R, prefix: String, to_stderr: bool) {
+    let mut r = BufReader::new(pipe);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        match (&mut r).take(MAX_LINE).read_until(b'\n', &mut line).await {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {
+                if line.last() != Some(&b'\n') {
+                    line.push(b'\n');
+                }
+                let res = if to_stderr {
+                    let mut e = std::io::stderr().lock();
+                    e.write_all(prefix.as_bytes())
+                        .and_then(|_| e.write_all(&line))
+                } else {
+                    let mut o = std::io::stdout().lock();
+                    o.write_all(prefix.as_bytes())
+                        .and_then(|_| o.write_all(&line))
+                        .and_then(|_| o.flush())
+                };
+                if res.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+fn signal_all(procs: &[Proc], sig: Signal) {
+    for p in procs.iter().filter(|p| p.alive) {
+        if let Some(pid) = p.pid {
+            // The worker leads its own process group, so its children get
+            // the signal too. It may have exited in the meantime: ignore.
+            let _ = killpg(Pid::from_raw(pid), sig);
+        }
+    }
+}
+
+/// Runs the job; returns the exit code for `kungfu-run`.
+pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
+    anyhow::ensure!(!opts.program.is_empty(), "no program to run");
+    let slots = assign_ranks(opts.np, &opts.hosts)?;
+    let all_local = opts.hosts.iter().all(|h| is_local_host(&h.host));
+    let peers = peer_list(&slots, all_local, opts.port_base)?;
+    let cluster_id = opts.cluster_id.unwrap_or_else(job_id);
+    let mine = |host: &str| match &opts.self_host {
+        Some(me) => host == me,
+        None => is_local_host(host),
+    };
+
+    let mut procs: Vec<Proc> = Vec::new();
+    let mut waits: JoinSet<(usize, std::io::Result<ExitStatus>)> = JoinSet::new();
+    let mut relays: JoinSet<()> = JoinSet::new();
+    let mut spawn = |mut cmd: Command, label: String, prefix: String| -> anyhow::Result<()> {
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().with_context(|| format!("starting {label}"))?;
+        let out = child.stdout.take().expect("piped");
+        let err = child.stderr.take().expect("piped");
+        relays.spawn(relay(out, prefix.clone(), false));
+        relays.spawn(relay(err, prefix, true));
+        let idx = procs.len();
+        procs.push(Proc {
+            label,
+            pid: child.id().map(|p| p as i32),
+            alive: true,
+        });
+        waits.spawn(async move { (idx, child.wait().await) });
+        Ok(())
+    };
+
+    let width = (opts.np - 1).to_string().len();
+    for s in slots.iter().filter(|s| mine(&s.host)) {
+        let mut cmd = Command::new(&opts.program[0]);
+        cmd.args(&opts.program[1..])
+            .env("KUNGFU_RANK", s.rank.to_string())
+            .env("KUNGFU_SIZE", opts.np.to_string())
+            .env("KUNGFU_LOCAL_RANK", s.local_rank.to_string())
+            .env("KUNGFU_LOCAL_SIZE", s.local_size.to_string())
+            .env("KUNGFU_PEERS", peers.to_string())
+            .env("KUNGFU_TRANSPORT", &opts.transport)
+            .env("KUNGFU_CLUSTER_VERSION", "0")
+            .env("KUNGFU_CLUSTER_ID", format!("{cluster_id:x}"));
+        if let Some(st) = &opts.strategy {
+            cmd.env("KUNGFU_STRATEGY", st);
+        }
+        for (k, v) in &opts.env {
+            cmd.env(k, v);
+        }
+        spawn(
+            cmd,
+            format!("rank {}", s.rank),
+            format!("[{:>width$}] ", s.rank),
+        )?;
+    }
+    if opts.self_host.is_none() {
+        // Workers of other machines: the same launcher there, through ssh.
+        let exe = std::env::current_exe().context("locating kungfu-run")?;
+        for h in opts.hosts.iter().filter(|h| !mine(&h.host)) {
+            if !slots.iter().any(|s| s.host == h.host) {
+                continue;
+            }
+            let hosts: Vec<String> = opts
+                .hosts
+                .iter()
+                .map(|h| format!("{}:{}", h.host, h.slots))
+                .collect();
+            let mut remote = vec![
+                exe.display().to_string(),
+                "--self".into(),
+                h.host.clone(),
+                "--cluster-id".into(),
+                format!("{cluster_id:x}"),
+                "-np".into(),
+                opts.np.to_string(),
+                "-H".into(),
+                hosts.join(","),
+                "--port-base".into(),
+                opts.port_base.to_string(),
+                "--transport".into(),
+                opts.transport.clone(),
+            ];
+            if let Some(st) = &opts.strategy {
+                remote.extend(["--strategy".into(), st.clone()]);
+            }
+            for (k, v) in &opts.env {
+                remote.extend(["-x".into(), format!("{k}={v}")]);
+            }
+            remote.push("--".into());
+            remote.extend(opts.program.iter().cloned());
+            let line: Vec<String> = remote.iter().map(|a| shell_quote(a)).collect();
+            let mut cmd = Command::new("ssh");
+            cmd.args(["-o", "BatchMode=yes", &h.host, &line.join(" ")]);
+            spawn(cmd, format!("ssh to {}", h.host), String::new())?;
+        }
+    }
+
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sighup = signal(SignalKind::hangup())?;
+    let job_deadline = opts.timeout.map(|d| Instant::now() + d);
+    let far = Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600);
+    // (when the next stop phase starts, the signal it sends)
+    let mut next_phase: Option<(Instant, Signal)> = None;
+    let mut exit_code: Option<i32> = None;
+    let mut remaining = procs.len();
+    let mut timed_out = false;
+
+    while remaining > 0 {
+        let phase_at = next_phase.map_or(far, |(t, _)| t);
+        tokio::select! {
+            Some(joined) = waits.join_next() => {
+                let Ok((idx, status)) = joined else { continue };
+                remaining -= 1;
+                procs[idx].alive = false;
+                let (what, code) = match status {
+                    Ok(st) => describe(&st),
+                    Err(e) => (format!("could not be waited for: {e}"), 1),
+                };
+                if code != 0 {
+                    let msg = format!("{} {what}", procs[idx].label);
+                    if exit_code.is_none() {
+                        eprintln!("kungfu-run: {msg}; stopping the other workers");
+                        exit_code = Some(code);
+                        next_phase = Some((Instant::now() + opts.grace, Signal::SIGTERM));
+                    } else {
+                        eprintln!("kungfu-run: {msg}");
+                    }
+                }
+            }
+            _ = sigint.recv() => {
+                eprintln!("kungfu-run: interrupted; forwarding SIGINT to the workers");
+                signal_all(&procs, Signal::SIGINT);
+                exit_code.get_or_insert(130);
+                next_phase = Some((Instant::now() + TERM_TO_KILL, Signal::SIGKILL));
+            }
+            _ = sigterm.recv() => {
+                eprintln!("kungfu-run: terminated; forwarding SIGTERM to the workers");
+                signal_all(&procs, Signal::SIGTERM);
+                exit_code.get_or_insert(143);
+                next_phase = Some((Instant::now() + TERM_TO_KILL, Signal::SIGKILL));
+            }
+            _ = sighup.recv() => {
+                signal_all(&procs, Signal::SIGHUP);
+                exit_code.get_or_insert(129);
+                next_phase = Some((Instant::now() + TERM_TO_KILL, Signal::SIGKILL));
+            }
+            _ = tokio::time::sleep_until(job_deadline.unwrap_or(far)), if !timed_out && job_deadline.is_some() => {
+                timed_out = true;
+                eprintln!(
+                    "kungfu-run: the job did not finish within {:?}; stopping the workers",
+                    opts.timeout.unwrap_or_default()
+                );
+                exit_code = Some(124);
+                signal_all(&procs, Signal::SIGTERM);
+                next_phase = Some((Instant::now() + TERM_TO_KILL, Signal::SIGKILL));
+            }
+            _ = tokio::time::sleep_until(phase_at), if next_phase.is_some() => {
+                let (_, sig) = next_phase.take().expect("guarded");
+                signal_all(&procs, sig);
+                if sig == Signal::SIGTERM {
+                    next_phase = Some((Instant::now() + TERM_TO_KILL, Signal::SIGKILL));
+                }
+            }
+        }
+    }
+    // Let the relays print what the workers wrote last.
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        while relays.join_next().await.is_some() {}
+    })
+    .await;
+    Ok(exit_code.unwrap_or(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quoting() {
+        assert_eq!(shell_quote("abc-1.2/x"), "abc-1.2/x");
+        assert_eq!(shell_quote("a b"), "'a b'");
+        assert_eq!(shell_quote("it's"), "'it'\\''s'");
+        assert_eq!(shell_quote(""), "''");
+    }
+
+    #[test]
+    fn statuses() {
+        assert_eq!(
+            describe(&ExitStatus::from_raw(3 << 8)),
+            ("exited with status 3".into(), 3)
+        );
+        let (what, code) = describe(&ExitStatus::from_raw(9));
+        assert_eq!(code, 137);
+        assert!(what.contains("SIGKILL"), "{what}");
+    }
+}

@@ -1,0 +1,235 @@
+//! Shared pieces of the KungFu-rs tools: argument parsing helpers and the
+//! launcher's job plan (which worker runs where, with which environment).
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use kungfu_topology::{Peer, PeerList};
+
+pub mod launch;
+pub mod plot;
+
+/// Parses `90s`, `5m`, `1h`, `250ms`, or a plain number of seconds.
+pub fn parse_duration(s: &str) -> anyhow::Result<Duration> {
+    let s = s.trim();
+    let (num, unit) = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .map_or((s, ""), |i| s.split_at(i));
+    let v: f64 = num.parse().with_context(|| format!("bad duration {s:?}"))?;
+    let secs = match unit {
+        "" | "s" => v,
+        "ms" => v / 1000.0,
+        "m" | "min" => v * 60.0,
+        "h" => v * 3600.0,
+        _ => bail!("bad duration unit in {s:?} (use ms, s, m or h)"),
+    };
+    if !secs.is_finite() || secs < 0.0 {
+        bail!("bad duration {s:?}");
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// Parses a byte size such as `1K`, `64M`, `2G` or `4096` (powers of 1024).
+pub fn parse_size(s: &str) -> anyhow::Result<usize> {
+    let s = s.trim();
+    let (num, mult) = match s.char_indices().last() {
+        Some((i, 'K' | 'k')) => (&s[..i], 1usize << 10),
+        Some((i, 'M' | 'm')) => (&s[..i], 1 << 20),
+        Some((i, 'G' | 'g')) => (&s[..i], 1 << 30),
+        _ => (s, 1),
+    };
+    let n: usize = num.parse().with_context(|| format!("bad size {s:?}"))?;
+    n.checked_mul(mult)
+        .with_context(|| format!("size {s:?} overflows"))
+}
+
+/// Formats a byte count the way the bench prints sizes.
+pub fn fmt_size(b: usize) -> String {
+    match b {
+        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{}G", b >> 30),
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{}M", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{}K", b >> 10),
+        b => format!("{b}B"),
+    }
+}
+
+/// One `-H` entry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostSlots {
+    pub host: String,
+    pub slots: usize,
+}
+
+/// Parses `host:slots,host:slots` (a host without `:slots` has one slot).
+pub fn parse_hosts(s: &str) -> anyhow::Result<Vec<HostSlots>> {
+    let mut out: Vec<HostSlots> = Vec::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (host, slots) = match part.rsplit_once(':') {
+            Some((h, n)) if !h.contains(':') || h.starts_with('[') => (
+                h.trim_matches(['[', ']']),
+                n.parse()
+                    .with_context(|| format!("bad slot count in {part:?}"))?,
+            ),
+            _ => (part, 1),
+        };
+        if host.is_empty() || slots == 0 {
+            bail!("bad host entry {part:?}");
+        }
+        if out.iter().any(|h| h.host == host) {
+            bail!("host {host} is listed twice");
+        }
+        out.push(HostSlots {
+            host: host.to_string(),
+            slots,
+        });
+    }
+    if out.is_empty() {
+        bail!("empty host list");
+    }
+    Ok(out)
+}
+
+/// Whether `host` names this machine: a loopback address (all of
+/// 127.0.0.0/8 is local on Linux), `localhost`, or this host's name.
+pub fn is_local_host(host: &str) -> bool {
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        return ip.is_loopback();
+    }
+    if host == "localhost" {
+        return true;
+    }
+    std::fs::read_to_string("/proc/sys/kernel/hostname").is_ok_and(|h| h.trim() == host)
+}
+
+/// One worker of a job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkerSlot {
+    pub rank: usize,
+    pub host: String,
+    pub local_rank: usize,
+    pub local_size: usize,
+}
+
+/// Assigns `np` ranks to hosts in order, filling each host's slots.
+pub fn assign_ranks(np: usize, hosts: &[HostSlots]) -> anyhow::Result<Vec<WorkerSlot>> {
+    let total: usize = hosts.iter().map(|h| h.slots).sum();
+    if np == 0 {
+        bail!("-np must be at least 1");
+    }
+    if np > total {
+        bail!("-np {np} exceeds the {total} slots of the host list");
+    }
+    if np > PeerList::MAX_SIZE {
+        bail!("-np {np} exceeds the maximum of {}", PeerList::MAX_SIZE);
+    }
+    let mut slots = Vec::with_capacity(np);
+    let mut per_host: BTreeMap<usize, usize> = BTreeMap::new();
+    let mut h = 0;
+    for rank in 0..np {
+        while per_host.get(&h).copied().unwrap_or(0) == hosts[h].slots {
+            h += 1;
+        }
+        let local = per_host.entry(h).or_insert(0);
+        slots.push(WorkerSlot {
+            rank,
+            host: hosts[h].host.clone(),
+            local_rank: *local,
+            local_size: 0,
+        });
+        *local += 1;
+    }
+    for s in &mut slots {
+        let h = hosts
+            .iter()
+            .position(|x| x.host == s.host)
+            .expect("own host");
+        s.local_size = per_host[&h];
+    }
+    Ok(slots)
+}
+
+/// Picks a free TCP port on `host` (a local address) by binding port 0.
+/// The port is released before the worker binds it; another process could
+/// take it in between, which the worker then reports as a bind error.
+pub fn free_port(host: &str) -> anyhow::Result<u16> {
+    let l = std::net::TcpListener::bind((host, 0)).with_context(|| format!("bind {host}:0"))?;
+    Ok(l.local_addr()?.port())
+}
+
+/// The peer list of a job: free ports when every host is this machine,
+/// otherwise `port_base + local rank` on each host (so that every host's
+/// launcher computes the same list without talking to the others).
+pub fn peer_list(
+    slots: &[WorkerSlot],
+    all_local: bool,
+    port_base: u16,
+) -> anyhow::Result<PeerList> {
+    let mut peers = Vec::with_capacity(slots.len());
+    for s in slots {
+        let port = if all_local {
+            free_port(&s.host)?
+        } else {
+            port_base
+                .checked_add(s.local_rank as u16)
+                .context("port base + local rank overflows")?
+        };
+        peers.push(Peer {
+            host: s.host.clone(),
+            port,
+        });
+    }
+    Ok(PeerList::new(peers)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_and_sizes() {
+        assert_eq!(parse_duration("90s").unwrap(), Duration::from_secs(90));
+        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("3").unwrap(), Duration::from_secs(3));
+        assert!(parse_duration("3 parsecs").is_err());
+        assert_eq!(parse_size("1K").unwrap(), 1024);
+        assert_eq!(parse_size("64M").unwrap(), 64 << 20);
+        assert_eq!(parse_size("0").unwrap(), 0);
+        assert!(parse_size("12Q").is_err());
+        assert_eq!(fmt_size(64 << 20), "64M");
+        assert_eq!(fmt_size(1000), "1000B");
+    }
+
+    #[test]
+    fn hosts_and_ranks() {
+        let h = parse_hosts("127.0.0.1:2,127.0.0.2:3").unwrap();
+        let s = assign_ranks(4, &h).unwrap();
+        let hosts: Vec<&str> = s.iter().map(|w| w.host.as_str()).collect();
+        assert_eq!(hosts, ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"]);
+        assert_eq!(s[3].local_rank, 1);
+        assert_eq!(s[3].local_size, 2);
+        assert_eq!(s[0].local_size, 2);
+        assert!(assign_ranks(6, &h).is_err());
+        assert!(parse_hosts("a:2,a:1").is_err());
+        assert!(parse_hosts("a:0").is_err());
+        assert_eq!(parse_hosts("node7").unwrap()[0].slots, 1);
+    }
+
+    #[test]
+    fn local_hosts() {
+        assert!(is_local_host("127.0.0.2"));
+        assert!(is_local_host("localhost"));
+        assert!(is_local_host("::1"));
+        assert!(!is_local_host("10.1.1.1"));
+    }
+
+    #[test]
+    fn remote_layouts_use_the_port_base() {
+        let h = parse_hosts("n1:2,n2:2").unwrap();
+        let s = assign_ranks(4, &h).unwrap();
+        let p = peer_list(&s, false, 38000).unwrap();
+        assert_eq!(p.to_string(), "n1:38000,n1:38001,n2:38000,n2:38001");
+    }
+}
