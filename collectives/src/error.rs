@@ -42,7 +42,7 @@ pub enum CollectiveError {
         detail: String,
     },
 
-    #[error("op {name:?} ({epoch}): {peer} is lost: {source}")]
+    #[error("op {name:?} ({epoch}) needs {peer}")]
     PeerLost {
         name: Arc<str>,
         epoch: Epoch,
@@ -70,7 +70,7 @@ pub enum CollectiveError {
         reason: String,
     },
 
-    #[error("op {name:?} ({epoch}): transport failed: {source}")]
+    #[error("op {name:?} ({epoch}): transport failed")]
     Transport {
         name: Arc<str>,
         epoch: Epoch,

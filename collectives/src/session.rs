@@ -531,7 +531,13 @@ impl<T: Transport> Session<T> {
         })
     }
 
-    /// Stops the transport: ops in flight and later fail.
+    /// Closes the transport gracefully (see [`Transport::close`]): call it
+    /// when this worker is done, so frames its peers still need arrive.
+    pub async fn close(&self, linger: Duration) {
+        self.inner.transport.close(linger).await;
+    }
+
+    /// Stops the transport at once: ops in flight and later fail.
     pub fn shutdown(&self) {
         self.inner.transport.shutdown();
     }
@@ -586,7 +592,13 @@ impl RunningOp {
                         deadline = Instant::now() + timeout;
                         self.handle_frame(inner, frame)?;
                     }
-                    Err(TransportError::PeerLost { peer, .. }) if !needed.contains(peer) => {
+                    // A lost peer this op does not need, or no longer needs
+                    // (everything it owed us arrived before its connection
+                    // closed; sends still owed to it fail on their own), is
+                    // no reason to fail.
+                    Err(TransportError::PeerLost { peer, .. })
+                        if !needed.contains(peer) || !self.plan.waiting_for().contains(&peer) =>
+                    {
                         listen.remove(peer);
                     }
                     Err(TransportError::Timeout { .. }) => {

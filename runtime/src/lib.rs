@@ -142,6 +142,12 @@ impl Worker {
         })
     }
 
+    /// Closes the connections gracefully, waiting up to `linger` for the
+    /// peers to finish with this worker. Call it before exiting.
+    pub async fn close(self, linger: std::time::Duration) {
+        self.session.close(linger).await;
+    }
+
     pub fn session(&self) -> &Session<TcpTransport> {
         &self.session
     }

@@ -6,7 +6,7 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use kungfu_topology::{Peer, PeerList};
+use kungfu_topology::{fnv1a64, Peer, PeerList};
 
 pub mod launch;
 pub mod plot;
@@ -150,10 +150,44 @@ pub fn assign_ranks(np: usize, hosts: &[HostSlots]) -> anyhow::Result<Vec<Worker
     Ok(slots)
 }
 
-/// Picks a free TCP port on `host` (a local address) by binding port 0.
-/// The port is released before the worker binds it; another process could
-/// take it in between, which the worker then reports as a bind error.
+/// The low end of the kernel's ephemeral port range (outgoing connections
+/// take their local ports from it), or Linux's default.
+fn ephemeral_low() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32768)
+}
+
+/// Picks a free TCP port on `host` (a local address) for a worker to listen
+/// on. Ports come from below the ephemeral range, at a random offset: a
+/// port from the ephemeral range could be taken by one of the job's own
+/// outgoing connections before the worker binds it. The port is released
+/// before the worker binds it; if another process takes it in between, the
+/// worker reports the bind error and the job fails cleanly.
 pub fn free_port(host: &str) -> anyhow::Result<u16> {
+    let hi = ephemeral_low().max(12_000);
+    let lo = 10_000u16;
+    let span = u64::from(hi - lo);
+    let mut x = fnv1a64(
+        0xcbf2_9ce4_8422_2325,
+        &[
+            std::process::id().to_le_bytes().as_slice(),
+            &std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64)
+                .to_le_bytes(),
+            host.as_bytes(),
+        ]
+        .concat(),
+    );
+    for _ in 0..200 {
+        x = fnv1a64(x, &x.to_le_bytes());
+        let port = lo + (x % span) as u16;
+        if std::net::TcpListener::bind((host, port)).is_ok() {
+            return Ok(port);
+        }
+    }
     let l = std::net::TcpListener::bind((host, 0)).with_context(|| format!("bind {host}:0"))?;
     Ok(l.local_addr()?.port())
 }

@@ -254,7 +254,13 @@ pub trait Transport: Send + Sync + 'static {
     /// The first lost rank in `peers`, with the reason, if any.
     fn check_peers(&self, peers: &PeerSet) -> Result<(), TransportError>;
 
-    /// Stops the endpoint: pending and later operations fail with
-    /// [`TransportError::Closed`]. Idempotent.
+    /// Closes gracefully: every frame already sent reaches its peer, the
+    /// peers are told this endpoint is done, and the endpoint waits up to
+    /// `linger` for them to finish with it too; then as [`Transport::shutdown`].
+    /// Call it when a worker is done, before the process exits.
+    fn close(&self, linger: std::time::Duration) -> impl Future<Output = ()> + Send + '_;
+
+    /// Stops the endpoint at once: pending and later operations fail with
+    /// [`TransportError::Closed`], frames in flight may be lost. Idempotent.
     fn shutdown(&self);
 }

@@ -235,6 +235,11 @@ impl Transport for MemTransport {
         self.mailbox().check_peers(peers)
     }
 
+    async fn close(&self, _linger: Duration) {
+        // Sends are delivered synchronously: nothing is in flight.
+        self.shutdown();
+    }
+
     fn shutdown(&self) {
         self.mailbox().close();
     }

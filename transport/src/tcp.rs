@@ -243,8 +243,17 @@ pub struct TcpTransport {
     epoch: Epoch,
     max_frame: usize,
     mailbox: Arc<Mailbox>,
-    writers: Vec<Option<mpsc::Sender<Outgoing>>>,
+    writers: Vec<Option<mpsc::Sender<WriterMsg>>>,
+    /// Writer tasks (they end on their own after a `Finish`).
     tasks: Mutex<Vec<JoinHandle<()>>>,
+    /// Reader tasks: they end when the peer closes its side.
+    readers: Mutex<Vec<JoinHandle<()>>>,
+}
+
+enum WriterMsg {
+    Frame(Outgoing),
+    /// Flush, send FIN, and stop.
+    Finish(oneshot::Sender<()>),
 }
 
 struct Outgoing {
@@ -281,7 +290,8 @@ impl TcpTransport {
 
         let mailbox = Arc::new(Mailbox::new(cfg.epoch, cfg.mailbox_bytes));
         let mut writers = Vec::with_capacity(n);
-        let mut tasks = Vec::with_capacity(2 * n);
+        let mut tasks = Vec::with_capacity(n);
+        let mut readers = Vec::with_capacity(n);
         for r in 0..n {
             let rank = Rank(r as u32);
             let Some(stream) = streams.remove(&rank) else {
@@ -291,7 +301,7 @@ impl TcpTransport {
             let (rd, wr) = stream.into_split();
             let (tx, rx) = mpsc::channel(1024);
             writers.push(Some(tx));
-            tasks.push(tokio::spawn(read_loop(
+            readers.push(tokio::spawn(read_loop(
                 rd,
                 rank,
                 mailbox.clone(),
@@ -307,6 +317,7 @@ impl TcpTransport {
             mailbox,
             writers,
             tasks: Mutex::new(tasks),
+            readers: Mutex::new(readers),
         }))
     }
 
@@ -546,15 +557,23 @@ async fn read_loop(rd: OwnedReadHalf, peer: Rank, mailbox: Arc<Mailbox>, max_fra
 async fn write_loop(
     wr: OwnedWriteHalf,
     peer: Rank,
-    mut rx: mpsc::Receiver<Outgoing>,
+    mut rx: mpsc::Receiver<WriterMsg>,
     mailbox: Arc<Mailbox>,
 ) {
     let mut wr = BufWriter::with_capacity(IO_BUFFER, wr);
     let mut lost: Option<TransportError> = None;
     let mut batch: Vec<oneshot::Sender<Result<(), TransportError>>> = Vec::new();
+    let mut finish: Option<oneshot::Sender<()>> = None;
     while let Some(first) = rx.recv().await {
         let mut next = Some(first);
         while let Some(msg) = next.take() {
+            let msg = match msg {
+                WriterMsg::Frame(m) => m,
+                WriterMsg::Finish(done) => {
+                    finish = Some(done);
+                    break;
+                }
+            };
             if lost.is_none() {
                 let res = async {
                     wr.write_all(&msg.header).await?;
@@ -585,6 +604,13 @@ async fn write_loop(
                 None => Ok(()),
                 Some(e) => Err(e.clone()),
             });
+        }
+        if let Some(done) = finish.take() {
+            // FIN after the last frame: the peer reads everything we sent,
+            // then end of stream.
+            let _ = wr.shutdown().await;
+            let _ = done.send(());
+            return;
         }
     }
 }
@@ -642,7 +668,10 @@ impl Transport for TcpTransport {
             payload,
             done,
         };
-        writer.send(msg).await.map_err(|_| TransportError::Closed)?;
+        writer
+            .send(WriterMsg::Frame(msg))
+            .await
+            .map_err(|_| TransportError::Closed)?;
         wait.await.map_err(|_| TransportError::Closed)?
     }
 
@@ -670,10 +699,36 @@ impl Transport for TcpTransport {
         self.mailbox.check_peers(peers)
     }
 
+    async fn close(&self, linger: Duration) {
+        let deadline = Instant::now() + linger;
+        let mut acks = Vec::new();
+        for w in self.writers.iter().flatten() {
+            let (tx, rx) = oneshot::channel();
+            if let Ok(Ok(())) =
+                tokio::time::timeout_at(deadline, w.send(WriterMsg::Finish(tx))).await
+            {
+                acks.push(rx);
+            }
+        }
+        for a in acks {
+            let _ = tokio::time::timeout_at(deadline, a).await;
+        }
+        // Read (and deliver) until every peer has closed its side too, so
+        // that no connection is torn down with data in flight.
+        let readers = std::mem::take(&mut *self.readers.lock().unwrap_or_else(|e| e.into_inner()));
+        for mut r in readers {
+            if tokio::time::timeout_at(deadline, &mut r).await.is_err() {
+                r.abort();
+            }
+        }
+        self.shutdown();
+    }
+
     fn shutdown(&self) {
         self.mailbox.close();
         let tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|e| e.into_inner()));
-        for t in tasks {
+        let readers = std::mem::take(&mut *self.readers.lock().unwrap_or_else(|e| e.into_inner()));
+        for t in tasks.into_iter().chain(readers) {
             t.abort();
         }
     }

@@ -539,6 +539,7 @@ async fn bench(args: Args) -> anyhow::Result<bool> {
         }
     }
     s.barrier("bench/end").await?;
+    w.close(Duration::from_secs(10)).await;
     Ok(wrong == 0)
 }
 

@@ -92,6 +92,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     s.barrier("selftest/end").await?;
+    w.close(std::time::Duration::from_secs(10)).await;
     println!("done");
     Ok(())
 }

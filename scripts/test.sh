@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The whole test suite, on a fresh Debian machine with Rust installed:
+# installs the system packages the tests need, then checks formatting and
+# lints, runs every test, and builds and smoke-runs the benches.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin libopenmpi-dev)
+if ((${#need[@]})); then
+  sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  echo "== installing ${need[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+for c in rustfmt clippy; do
+  if ! cargo "${c/rustfmt/fmt}" --version >/dev/null 2>&1; then
+    rustup component add "$c"
+  fi
+done
+
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+echo "== cargo clippy"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+echo "== cargo test"
+cargo test --workspace --locked
+echo "== benches (one quick pass each, so they never rot)"
+cargo test --workspace --benches --locked

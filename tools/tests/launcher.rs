@@ -1,0 +1,438 @@
+//! Multi-process tests over loopback: kungfu-run starting workers, every
+//! strategy, two "hosts" (127.0.0.1 and 127.0.0.2), workers that fail or
+//! are killed, and workers started by mpirun or with torchrun's variables.
+//!
+//! Every process is bounded: kungfu-run gets `--timeout`, and a guard stops
+//! whatever a test started (SIGTERM, then SIGKILL) even when it fails.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use kungfu_topology::Strategy;
+
+const RUN: &str = env!("CARGO_BIN_EXE_kungfu-run");
+const BENCH: &str = env!("CARGO_BIN_EXE_kungfu-bench");
+const SELFTEST: &str = env!("CARGO_BIN_EXE_kungfu-selftest");
+
+/// Kills a child (and the process group it leads, if any) when dropped.
+struct Guard(Vec<Child>);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            if matches!(c.try_wait(), Ok(None)) {
+                let pid = nix::unistd::Pid::from_raw(c.id() as i32);
+                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+                let t = Instant::now();
+                while t.elapsed() < Duration::from_secs(8) {
+                    if !matches!(c.try_wait(), Ok(None)) {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+}
+
+/// Runs a command to completion within `limit`.
+fn run_bounded(mut cmd: Command, limit: Duration) -> Output {
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let child = cmd.spawn().expect("spawn");
+    let (tx, rx) = mpsc::channel();
+    let mut guard = Guard(Vec::new());
+    let pid = child.id();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(out) => out.expect("wait"),
+        Err(_) => {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+            guard.0.clear();
+            panic!("command did not finish within {limit:?}: {cmd:?}");
+        }
+    }
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "--- stdout\n{}--- stderr\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn kungfu_run(args: &[&str]) -> Command {
+    let mut c = Command::new(RUN);
+    c.args(["--timeout", "120s"]).args(args);
+    c
+}
+
+#[test]
+fn every_strategy_and_size_is_correct() {
+    for np in 1..=4 {
+        for s in Strategy::ALL {
+            let np_s = np.to_string();
+            let cmd = kungfu_run(&[
+                "-np",
+                &np_s,
+                "--strategy",
+                s.name(),
+                BENCH,
+                "allreduce",
+                "-b",
+                "0",
+                "-e",
+                "4M",
+                "-f",
+                "32",
+                "-n",
+                "2",
+                "-w",
+                "1",
+                "-c",
+                "1",
+            ]);
+            let out = run_bounded(cmd, Duration::from_secs(150));
+            let t = text(&out);
+            assert!(out.status.success(), "np={np} {s}:\n{t}");
+            assert!(
+                t.contains("# Out of bounds values : 0 OK"),
+                "np={np} {s}:\n{t}"
+            );
+            // sizes 0 B .. 4 MiB all printed
+            assert!(
+                t.contains(&format!("{:>10} ", 4 << 20)),
+                "np={np} {s}:\n{t}"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_op_is_correct_under_the_launcher() {
+    for op in [
+        "broadcast",
+        "allgather",
+        "reduce-scatter",
+        "reduce",
+        "alltoall",
+    ] {
+        for (np, s) in [(3, "RING"), (4, "BINARY_TREE"), (2, "STAR")] {
+            let np_s = np.to_string();
+            let cmd = kungfu_run(&[
+                "-np",
+                &np_s,
+                "--strategy",
+                s,
+                BENCH,
+                op,
+                "-b",
+                "0",
+                "-e",
+                "1M",
+                "-f",
+                "64",
+                "-n",
+                "2",
+                "-w",
+                "1",
+                "-r",
+                "1",
+            ]);
+            let out = run_bounded(cmd, Duration::from_secs(150));
+            let t = text(&out);
+            assert!(out.status.success(), "{op} np={np} {s}:\n{t}");
+            assert!(t.contains("# Out of bounds values : 0 OK"), "{op}:\n{t}");
+        }
+    }
+}
+
+#[test]
+fn two_hosts_on_loopback() {
+    for s in ["BINARY_TREE_STAR", "MULTI_BINARY_TREE_STAR", "AUTO", "RING"] {
+        let cmd = kungfu_run(&[
+            "-np",
+            "4",
+            "-H",
+            "127.0.0.1:2,127.0.0.2:2",
+            "--strategy",
+            s,
+            BENCH,
+            "allreduce",
+            "-b",
+            "4",
+            "-e",
+            "1M",
+            "-f",
+            "16",
+            "-n",
+            "2",
+            "-w",
+            "1",
+        ]);
+        let out = run_bounded(cmd, Duration::from_secs(150));
+        assert!(out.status.success(), "{s}:\n{}", text(&out));
+    }
+    let out = run_bounded(
+        kungfu_run(&[
+            "-np",
+            "4",
+            "-H",
+            "127.0.0.1:2,127.0.0.2:2",
+            SELFTEST,
+            "--steps",
+            "3",
+        ]),
+        Duration::from_secs(60),
+    );
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert!(t.contains("rank 3/4 local 1/2"), "{t}");
+    assert!(t.contains("rank 2/4 local 0/2"), "{t}");
+}
+
+#[test]
+fn a_worker_that_exits_3_stops_the_job() {
+    let started = Instant::now();
+    let out = run_bounded(
+        kungfu_run(&[
+            "-np", "4", SELFTEST, "--steps", "100000", "--size", "1024", "--exit", "2:20:3",
+        ]),
+        Duration::from_secs(60),
+    );
+    let t = text(&out);
+    // the survivors fail too (their allreduce needs rank 2), and which exit
+    // the launcher reaps first is up to the kernel: any non-zero status
+    assert!(!out.status.success(), "{t}");
+    assert!(t.contains("kungfu-run: rank 2 exited with status 3"), "{t}");
+    assert!(started.elapsed() < Duration::from_secs(30), "{t}");
+    // every line of a worker is prefixed with its rank
+    assert!(
+        t.contains("[2] step 20: exiting with status 3 as asked"),
+        "{t}"
+    );
+}
+
+#[test]
+fn a_worker_killed_during_allreduce_is_named_and_nothing_hangs() {
+    let mut c = kungfu_run(&[
+        "-np", "4", SELFTEST, "--steps", "1000000", "--size", "262144",
+    ]);
+    c.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = c.spawn().expect("spawn kungfu-run");
+    let stdout = child.stdout.take().expect("piped");
+    let stderr = child.stderr.take().expect("piped");
+    let guard = Guard(vec![child]);
+    let (tx, rx) = mpsc::channel::<String>();
+    let tx2 = tx.clone();
+    std::thread::spawn(move || {
+        for l in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
+    std::thread::spawn(move || {
+        for l in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx2.send(l);
+        }
+    });
+    let mut lines = Vec::new();
+    let mut pid: Option<i32> = None;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    // wait until rank 2 is known and the job is well into its loop
+    while Instant::now() < deadline {
+        let Ok(l) = rx.recv_timeout(Duration::from_secs(1)) else {
+            continue;
+        };
+        if l.starts_with("[2] pid ") {
+            pid = l.split(' ').nth(2).and_then(|p| p.parse().ok());
+        }
+        let go = l.contains("step 10 ok") && pid.is_some();
+        lines.push(l);
+        if go {
+            break;
+        }
+    }
+    let pid = pid.unwrap_or_else(|| panic!("rank 2 never started:\n{}", lines.join("\n")));
+    let killed_at = Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let mut guard = guard;
+    let mut child = guard.0.pop().expect("child");
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            killed_at.elapsed() < Duration::from_secs(30),
+            "kungfu-run still running"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // drain the output
+    while let Ok(l) = rx.recv_timeout(Duration::from_millis(500)) {
+        lines.push(l);
+    }
+    let all = lines.join("\n");
+    assert!(!status.success(), "{all}");
+    assert!(
+        all.contains("kungfu-run: rank 2 was killed by signal 9 (SIGKILL)"),
+        "{all}"
+    );
+    // the survivors' allreduce failed with an error naming rank 2
+    let named = lines
+        .iter()
+        .filter(|l| !l.starts_with("[2]") && l.contains("error") && l.contains("rank 2"))
+        .count();
+    assert!(named >= 1, "no survivor named rank 2:\n{all}");
+    assert!(killed_at.elapsed() < Duration::from_secs(20));
+}
+
+#[test]
+fn the_job_timeout_bounds_a_hung_worker() {
+    let started = Instant::now();
+    let mut c = Command::new(RUN);
+    c.args([
+        "--timeout",
+        "3s",
+        "-np",
+        "2",
+        SELFTEST,
+        "--steps",
+        "1000",
+        "--hang",
+        "1:2",
+    ])
+    .env("KUNGFU_OP_TIMEOUT_MS", "600000");
+    let out = run_bounded(c, Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(124), "{}", text(&out));
+    assert!(
+        text(&out).contains("did not finish within"),
+        "{}",
+        text(&out)
+    );
+    assert!(started.elapsed() < Duration::from_secs(15));
+}
+
+#[test]
+fn bad_command_lines_are_refused() {
+    for args in [
+        &["-np", "0", "x"][..],
+        &["-np", "2"],
+        &["-np", "3", "-H", "127.0.0.1:2", "x"],
+        &["--strategy", "HYPERCUBE", "-np", "1", "x"],
+    ] {
+        let out = run_bounded(kungfu_run(args), Duration::from_secs(20));
+        assert!(
+            matches!(out.status.code(), Some(1 | 2)),
+            "{args:?}: {}",
+            text(&out)
+        );
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("kungfu-run: "),
+            "{args:?}: {}",
+            text(&out)
+        );
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Workers started the way torchrun starts them: only RANK, WORLD_SIZE,
+/// LOCAL_RANK, MASTER_ADDR and MASTER_PORT (the runtime's rendezvous uses
+/// MASTER_PORT + 1).
+#[test]
+fn torchrun_variables() {
+    let n = 4;
+    let port = free_port();
+    let children: Vec<Child> = (0..n)
+        .map(|r| {
+            Command::new(SELFTEST)
+                .args(["--steps", "3"])
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("LOCAL_WORLD_SIZE", n.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", (port - 1).to_string())
+                .env("KUNGFU_CONNECT_TIMEOUT_MS", "30000")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut guard = Guard(children);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut outs = Vec::new();
+    for mut c in guard.0.drain(..) {
+        while c.try_wait().unwrap().is_none() {
+            assert!(Instant::now() < deadline, "torchrun-style worker hung");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        outs.push(c.wait_with_output().unwrap());
+    }
+    for (r, o) in outs.iter().enumerate() {
+        assert!(o.status.success(), "rank {r}:\n{}", text(o));
+        let t = text(o);
+        assert!(
+            t.contains(&format!("rank {r}/4 local {r}/4 launcher Torchrun")),
+            "{t}"
+        );
+        assert!(t.contains("done"), "{t}");
+    }
+}
+
+/// The same job started by Open MPI's mpirun (Debian's openmpi-bin).
+#[test]
+fn mpirun_starts_a_job() {
+    if Command::new("mpirun").arg("--version").output().is_err() {
+        if std::env::var_os("KUNGFU_SKIP_MPI").is_some() {
+            eprintln!("mpirun not installed; skipped because KUNGFU_SKIP_MPI is set");
+            return;
+        }
+        panic!(
+            "mpirun not found: install openmpi-bin (scripts/test.sh does) or set KUNGFU_SKIP_MPI=1"
+        );
+    }
+    let port = free_port();
+    let mut c = Command::new("mpirun");
+    c.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        "4",
+        "-x",
+        "KUNGFU_RENDEZVOUS_PORT",
+    ])
+    .env("KUNGFU_RENDEZVOUS_PORT", port.to_string())
+    .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+    .args([SELFTEST, "--steps", "3"]);
+    let out = run_bounded(c, Duration::from_secs(90));
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    for r in 0..4 {
+        assert!(
+            t.contains(&format!("rank {r}/4 local {r}/4 launcher OpenMpi")),
+            "{t}"
+        );
+    }
+    assert_eq!(t.matches("done").count(), 4, "{t}");
+}
