@@ -587,8 +587,12 @@ fn main() {
             std::process::exit(2);
         }
     };
+    let threads = std::env::var("KUNGFU_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(threads)
         .enable_all()
         .build()
         .expect("tokio runtime");
