@@ -60,6 +60,7 @@ mod dtype;
 mod error;
 pub mod names;
 pub mod plan;
+pub mod reference;
 mod session;
 mod spec;
 

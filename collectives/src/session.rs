@@ -39,15 +39,20 @@ pub struct SessionConfig {
     pub chunk_bytes: usize,
     /// An op fails when it makes no progress for this long.
     pub op_timeout: Duration,
+    /// Bytes of one op's frames in flight at most (at least one frame is
+    /// always allowed). Sends copy their bytes, so this bounds the extra
+    /// memory a large op takes at once.
+    pub max_inflight_bytes: usize,
 }
 
 impl Default for SessionConfig {
-    /// `AUTO`, 1 MiB chunks, 60 s without progress.
+    /// `AUTO`, 1 MiB chunks, 60 s without progress, 64 MiB in flight.
     fn default() -> SessionConfig {
         SessionConfig {
             strategy: Strategy::Auto,
             chunk_bytes: 1 << 20,
             op_timeout: Duration::from_secs(60),
+            max_inflight_bytes: 64 << 20,
         }
     }
 }
@@ -329,34 +334,29 @@ impl<T: Transport> Session<T> {
         input: &[E],
         op: ReduceOp,
     ) -> OpHandle<Vec<E>> {
-        let count = input.len() / self.size();
-        if count * self.size() != input.len() {
-            return self.invalid(
-                name,
-                format!(
-                    "reduce-scatter input of {} elements is not {} equal blocks",
-                    input.len(),
-                    self.size()
-                ),
-            );
-        }
-        self.typed(name, OpKind::ReduceScatter(op), count, input)
+        self.blockwise(name, OpKind::ReduceScatter(op), input)
     }
 
     /// `input` is `size` blocks; rank `r` gets block `r` of every rank.
     pub fn alltoall<E: Element>(&self, name: &str, input: &[E]) -> OpHandle<Vec<E>> {
+        self.blockwise(name, OpKind::Alltoall, input)
+    }
+
+    /// An op whose input is `size` equal blocks.
+    fn blockwise<E: Element>(&self, name: &str, kind: OpKind, input: &[E]) -> OpHandle<Vec<E>> {
         let count = input.len() / self.size();
         if count * self.size() != input.len() {
             return self.invalid(
                 name,
                 format!(
-                    "alltoall input of {} elements is not {} equal blocks",
+                    "{} input of {} elements is not {} equal blocks",
+                    kind.name(),
                     input.len(),
                     self.size()
                 ),
             );
         }
-        self.typed(name, OpKind::Alltoall, count, input)
+        self.typed(name, kind, count, input)
     }
 
     /// Completes on every rank once every rank has called it (with the same
@@ -555,7 +555,7 @@ struct RunningOp {
     remote_abort: bool,
 }
 
-type SendResult = Result<(), (Rank, TransportError)>;
+type SendResult = Result<usize, (Rank, TransportError)>;
 
 impl RunningOp {
     async fn run<T: Transport>(&mut self, inner: &Inner<T>) -> Result<OpOutput, CollectiveError> {
@@ -570,22 +570,33 @@ impl RunningOp {
         let mut sends: JoinSet<SendResult> = JoinSet::new();
         let timeout = inner.config.op_timeout;
         let mut deadline = Instant::now() + timeout;
+        let cap = inner.config.max_inflight_bytes;
+        let mut inflight = 0usize;
         loop {
-            while let Some(tx) = self.plan.poll_transmit() {
+            while inflight < cap || sends.is_empty() {
+                let Some(tx) = self.plan.poll_transmit() else {
+                    break;
+                };
                 let payload = Bytes::copy_from_slice(&self.work[tx.range.clone()]);
                 self.plan.handle_sent(tx.id, &mut self.work);
                 let header = self.header(FrameKind::Data, tx.chunk, tx.step);
                 let t = t.clone();
-                sends.spawn(
-                    async move { t.send(tx.to, header, payload).await.map_err(|e| (tx.to, e)) },
-                );
+                let len = payload.len();
+                inflight += len;
+                sends.spawn(async move {
+                    t.send(tx.to, header, payload)
+                        .await
+                        .map(|()| len)
+                        .map_err(|e| (tx.to, e))
+                });
             }
             if self.plan.is_done() {
                 break;
             }
             tokio::select! {
                 Some(joined) = sends.join_next(), if !sends.is_empty() => {
-                    self.check_send(joined)?;
+                    inflight -= self.check_send(joined)?;
+                    deadline = Instant::now() + timeout;
                 }
                 r = t.recv(self.tag, &listen, deadline) => match r {
                     Ok(frame) => {
@@ -617,7 +628,9 @@ impl RunningOp {
         // caller that shuts down after the last op loses nothing.
         loop {
             match tokio::time::timeout_at(deadline, sends.join_next()).await {
-                Ok(Some(joined)) => self.check_send(joined)?,
+                Ok(Some(joined)) => {
+                    self.check_send(joined)?;
+                }
                 Ok(None) => break,
                 Err(_) => {
                     return Err(CollectiveError::Timeout {
@@ -650,12 +663,13 @@ impl RunningOp {
         }
     }
 
+    /// The bytes a finished send carried, or its error.
     fn check_send(
         &self,
         joined: Result<SendResult, tokio::task::JoinError>,
-    ) -> Result<(), CollectiveError> {
+    ) -> Result<usize, CollectiveError> {
         match joined {
-            Ok(Ok(())) => Ok(()),
+            Ok(Ok(len)) => Ok(len),
             Ok(Err((_, e))) => Err(self.transport_error(e)),
             Err(e) => Err(CollectiveError::Transport {
                 name: self.name.clone(),

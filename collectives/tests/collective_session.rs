@@ -32,6 +32,7 @@ fn sessions(
                     strategy,
                     chunk_bytes: 256,
                     op_timeout: timeout,
+                    ..SessionConfig::default()
                 },
             )
             .unwrap()
@@ -579,4 +580,45 @@ fn blocking_api_from_threads() {
         t.join().unwrap();
     }
     drop(rt);
+}
+
+/// One allreduce of more than 4 GiB (u8, 2 ranks, in-memory transport):
+/// offsets, chunk counts and frame lengths beyond `u32` all work. It needs
+/// about 12 GiB of memory and a minute, so it is not part of the default
+/// suite: `cargo test --release -p kungfu-collectives --test
+/// collective_session -- --ignored`.
+#[test]
+#[ignore = "needs ~12 GiB of memory; run with --ignored"]
+fn allreduce_of_more_than_four_gib() {
+    rt().block_on(async {
+        let count = (4usize << 30) + 4099;
+        let ts = MemNetwork::new(2, MemConfig::default());
+        let mut handles = Vec::new();
+        for t in ts {
+            let s = Session::new(
+                t,
+                PeerList::local(2),
+                SessionConfig {
+                    strategy: Strategy::Ring,
+                    chunk_bytes: 64 << 20,
+                    ..SessionConfig::default()
+                },
+            )
+            .unwrap();
+            let spec = OpSpec {
+                kind: OpKind::Allreduce(ReduceOp::Sum),
+                dtype: DType::U8,
+                count,
+            };
+            let input = vec![s.rank().0 as u8 + 1; count];
+            handles.push(s.submit("huge", spec, &input));
+            drop(input); // the op copied it
+        }
+        for h in handles {
+            let out = h.await.unwrap();
+            let b = out.bytes().unwrap();
+            assert_eq!(b.len(), count);
+            assert!(b.iter().all(|&x| x == 3), "a byte of the sum is wrong");
+        }
+    });
 }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use kungfu_collectives::plan::build::{build, PlanInput};
 use kungfu_collectives::plan::Plan;
-use kungfu_collectives::{reduce_into, scale_down, DType, OpKind, OpSpec, ReduceOp};
+use kungfu_collectives::{reference, scale_down, DType, OpKind, OpSpec, ReduceOp};
 use kungfu_topology::{PeerList, Rank, Root, Strategy};
 use kungfu_transport::mem::SeededRng;
 
@@ -106,80 +106,13 @@ fn simulate(
         .collect()
 }
 
-/// `count` elements of small integers, different per rank and position, as
-/// `dtype` bytes. For `Prod` mostly ones with a few twos, so products stay
-/// exact (and below f16's range) for up to 16 ranks.
-fn input(dtype: DType, op: Option<ReduceOp>, rank: usize, count: usize) -> Vec<u8> {
-    let mut out = Vec::with_capacity(count * dtype.size());
-    for i in 0..count {
-        let v: u8 = if op == Some(ReduceOp::Prod) {
-            if (rank + i) % 4 == 0 {
-                2
-            } else {
-                1
-            }
-        } else {
-            ((rank * 7 + i * 3) % 11 + 1) as u8
-        };
-        let f = f32::from(v);
-        match dtype {
-            DType::U8 | DType::I8 => out.push(v),
-            DType::U16 | DType::I16 => out.extend_from_slice(&u16::from(v).to_le_bytes()),
-            DType::U32 | DType::I32 => out.extend_from_slice(&u32::from(v).to_le_bytes()),
-            DType::U64 | DType::I64 => out.extend_from_slice(&u64::from(v).to_le_bytes()),
-            DType::F16 => out.extend_from_slice(&half::f16::from_f32(f).to_le_bytes()),
-            DType::BF16 => out.extend_from_slice(&half::bf16::from_f32(f).to_le_bytes()),
-            DType::F32 => out.extend_from_slice(&f.to_le_bytes()),
-            DType::F64 => out.extend_from_slice(&f64::from(f).to_le_bytes()),
-        }
-    }
-    out
-}
-
-/// The expected output of every rank, computed directly.
-fn expected(spec: &OpSpec, n: usize, inputs: &[Vec<u8>]) -> Vec<Option<Vec<u8>>> {
-    let b = spec.block_bytes().unwrap();
-    let reduce_all = |op: ReduceOp, range: std::ops::Range<usize>| {
-        let mut acc = inputs[0][range.clone()].to_vec();
-        for inp in &inputs[1..] {
-            reduce_into(spec.dtype, op, &mut acc, &inp[range.clone()]);
-        }
-        if op == ReduceOp::Avg {
-            scale_down(spec.dtype, &mut acc, n);
-        }
-        acc
-    };
-    let concat = || inputs.concat();
-    (0..n)
-        .map(|r| match spec.kind {
-            OpKind::Allreduce(op) => Some(reduce_all(op, 0..b)),
-            OpKind::Reduce { op, root } => (root.idx() == r).then(|| reduce_all(op, 0..b)),
-            OpKind::Broadcast { root } => Some(inputs[root.idx()].clone()),
-            OpKind::Allgather => Some(concat()),
-            OpKind::Gather { root } => (root.idx() == r).then(concat),
-            OpKind::ReduceScatter(op) => Some(reduce_all(op, r * b..(r + 1) * b)),
-            OpKind::Alltoall => Some(
-                (0..n)
-                    .flat_map(|j| inputs[j][r * b..(r + 1) * b].to_vec())
-                    .collect(),
-            ),
-        })
-        .collect()
-}
-
 fn check(peers: &PeerList, strategy: Strategy, spec: OpSpec, chunk_bytes: usize, seed: u64) {
     let n = peers.len();
-    let inputs: Vec<Vec<u8>> = (0..n)
-        .map(|r| {
-            let per = spec.input_len(n).unwrap() / spec.dtype.size();
-            input(spec.dtype, spec.kind.reduce_op(), r, per)
-        })
-        .collect();
+    let inputs = reference::inputs(&spec, n);
     let got = simulate(peers, strategy, &spec, &inputs, chunk_bytes, seed);
-    let want = expected(&spec, n, &inputs);
     for r in 0..n {
         assert!(
-            got[r] == want[r],
+            got[r] == reference::expected(&spec, r, &inputs),
             "{strategy} {spec:?} n={n} hosts={}: rank {r} got a wrong result",
             peers.hosts().len()
         );

@@ -133,6 +133,7 @@ impl Worker {
                 strategy: env.strategy,
                 chunk_bytes: env.chunk_bytes,
                 op_timeout: env.op_timeout,
+                ..SessionConfig::default()
             },
         )?;
         Ok(Worker {

@@ -16,6 +16,7 @@ async fn sessions(n: usize, strategy: Strategy, chunk_bytes: usize) -> Vec<Sessi
                 strategy,
                 chunk_bytes,
                 op_timeout: Duration::from_secs(30),
+                ..SessionConfig::default()
             };
             Session::new(t, peers.clone(), cfg).unwrap()
         })

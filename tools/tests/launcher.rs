@@ -156,6 +156,114 @@ fn every_op_is_correct_under_the_launcher() {
     }
 }
 
+/// A directory of this test's own, removed when dropped.
+struct TempDir(std::path::PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> TempDir {
+        let d = std::env::temp_dir().join(format!("kungfu-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        TempDir(d)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[test]
+fn bench_writes_json_and_a_plot() {
+    let dir = TempDir::new("bench-files");
+    let json = dir.0.join("r.json");
+    let svg = dir.0.join("r.svg");
+    let (j, p) = (json.to_str().unwrap(), svg.to_str().unwrap());
+    let out = run_bounded(
+        kungfu_run(&[
+            "-np",
+            "3",
+            BENCH,
+            "allgather",
+            "-b",
+            "12",
+            "-e",
+            "12K",
+            "-f",
+            "8",
+            "-n",
+            "2",
+            "-w",
+            "0",
+            "-d",
+            "half",
+            "--json",
+            j,
+            "--plot",
+            p,
+        ]),
+        Duration::from_secs(60),
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let js = std::fs::read_to_string(&json).unwrap();
+    assert!(js.starts_with(r#"{"op":"allgather","ranks":3"#), "{js}");
+    assert_eq!(js.matches(r#""size":"#).count(), 4, "{js}");
+    assert!(js.contains(r#""wrong":0}"#), "{js}");
+    let plot = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        plot.starts_with("<svg") && plot.contains("polyline"),
+        "{plot}"
+    );
+}
+
+/// Ctrl-C reaches every worker, and the job ends promptly.
+#[test]
+fn sigint_reaches_every_worker() {
+    let mut c = kungfu_run(&["-np", "3", SELFTEST, "--steps", "100000000", "--size", "64"]);
+    c.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = c.spawn().expect("spawn kungfu-run");
+    let stdout = child.stdout.take().expect("piped");
+    let mut guard = Guard(vec![child]);
+    let (tx, rx) = mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for l in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut started = 0;
+    while started < 3 && Instant::now() < deadline {
+        if let Ok(l) = rx.recv_timeout(Duration::from_millis(200)) {
+            started += usize::from(l.contains("step 0 ok"));
+        }
+    }
+    assert_eq!(started, 3, "workers did not start");
+    let pid = nix::unistd::Pid::from_raw(guard.0[0].id() as i32);
+    let sent = Instant::now();
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
+    let status = loop {
+        if let Some(st) = guard.0[0].try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            sent.elapsed() < Duration::from_secs(20),
+            "kungfu-run ignored SIGINT"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status.code(), Some(130));
+    // the workers died of SIGINT themselves (not of the SIGKILL fallback)
+    let mut err = String::new();
+    std::io::Read::read_to_string(guard.0[0].stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert!(err.contains("forwarding SIGINT"), "{err}");
+    assert_eq!(
+        err.matches("killed by signal 2 (SIGINT)").count(),
+        3,
+        "{err}"
+    );
+    assert!(sent.elapsed() < Duration::from_secs(5), "{err}");
+}
+
 #[test]
 fn two_hosts_on_loopback() {
     for s in ["BINARY_TREE_STAR", "MULTI_BINARY_TREE_STAR", "AUTO", "RING"] {

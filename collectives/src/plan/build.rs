@@ -87,6 +87,17 @@ impl Ctx<'_> {
         }
     }
 
+    /// This rank's position in the ring `order`, and its next and previous
+    /// ranks.
+    fn ring_place(&self, order: &[Rank]) -> (usize, Rank, Rank) {
+        let n = order.len();
+        let pos = order
+            .iter()
+            .position(|&r| r == self.me)
+            .expect("me in ring");
+        (pos, order[(pos + 1) % n], order[(pos + n - 1) % n])
+    }
+
     /// Ring reduce-scatter of one chunk: after it, position `pos` holds the
     /// full reduction of segment `pos`. `seg(k)` is segment `k`'s element
     /// range. Returns the sends and receives by step.
@@ -97,11 +108,7 @@ impl Ctx<'_> {
         seg: &dyn Fn(usize) -> Range<usize>,
     ) -> (Vec<ActionId>, Vec<ActionId>) {
         let n = self.n;
-        let pos = order
-            .iter()
-            .position(|&r| r == self.me)
-            .expect("me in ring");
-        let (next, prev) = (order[(pos + 1) % n], order[(pos + n - 1) % n]);
+        let (pos, next, prev) = self.ring_place(order);
         let mut sends = Vec::with_capacity(n - 1);
         let mut recvs: Vec<ActionId> = Vec::with_capacity(n - 1);
         for s in 0..n - 1 {
@@ -131,11 +138,7 @@ impl Ctx<'_> {
         recv_deps: &dyn Fn(usize) -> Vec<ActionId>,
     ) {
         let n = self.n;
-        let pos = order
-            .iter()
-            .position(|&r| r == self.me)
-            .expect("me in ring");
-        let (next, prev) = (order[(pos + 1) % n], order[(pos + n - 1) % n]);
+        let (pos, next, prev) = self.ring_place(order);
         let mut last: Vec<ActionId> = first_deps.to_vec();
         for s in 0..n - 1 {
             let step = (step0 + s) as u16;

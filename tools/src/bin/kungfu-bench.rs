@@ -20,9 +20,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use kungfu::{Worker, WorkerEnv};
-use kungfu_collectives::{
-    reduce_into, scale_down, DType, OpKind, OpOutput, OpSpec, ReduceOp, Session,
-};
+use kungfu_collectives::{reference, DType, OpKind, OpOutput, OpSpec, ReduceOp, Session};
 use kungfu_tools::plot::{svg, Series};
 use kungfu_tools::{fmt_size, parse_size};
 use kungfu_topology::{Rank, Strategy};
@@ -214,60 +212,6 @@ fn sizes(min: usize, max: usize, factor: usize, esize: usize) -> Vec<usize> {
     v
 }
 
-/// The exact test input of `rank`: `len` elements of small integers.
-fn input(dtype: DType, redop: ReduceOp, rank: usize, len: usize) -> Vec<u8> {
-    let mut out = Vec::with_capacity(len * dtype.size());
-    for i in 0..len {
-        let v: u8 = if redop == ReduceOp::Prod {
-            1 + u8::from((rank + i) % 5 == 0)
-        } else {
-            ((rank + i) % 7 + 1) as u8
-        };
-        let f = f32::from(v);
-        match dtype {
-            DType::U8 | DType::I8 => out.push(v),
-            DType::U16 | DType::I16 => out.extend_from_slice(&u16::from(v).to_le_bytes()),
-            DType::U32 | DType::I32 => out.extend_from_slice(&u32::from(v).to_le_bytes()),
-            DType::U64 | DType::I64 => out.extend_from_slice(&u64::from(v).to_le_bytes()),
-            DType::F16 => out.extend_from_slice(&half::f16::from_f32(f).to_le_bytes()),
-            DType::BF16 => out.extend_from_slice(&half::bf16::from_f32(f).to_le_bytes()),
-            DType::F32 => out.extend_from_slice(&f.to_le_bytes()),
-            DType::F64 => out.extend_from_slice(&f64::from(f).to_le_bytes()),
-        }
-    }
-    out
-}
-
-/// What rank `me` must get (None: no output on this rank).
-fn expected(spec: &OpSpec, me: usize, n: usize, redop: ReduceOp) -> Option<Vec<u8>> {
-    let per = spec.input_len(n)? / spec.dtype.size();
-    let inputs: Vec<Vec<u8>> = (0..n).map(|r| input(spec.dtype, redop, r, per)).collect();
-    let b = spec.block_bytes()?;
-    let reduce_all = |op: ReduceOp, range: std::ops::Range<usize>| {
-        let mut acc = inputs[0][range.clone()].to_vec();
-        for x in &inputs[1..] {
-            reduce_into(spec.dtype, op, &mut acc, &x[range.clone()]);
-        }
-        if op == ReduceOp::Avg {
-            scale_down(spec.dtype, &mut acc, n);
-        }
-        acc
-    };
-    match spec.kind {
-        OpKind::Allreduce(op) => Some(reduce_all(op, 0..b)),
-        OpKind::Reduce { op, root } => (root.idx() == me).then(|| reduce_all(op, 0..b)),
-        OpKind::Broadcast { root } => Some(inputs[root.idx()].clone()),
-        OpKind::Allgather => Some(inputs.concat()),
-        OpKind::Gather { root } => (root.idx() == me).then(|| inputs.concat()),
-        OpKind::ReduceScatter(op) => Some(reduce_all(op, me * b..(me + 1) * b)),
-        OpKind::Alltoall => Some(
-            (0..n)
-                .flat_map(|j| inputs[j][me * b..(me + 1) * b].to_vec())
-                .collect(),
-        ),
-    }
-}
-
 fn wrong_values(spec: &OpSpec, out: &OpOutput, want: &Option<Vec<u8>>) -> u64 {
     let e = spec.dtype.size();
     match (out.bytes(), want) {
@@ -335,22 +279,22 @@ async fn measure(
 ) -> anyhow::Result<(f64, u64)> {
     let n = s.size();
     let me = s.rank().idx();
-    let per = spec.input_len(n).context("size overflows")? / spec.dtype.size();
-    let inp = input(spec.dtype, args.redop, me, per);
+    let inputs = reference::inputs(&spec, n);
+    let inp = &inputs[me];
     let name = format!(
         "bench/{}/{}",
         args.op.name(),
         if in_place { "ip" } else { "oop" }
     );
     if args.warmup > 0 {
-        time_ops(s, &name, spec, &inp, args.warmup, in_place).await?;
+        time_ops(s, &name, spec, inp, args.warmup, in_place).await?;
     }
-    let (dt, _) = time_ops(s, &name, spec, &inp, args.iters, in_place).await?;
+    let (dt, _) = time_ops(s, &name, spec, inp, args.iters, in_place).await?;
     let mut wrong = 0;
     if args.check {
         // one fresh op from the pristine input, checked element by element
-        let out = s.submit(&name, spec, &inp).await?;
-        wrong = wrong_values(&spec, &out, &expected(&spec, me, n, args.redop));
+        let out = s.submit(&name, spec, inp).await?;
+        wrong = wrong_values(&spec, &out, &reference::expected(&spec, me, &inputs));
     }
     // the slowest rank's time, and the wrong values of all ranks
     let t = s.allreduce("bench/time", &[dt], ReduceOp::Max).await?[0];
