@@ -228,17 +228,19 @@ macro_rules! half_num {
 }
 half_num!(f16, bf16);
 
-fn combine<T: Num>(op: ReduceOp) -> fn(T, T) -> T {
+fn reduce_typed<T: Num>(op: ReduceOp, dst: &mut [u8], src: &[u8]) {
+    // One monomorphic loop per operator (a function pointer per element
+    // would block inlining and vectorisation).
     match op {
-        ReduceOp::Sum | ReduceOp::Avg => T::add,
-        ReduceOp::Prod => T::mul,
-        ReduceOp::Min => T::min,
-        ReduceOp::Max => T::max,
+        ReduceOp::Sum | ReduceOp::Avg => zip_apply(dst, src, T::add),
+        ReduceOp::Prod => zip_apply(dst, src, T::mul),
+        ReduceOp::Min => zip_apply(dst, src, T::min),
+        ReduceOp::Max => zip_apply(dst, src, T::max),
     }
 }
 
-fn reduce_typed<T: Num>(op: ReduceOp, dst: &mut [u8], src: &[u8]) {
-    let f = combine::<T>(op);
+#[inline(always)]
+fn zip_apply<T: Num, F: Fn(T, T) -> T>(dst: &mut [u8], src: &[u8], f: F) {
     match (
         bytemuck::try_cast_slice_mut::<u8, T>(dst),
         bytemuck::try_cast_slice::<u8, T>(src),
