@@ -32,8 +32,9 @@
 //! # Features
 //!
 //! - Ops: allreduce, reduce, broadcast, allgather, gather, reduce-scatter,
-//!   alltoall, barrier, consensus; in-place use through the `*_in_place`
-//!   helpers of [`blocking`].
+//!   alltoall, barrier, consensus; out of place (a new vector) or in place
+//!   ([`Session::allreduce_in_place`], and the blocking helpers of
+//!   [`blocking`]).
 //! - Types: u8, i8, u16, i16, u32, i32, u64, i64, f16, bf16, f32, f64;
 //!   reductions sum, min, max, prod, and avg for floats.
 //! - Every strategy of [`kungfu_topology::Strategy`]; large ops are cut

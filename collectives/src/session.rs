@@ -300,6 +300,31 @@ impl<T: Transport> Session<T> {
         self.typed(name, OpKind::Allreduce(op), input.len(), input)
     }
 
+    /// Allreduces `buf` in place (its contents are the input and become
+    /// the result).
+    pub async fn allreduce_in_place<E: Element>(
+        &self,
+        name: &str,
+        buf: &mut [E],
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        let out = self.allreduce(name, buf, op).await?;
+        buf.copy_from_slice(&out);
+        Ok(())
+    }
+
+    /// Broadcasts `buf` in place from `root`.
+    pub async fn broadcast_in_place<E: Element>(
+        &self,
+        name: &str,
+        buf: &mut [E],
+        root: Rank,
+    ) -> Result<(), CollectiveError> {
+        let out = self.broadcast(name, buf, root).await?;
+        buf.copy_from_slice(&out);
+        Ok(())
+    }
+
     /// `root` gets the reduction; other ranks get an empty vector.
     pub fn reduce<E: Element>(
         &self,

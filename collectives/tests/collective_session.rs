@@ -505,6 +505,16 @@ fn avg_consensus_barrier_and_callbacks() {
                     .await
                     .unwrap();
                 assert_eq!(avg, vec![3.0; 5]);
+                let mut buf = vec![r as i16; 9];
+                s.allreduce_in_place("inplace", &mut buf, ReduceOp::Sum)
+                    .await
+                    .unwrap();
+                assert_eq!(buf, vec![3i16; 9]);
+                buf.fill(r as i16 * 10);
+                s.broadcast_in_place("bip", &mut buf, Rank(2))
+                    .await
+                    .unwrap();
+                assert_eq!(buf, vec![20i16; 9]);
                 assert!(s.consensus("same", b"model-v1").await.unwrap());
                 let differs = if r == 1 {
                     &b"model-v2"[..]
