@@ -40,6 +40,7 @@ OP: allreduce | broadcast | allgather | reduce-scatter | reduce | alltoall
   -d TYPE        float, half, bfloat16, double, int8, uint8, int32, ... (float)
   -o OP          sum, prod, min, max, avg (default sum)
   -r ROOT        root of broadcast and reduce (default 0)
+  --in-place 0|1 also measure in place (default 1)
   --strategy S   override KUNGFU_STRATEGY
   --json FILE    write the results as JSON (rank 0)
   --plot FILE    draw busbw against size as SVG (rank 0)
@@ -113,6 +114,7 @@ struct Args {
     dtype: DType,
     redop: ReduceOp,
     root: usize,
+    in_place: bool,
     strategy: Option<Strategy>,
     json: Option<String>,
     plot: Option<String>,
@@ -134,6 +136,7 @@ fn parse_args(a: &[String]) -> anyhow::Result<Option<Args>> {
         dtype: DType::F32,
         redop: ReduceOp::Sum,
         root: 0,
+        in_place: true,
         strategy: None,
         json: None,
         plot: None,
@@ -156,6 +159,7 @@ fn parse_args(a: &[String]) -> anyhow::Result<Option<Args>> {
                 r.redop = ReduceOp::parse(v).with_context(|| format!("unknown reduction {v:?}"))?
             }
             "-r" => r.root = v.parse().context("-r needs a rank")?,
+            "--in-place" => r.in_place = v != "0",
             "--strategy" => r.strategy = Some(v.parse()?),
             "--json" => r.json = Some(v.clone()),
             "--plot" => r.plot = Some(v.clone()),
@@ -415,7 +419,11 @@ async fn bench(args: Args) -> anyhow::Result<bool> {
         };
         let bytes = shown * es;
         let (t1, w1) = measure(s, &args, spec, false).await?;
-        let (t2, w2) = measure(s, &args, spec, true).await?;
+        let (t2, w2) = if args.in_place {
+            measure(s, &args, spec, true).await?
+        } else {
+            (0.0, 0)
+        };
         let row = Row {
             size: bytes,
             count: shown,
@@ -470,16 +478,16 @@ async fn bench(args: Args) -> anyhow::Result<bool> {
                 .with_context(|| format!("writing {path}"))?;
         }
         if let Some(path) = &args.plot {
-            let series = [
-                Series {
-                    label: "out-of-place".into(),
-                    points: rows.iter().map(|r| (r.size, r.oop.busbw)).collect(),
-                },
-                Series {
+            let mut series = vec![Series {
+                label: "out-of-place".into(),
+                points: rows.iter().map(|r| (r.size, r.oop.busbw)).collect(),
+            }];
+            if args.in_place {
+                series.push(Series {
                     label: "in-place".into(),
                     points: rows.iter().map(|r| (r.size, r.ip.busbw)).collect(),
-                },
-            ];
+                });
+            }
             let title = format!(
                 "kungfu-bench {} ({} ranks, {strategy}, {})",
                 args.op.name(),

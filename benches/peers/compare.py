@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""KungFu-rs against Open MPI, measured alternately in the same run.
+
+    benches/peers/compare.py [--np 2 4] [--ops allreduce broadcast allgather]
+                             [--rounds 5] [--transport default|tcp]
+                             [--min 4] [--max 64M] [--iters 20] [--warmup 5]
+                             [--plot DIR]
+
+Builds kungfu-bench (release) and benches/peers/mpi_bench.c (mpicc), then
+for each np and op runs the two one after the other, --rounds times, and
+prints per size the median busbw of each, the ratio KungFu-rs / Open MPI of
+busbw, and for sizes up to 1 KiB the ratio of time per op (lower is better
+for KungFu-rs). Both use f32, out of place, the same sizes, the same
+iteration rule (warmup, then iters back to back; the slowest rank's mean).
+
+--transport default: Open MPI with its defaults (shared memory inside the
+host) against KungFu-rs's default transport; tcp: Open MPI forced onto TCP
+over loopback (--mca btl tcp,self --mca btl_tcp_if_include lo) against
+KungFu-rs's TCP transport. Machines are shared and noisy: read the ratios,
+and the spread between rounds, not single numbers.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def size(s):
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:].upper(), 1)
+    return int(s[:-1] if mult > 1 else s) * mult
+
+
+def run(cmd, env=None, timeout=1800):
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    if r.returncode != 0:
+        sys.exit(f"failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout}\n{r.stderr}")
+    return r.stdout
+
+
+def build(workdir):
+    run(["cargo", "build", "--release", "--locked", "-q", "-p", "kungfu-tools", "--bins"])
+    exe = os.path.join(workdir, "mpi_bench")
+    run(["mpicc", "-O2", "-o", exe, os.path.join(ROOT, "benches", "peers", "mpi_bench.c")])
+    return exe
+
+
+def kungfu(np_, op, a, workdir):
+    out = os.path.join(workdir, "kf.json")
+    rel = os.path.join(ROOT, "target", "release")
+    run([os.path.join(rel, "kungfu-run"), "-np", str(np_), "--timeout", "20m",
+         os.path.join(rel, "kungfu-bench"), op, "-b", str(a.min), "-e", str(a.max), "-f", "4",
+         "-n", str(a.iters), "-w", str(a.warmup), "-c", "1", "--in-place", "0", "--json", out])
+    with open(out) as f:
+        rows = json.load(f)["rows"]
+    return {r["size"]: (r["out_of_place"]["busbw_gbps"], r["out_of_place"]["time_us"]) for r in rows}
+
+
+def mpi(np_, op, a, exe):
+    cmd = ["mpirun", "-np", str(np_), "--oversubscribe"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    if a.transport == "tcp":
+        cmd += ["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"]
+    cmd += [exe, op, "-b", str(a.min), "-e", str(a.max), "-f", "4", "-n", str(a.iters),
+            "-w", str(a.warmup), "-c", "1"]
+    res = {}
+    for line in run(cmd).splitlines():
+        f = line.split()
+        if f and not line.startswith("#"):
+            res[int(f[0])] = (float(f[7]), float(f[5]))
+    return res
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--np", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--ops", nargs="+", default=["allreduce", "broadcast", "allgather"])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--transport", choices=["default", "tcp"], default="default")
+    p.add_argument("--min", type=size, default=4)
+    p.add_argument("--max", type=size, default=64 << 20)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="kungfu-compare-") as workdir:
+        exe = build(workdir)
+        for np_ in a.np:
+            for op in a.ops:
+                kf, om = {}, {}
+                for _ in range(a.rounds):
+                    for s, v in kungfu(np_, op, a, workdir).items():
+                        kf.setdefault(s, []).append(v)
+                    for s, v in mpi(np_, op, a, exe).items():
+                        om.setdefault(s, []).append(v)
+                print(f"\n## {op}, np={np_}, transport {a.transport}, median of {a.rounds} rounds")
+                print(f"{'size':>10} {'kf busbw':>9} {'mpi busbw':>9} {'ratio':>6} "
+                      f"{'kf us':>9} {'mpi us':>9} {'t ratio':>7}")
+                for s in sorted(set(kf) & set(om)):
+                    kb = statistics.median(x[0] for x in kf[s])
+                    mb = statistics.median(x[0] for x in om[s])
+                    kt = statistics.median(x[1] for x in kf[s])
+                    mt = statistics.median(x[1] for x in om[s])
+                    ratio = f"{kb / mb:6.2f}" if mb > 0 else "     -"
+                    tr = f"{kt / mt:7.2f}" if s <= 1024 and mt > 0 else "      -"
+                    print(f"{s:>10} {kb:9.3f} {mb:9.3f} {ratio} {kt:9.1f} {mt:9.1f} {tr}")
+                sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
