@@ -111,7 +111,13 @@ fn main() {
         .enable_all()
         .build()
         .expect("tokio runtime");
-    if let Err(e) = rt.block_on(run(args)) {
+    // On a runtime worker, beside the ops' tasks (see kungfu-bench).
+    let res = rt.block_on(async {
+        tokio::spawn(run(args))
+            .await
+            .unwrap_or_else(|e| Err(anyhow::anyhow!("self-test task failed: {e}")))
+    });
+    if let Err(e) = res {
         eprintln!("kungfu-selftest: error: {e:#}");
         std::process::exit(1);
     }
