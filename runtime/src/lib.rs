@@ -24,6 +24,8 @@ use std::sync::Arc;
 
 use kungfu_collectives::{CollectiveError, Session, SessionConfig};
 use kungfu_topology::{PeerList, Rank};
+use kungfu_transport::any::AnyTransport;
+use kungfu_transport::shm::{ShmConfig, ShmTransport};
 use kungfu_transport::tcp::{TcpConfig, TcpTransport};
 use kungfu_transport::{Epoch, TransportError};
 use tokio::net::TcpListener;
@@ -47,7 +49,7 @@ pub enum BootstrapError {
         #[source]
         source: std::io::Error,
     },
-    #[error("transport {0:?} is not available (this build has: tcp)")]
+    #[error("transport {0:?} is not available (this build has: tcp, shm)")]
     UnsupportedTransport(String),
     #[error("connecting to the peers: {0}")]
     Transport(#[from] TransportError),
@@ -59,14 +61,14 @@ pub enum BootstrapError {
 pub struct Worker {
     env: WorkerEnv,
     peers: PeerList,
-    session: Session<TcpTransport>,
+    session: Session<AnyTransport>,
 }
 
 impl Worker {
     /// Finds the peers as `env` says, connects to all of them and starts a
     /// session. Must run inside a multi-threaded tokio runtime.
     pub async fn start(env: WorkerEnv) -> Result<Worker, BootstrapError> {
-        if env.transport != "tcp" {
+        if env.transport != "tcp" && env.transport != "shm" {
             return Err(BootstrapError::UnsupportedTransport(env.transport.clone()));
         }
         let deadline = Instant::now() + env.connect_timeout;
@@ -118,14 +120,37 @@ impl Worker {
                 got?
             }
         };
-        let mut cfg = TcpConfig::new(
-            cluster_id,
-            Epoch(env.cluster_version),
-            Rank(env.rank as u32),
-            peers.clone(),
-        );
-        cfg.connect_timeout = deadline.saturating_duration_since(Instant::now());
-        let transport: Arc<TcpTransport> = TcpTransport::connect(cfg, listener).await?;
+        let connect_timeout = deadline.saturating_duration_since(Instant::now());
+        let transport = if env.transport == "shm" {
+            if peers.hosts().len() != 1 {
+                return Err(BootstrapError::Env {
+                    var: "KUNGFU_TRANSPORT".into(),
+                    reason: format!(
+                        "shm needs every worker on one host; these are on {} hosts (use tcp)",
+                        peers.hosts().len()
+                    ),
+                });
+            }
+            drop(listener);
+            let mut cfg = ShmConfig::new(
+                cluster_id,
+                Epoch(env.cluster_version),
+                Rank(env.rank as u32),
+                env.size,
+            );
+            cfg.connect_timeout = connect_timeout;
+            AnyTransport::Shm(ShmTransport::connect(cfg).await?)
+        } else {
+            let mut cfg = TcpConfig::new(
+                cluster_id,
+                Epoch(env.cluster_version),
+                Rank(env.rank as u32),
+                peers.clone(),
+            );
+            cfg.connect_timeout = connect_timeout;
+            AnyTransport::Tcp(TcpTransport::connect(cfg, listener).await?)
+        };
+        let transport = Arc::new(transport);
         let session = Session::new(
             transport,
             peers.clone(),
@@ -149,7 +174,7 @@ impl Worker {
         self.session.close(linger).await;
     }
 
-    pub fn session(&self) -> &Session<TcpTransport> {
+    pub fn session(&self) -> &Session<AnyTransport> {
         &self.session
     }
 

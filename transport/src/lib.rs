@@ -9,6 +9,8 @@
 //! - [`tcp::TcpTransport`]: tokio, one connection per peer pair,
 //!   `TCP_NODELAY`, a handshake that checks cluster id, epoch, ranks and the
 //!   peer list.
+//! - [`shm::ShmTransport`]: shared memory between the ranks of one host,
+//!   a ring per ordered pair with spin-then-futex waiting.
 //! - [`mem::MemNetwork`]: in-process, for tests; it can delay and reorder
 //!   frames with a seeded RNG and kill ranks.
 //!
@@ -61,9 +63,13 @@ use std::sync::Arc;
 use bytes::Bytes;
 use kungfu_topology::Rank;
 
+pub mod any;
 pub mod header;
 pub mod mailbox;
 pub mod mem;
+// The only module with unsafe code: mapped memory, atomics in it, futexes.
+#[allow(unsafe_code)]
+pub mod shm;
 pub mod tcp;
 
 pub use header::{FrameKind, Header, HeaderError, OpId, OpTag, HEADER_LEN};

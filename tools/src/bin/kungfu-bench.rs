@@ -24,7 +24,7 @@ use kungfu_collectives::{reference, DType, OpKind, OpOutput, OpSpec, ReduceOp, S
 use kungfu_tools::plot::{svg, Series};
 use kungfu_tools::{fmt_size, parse_size};
 use kungfu_topology::{Rank, Strategy};
-use kungfu_transport::tcp::TcpTransport;
+use kungfu_transport::any::AnyTransport;
 
 const USAGE: &str = "\
 usage: kungfu-bench OP [options]     (run under kungfu-run)
@@ -249,7 +249,7 @@ struct Row {
 /// Runs `iters` ops of `spec`, in place or not; returns the mean time per
 /// op on this rank and the output of the last one.
 async fn time_ops(
-    s: &Session<TcpTransport>,
+    s: &Session<AnyTransport>,
     name: &str,
     spec: OpSpec,
     input: &[u8],
@@ -276,7 +276,7 @@ async fn time_ops(
 }
 
 async fn measure(
-    s: &Session<TcpTransport>,
+    s: &Session<AnyTransport>,
     args: &Args,
     spec: OpSpec,
     in_place: bool,

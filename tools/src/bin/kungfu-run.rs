@@ -26,7 +26,7 @@ options:
                         hosts in order; workers on other machines start via ssh
   --strategy S          STAR, RING, TREE, BINARY_TREE, BINARY_TREE_STAR,
                         MULTI_BINARY_TREE_STAR, CLIQUE or AUTO (default AUTO)
-  --transport T         tcp (default)
+  --transport T         tcp (default) or shm (shared memory; every worker on one host)
   --timeout DUR         stop the job after DUR (e.g. 90s, 5m); exit status 124
   --grace DUR           after a worker fails, how long the others may take to
                         exit by themselves before SIGTERM (default 2s)
@@ -73,9 +73,9 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
             }
             "--transport" => {
                 o.transport = value(&mut i, a)?;
-                if o.transport != "tcp" {
+                if o.transport != "tcp" && o.transport != "shm" {
                     bail!(
-                        "transport {:?} is not available (this build has: tcp)",
+                        "transport {:?} is not available (this build has: tcp, shm)",
                         o.transport
                     );
                 }

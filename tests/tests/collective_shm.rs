@@ -1,0 +1,61 @@
+//! The collectives over the shared-memory transport, 4 ranks in one process.
+
+use kungfu_collectives::{reference, DType, OpKind, OpSpec, ReduceOp, Session, SessionConfig};
+use kungfu_tests::shm_cluster;
+use kungfu_topology::{PeerList, Rank, Strategy};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_op_every_strategy_over_shm() {
+    let n = 4;
+    let kinds = [
+        OpKind::Allreduce(ReduceOp::Sum),
+        OpKind::Reduce {
+            op: ReduceOp::Max,
+            root: Rank(2),
+        },
+        OpKind::Broadcast { root: Rank(1) },
+        OpKind::Allgather,
+        OpKind::Gather { root: Rank(3) },
+        OpKind::ReduceScatter(ReduceOp::Sum),
+        OpKind::Alltoall,
+    ];
+    for strategy in Strategy::ALL {
+        let ts = shm_cluster(n, 64 << 10).await;
+        let ss: Vec<_> = ts
+            .into_iter()
+            .map(|t| {
+                let cfg = SessionConfig {
+                    strategy,
+                    chunk_bytes: 32 << 10,
+                    ..SessionConfig::default()
+                };
+                Session::new(t, PeerList::local(n), cfg).unwrap()
+            })
+            .collect();
+        for (k, kind) in kinds.iter().enumerate() {
+            for count in [0usize, 7, 100_003] {
+                let spec = OpSpec {
+                    kind: *kind,
+                    dtype: DType::F32,
+                    count,
+                };
+                let inputs = reference::inputs(&spec, n);
+                let name = format!("op{k}/{count}");
+                let hs: Vec<_> = ss
+                    .iter()
+                    .enumerate()
+                    .map(|(r, s)| s.submit(&name, spec, &inputs[r]))
+                    .collect();
+                for (r, h) in hs.into_iter().enumerate() {
+                    let out = h
+                        .await
+                        .unwrap_or_else(|e| panic!("{strategy} {kind:?} {count}: {e}"));
+                    assert!(
+                        out.bytes().map(<[u8]>::to_vec) == reference::expected(&spec, r, &inputs),
+                        "{strategy} {kind:?} count {count}: rank {r} wrong"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,96 @@
+//! One type for "whichever backend the job chose", so that the layers
+//! above (the runtime, the C ABI) need not be generic over it.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kungfu_topology::Rank;
+
+use crate::shm::ShmTransport;
+use crate::tcp::TcpTransport;
+use crate::{
+    Capabilities, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
+};
+
+/// A TCP or shared-memory endpoint.
+pub enum AnyTransport {
+    Tcp(Arc<TcpTransport>),
+    Shm(Arc<ShmTransport>),
+}
+
+type Boxed<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+macro_rules! each {
+    ($self:ident, $t:ident => $e:expr) => {
+        match $self {
+            AnyTransport::Tcp($t) => $e,
+            AnyTransport::Shm($t) => $e,
+        }
+    };
+}
+
+impl Transport for AnyTransport {
+    fn rank(&self) -> Rank {
+        each!(self, t => t.rank())
+    }
+
+    fn size(&self) -> usize {
+        each!(self, t => t.size())
+    }
+
+    fn epoch(&self) -> Epoch {
+        each!(self, t => t.epoch())
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        each!(self, t => t.capabilities())
+    }
+
+    fn send(
+        &self,
+        to: Rank,
+        header: Header,
+        payload: Bytes,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send {
+        let f: Boxed<'_, _> = each!(self, t => Box::pin(t.send(to, header, payload)));
+        f
+    }
+
+    fn recv<'a>(
+        &'a self,
+        tag: OpTag,
+        from: &'a PeerSet,
+        deadline: Instant,
+    ) -> impl Future<Output = Result<Frame, TransportError>> + Send + 'a {
+        let f: Boxed<'a, _> = each!(self, t => Box::pin(t.recv(tag, from, deadline)));
+        f
+    }
+
+    fn recv_stray(
+        &self,
+        deadline: Instant,
+    ) -> impl Future<Output = Result<Frame, TransportError>> + Send + '_ {
+        let f: Boxed<'_, _> = each!(self, t => Box::pin(t.recv_stray(deadline)));
+        f
+    }
+
+    fn retire(&self, tag: OpTag) {
+        each!(self, t => t.retire(tag))
+    }
+
+    fn check_peers(&self, peers: &PeerSet) -> Result<(), TransportError> {
+        each!(self, t => t.check_peers(peers))
+    }
+
+    fn close(&self, linger: Duration) -> impl Future<Output = ()> + Send + '_ {
+        let f: Boxed<'_, _> = each!(self, t => Box::pin(t.close(linger)));
+        f
+    }
+
+    fn shutdown(&self) {
+        each!(self, t => t.shutdown())
+    }
+}
