@@ -272,8 +272,24 @@ fn shared_memory_transport() {
         for op in ["allreduce", "allgather", "broadcast"] {
             let np_s = np.to_string();
             let cmd = kungfu_run(&[
-                "-np", &np_s, "--transport", "shm", "--strategy", s, BENCH, op, "-b", "0", "-e", "4M", "-f", "64",
-                "-n", "2", "-w", "1",
+                "-np",
+                &np_s,
+                "--transport",
+                "shm",
+                "--strategy",
+                s,
+                BENCH,
+                op,
+                "-b",
+                "0",
+                "-e",
+                "4M",
+                "-f",
+                "64",
+                "-n",
+                "2",
+                "-w",
+                "1",
             ]);
             let out = run_bounded(cmd, Duration::from_secs(120));
             assert!(out.status.success(), "{op} np={np} {s}:\n{}", text(&out));
@@ -281,20 +297,47 @@ fn shared_memory_transport() {
     }
     let started = Instant::now();
     let out = run_bounded(
-        kungfu_run(&["-np", "3", "--transport", "shm", SELFTEST, "--steps", "100000", "--size", "4096", "--exit", "1:30:9"]),
+        kungfu_run(&[
+            "-np",
+            "3",
+            "--transport",
+            "shm",
+            SELFTEST,
+            "--steps",
+            "100000",
+            "--size",
+            "4096",
+            "--exit",
+            "1:30:9",
+        ]),
         Duration::from_secs(60),
     );
     let t = text(&out);
     assert!(!out.status.success(), "{t}");
     assert!(t.contains("kungfu-run: rank 1 exited with status 9"), "{t}");
-    assert!(t.contains("sending process") || t.contains("receiving process") || t.contains("rank 1"), "{t}");
+    assert!(
+        t.contains("sending process") || t.contains("receiving process") || t.contains("rank 1"),
+        "{t}"
+    );
     assert!(started.elapsed() < Duration::from_secs(30), "{t}");
     // two hosts cannot share memory: a clear error, not a hang
     let out = run_bounded(
-        kungfu_run(&["-np", "2", "-H", "127.0.0.1:1,127.0.0.2:1", "--transport", "shm", SELFTEST]),
+        kungfu_run(&[
+            "-np",
+            "2",
+            "-H",
+            "127.0.0.1:1,127.0.0.2:1",
+            "--transport",
+            "shm",
+            SELFTEST,
+        ]),
         Duration::from_secs(60),
     );
-    assert!(text(&out).contains("shm needs every worker on one host"), "{}", text(&out));
+    assert!(
+        text(&out).contains("shm needs every worker on one host"),
+        "{}",
+        text(&out)
+    );
 }
 
 #[test]

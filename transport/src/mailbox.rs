@@ -92,46 +92,83 @@ impl Mailbox {
         &self,
         from: Rank,
         header: Header,
-        payload: Bytes,
+        mut payload: Bytes,
     ) -> Result<(), TransportError> {
-        let len = payload.len();
         loop {
             let notified = self.space.notified();
-            {
-                let mut inner = self.lock();
-                if inner.closed {
-                    return Err(TransportError::Closed);
-                }
-                if header.tag.epoch < inner.epoch {
-                    let err = TransportError::StaleEpoch {
-                        peer: from,
-                        frame: header.tag.epoch,
-                        current: inner.epoch,
-                    };
-                    inner.refused += 1;
-                    inner.last_refusal = Some(err.clone());
-                    return Err(err);
-                }
-                if inner.retired.contains(&header.tag) {
-                    push_stray(&mut inner, from, header);
-                    return Ok(());
-                }
-                if inner.queued_bytes == 0 || inner.queued_bytes + len <= self.budget {
-                    inner.queued_bytes += len;
-                    let slot = inner.slots.entry(header.tag).or_default();
-                    slot.frames.push_back(Frame {
-                        from,
-                        header,
-                        payload,
-                    });
-                    for w in slot.wakers.drain(..) {
-                        w.wake();
-                    }
-                    return Ok(());
-                }
+            match self.offer(from, header, payload, false)? {
+                None => return Ok(()),
+                Some(back) => payload = back,
             }
             notified.await;
         }
+    }
+
+    /// Whether a payload of `len` bytes fits the budget now.
+    pub fn has_room(&self, len: usize) -> bool {
+        let inner = self.lock();
+        inner.queued_bytes == 0 || inner.queued_bytes + len <= self.budget
+    }
+
+    /// Queues a frame without waiting, over budget or not (the caller
+    /// checked [`Mailbox::has_room`]); otherwise as [`Mailbox::deliver`].
+    pub fn deliver_now(
+        &self,
+        from: Rank,
+        header: Header,
+        payload: Bytes,
+    ) -> Result<(), TransportError> {
+        self.offer(from, header, payload, true).map(|_| ())
+    }
+
+    /// Queues the frame if the budget allows (or `force`); gives the
+    /// payload back if it must wait.
+    fn offer(
+        &self,
+        from: Rank,
+        header: Header,
+        payload: Bytes,
+        force: bool,
+    ) -> Result<Option<Bytes>, TransportError> {
+        let len = payload.len();
+        let mut inner = self.lock();
+        if inner.closed {
+            return Err(TransportError::Closed);
+        }
+        if header.tag.epoch < inner.epoch {
+            let err = TransportError::StaleEpoch {
+                peer: from,
+                frame: header.tag.epoch,
+                current: inner.epoch,
+            };
+            inner.refused += 1;
+            inner.last_refusal = Some(err.clone());
+            return Err(err);
+        }
+        if inner.retired.contains(&header.tag) {
+            push_stray(&mut inner, from, header);
+            return Ok(None);
+        }
+        if !(force || inner.queued_bytes == 0 || inner.queued_bytes + len <= self.budget) {
+            return Ok(Some(payload));
+        }
+        inner.queued_bytes += len;
+        let slot = inner.slots.entry(header.tag).or_default();
+        slot.frames.push_back(Frame {
+            from,
+            header,
+            payload,
+        });
+        for w in slot.wakers.drain(..) {
+            w.wake();
+        }
+        Ok(None)
+    }
+
+    /// The next frame of `tag` from a rank in `from`, or the reason none
+    /// will come, if either is known now; never waits.
+    pub fn try_recv(&self, tag: OpTag, from: &PeerSet) -> Option<Result<Frame, TransportError>> {
+        self.take(tag, from, None)
     }
 
     fn poll_recv(
@@ -140,6 +177,20 @@ impl Mailbox {
         tag: OpTag,
         from: &PeerSet,
     ) -> Poll<Result<Frame, TransportError>> {
+        match self.take(tag, from, Some(cx.waker())) {
+            Some(r) => Poll::Ready(r),
+            None => Poll::Pending,
+        }
+    }
+
+    /// Takes a matching frame, or reports closure or a lost peer; else
+    /// registers `waker` (if any) and returns `None`.
+    fn take(
+        &self,
+        tag: OpTag,
+        from: &PeerSet,
+        waker: Option<&Waker>,
+    ) -> Option<Result<Frame, TransportError>> {
         let mut inner = self.lock();
         if let Some(slot) = inner.slots.get_mut(&tag) {
             if let Some(i) = slot.frames.iter().position(|f| from.contains(f.from)) {
@@ -150,20 +201,22 @@ impl Mailbox {
                 inner.queued_bytes -= frame.payload.len();
                 drop(inner);
                 self.space.notify_waiters();
-                return Poll::Ready(Ok(frame));
+                return Some(Ok(frame));
             }
         }
         if inner.closed {
-            return Poll::Ready(Err(TransportError::Closed));
+            return Some(Err(TransportError::Closed));
         }
         if let Some(err) = lost_in(&inner, from) {
-            return Poll::Ready(Err(err));
+            return Some(Err(err));
         }
-        let slot = inner.slots.entry(tag).or_default();
-        if !slot.wakers.iter().any(|w| w.will_wake(cx.waker())) {
-            slot.wakers.push(cx.waker().clone());
+        if let Some(w) = waker {
+            let slot = inner.slots.entry(tag).or_default();
+            if !slot.wakers.iter().any(|x| x.will_wake(w)) {
+                slot.wakers.push(w.clone());
+            }
         }
-        Poll::Pending
+        None
     }
 
     fn forget_waiter(&self, tag: OpTag) {
@@ -470,6 +523,28 @@ mod tests {
             .recv_stray(Instant::now() + Duration::from_millis(10))
             .await;
         assert!(matches!(none, Err(TransportError::Timeout { .. })));
+    }
+
+    #[tokio::test]
+    async fn non_waiting_paths() {
+        let mb = Mailbox::new(Epoch(1), 10);
+        let all = PeerSet::all(2);
+        assert!(mb.try_recv(tag(1), &all).is_none());
+        assert!(mb.has_room(100), "an empty mailbox admits any frame");
+        mb.deliver_now(Rank(1), header(tag(1), 8), Bytes::from(vec![1; 8]))
+            .unwrap();
+        assert!(!mb.has_room(8));
+        // forced past the budget
+        mb.deliver_now(Rank(1), header(tag(1), 8), Bytes::from(vec![2; 8]))
+            .unwrap();
+        assert_eq!(mb.queued_bytes(), 16);
+        assert_eq!(mb.try_recv(tag(1), &all).unwrap().unwrap().payload[0], 1);
+        assert_eq!(mb.try_recv(tag(1), &all).unwrap().unwrap().payload[0], 2);
+        mb.fail_peer(Rank(1), "gone");
+        assert!(matches!(
+            mb.try_recv(tag(1), &all),
+            Some(Err(TransportError::PeerLost { .. }))
+        ));
     }
 
     #[tokio::test]

@@ -85,6 +85,9 @@ pub struct ShmConfig {
     pub connect_timeout: Duration,
     /// Where the ring files live (`/dev/shm`).
     pub dir: PathBuf,
+    /// How long a receive polls the rings itself (yielding to other tasks
+    /// in between) before it sleeps until the reader thread wakes it.
+    pub spin: Duration,
 }
 
 impl ShmConfig {
@@ -101,6 +104,7 @@ impl ShmConfig {
             mailbox_bytes: 256 << 20,
             connect_timeout: Duration::from_secs(30),
             dir: PathBuf::from("/dev/shm"),
+            spin: Duration::from_micros(50),
         }
     }
 }
@@ -308,6 +312,57 @@ impl Ring {
         head_w.store(at, Ordering::Release);
         self.notify(OFF_DATA_SEQ, OFF_RECV_SLEEPING);
         true
+    }
+
+    /// Receiver: bytes published and not yet consumed.
+    fn available(&self) -> usize {
+        let head = self.u64_at(OFF_HEAD).load(Ordering::Acquire);
+        let tail = self.u64_at(OFF_TAIL).load(Ordering::Relaxed);
+        head.wrapping_sub(tail) as usize
+    }
+
+    /// Receiver: copies the next `dst.len()` published bytes without
+    /// consuming them (the caller checked `available()`), and consumes
+    /// them too if `consume`.
+    fn copy_out(&self, dst: &mut [u8], consume: bool) {
+        let tail_w = self.u64_at(OFF_TAIL);
+        let tail = tail_w.load(Ordering::Relaxed);
+        let n = dst.len();
+        debug_assert!(n <= self.available());
+        let pos = (tail as usize) & (self.cap - 1);
+        let first = n.min(self.cap - pos);
+        // SAFETY: as in `read_exact`: these bytes are published and stay
+        // untouched by the sender until `tail` passes them.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.data().add(pos), dst.as_mut_ptr(), first);
+            std::ptr::copy_nonoverlapping(self.data(), dst.as_mut_ptr().add(first), n - first);
+        }
+        if consume {
+            tail_w.store(tail + n as u64, Ordering::Release);
+            self.notify(OFF_SPACE_SEQ, OFF_SEND_SLEEPING);
+        }
+    }
+
+    /// Receiver: waits until data is published, the sender closed, or
+    /// `give_up()` says why not.
+    fn wait_data(&self, stop: &AtomicBool) -> Result<(), String> {
+        let head_w = self.u64_at(OFF_HEAD);
+        let tail = self.u64_at(OFF_TAIL).load(Ordering::Relaxed);
+        let send_pid = || self.u32_at(OFF_SEND_PID).load(Ordering::Acquire);
+        self.wait(
+            OFF_DATA_SEQ,
+            OFF_RECV_SLEEPING,
+            || head_w.load(Ordering::Acquire) != tail || self.closed() & SENDER_CLOSED != 0,
+            || {
+                if stop.load(Ordering::Acquire) {
+                    Some("endpoint stopped".into())
+                } else if !pid_alive(send_pid()) {
+                    Some(format!("sending process {} is gone", send_pid()))
+                } else {
+                    None
+                }
+            },
+        )
     }
 
     /// Receiver: fills `dst`, waiting for data as needed. `Err(None)` is a
@@ -521,6 +576,13 @@ pub struct ShmTransport {
     /// thread for a whole (possibly waiting) frame, or by a sender that
     /// writes a frame that fits at once, without a thread hand-off.
     out_locks: Vec<Arc<std::sync::Mutex<()>>>,
+    /// Held while a frame is taken out of an inbound ring: by its reader
+    /// thread, or by a receiving task that polls the rings itself.
+    in_locks: Vec<Arc<std::sync::Mutex<()>>>,
+    /// How long a receive polls the rings itself before it sleeps.
+    spin: Duration,
+    /// More ranks on this host than cores.
+    oversubscribed: bool,
     stop: Arc<AtomicBool>,
     readers_done: Vec<Arc<AtomicBool>>,
 }
@@ -579,17 +641,20 @@ impl ShmTransport {
                     reason: format!("writer thread: {e}"),
                 })?;
         }
+        let in_locks: Vec<Arc<std::sync::Mutex<()>>> = (0..n)
+            .map(|_| Arc::new(std::sync::Mutex::new(())))
+            .collect();
         for (peer, ring) in inbound.iter().enumerate() {
             let Some(ring) = ring.clone() else { continue };
             let done = Arc::new(AtomicBool::new(false));
             readers_done.push(done.clone());
-            let (mb, stop) = (mailbox.clone(), stop.clone());
+            let (mb, stop, lock) = (mailbox.clone(), stop.clone(), in_locks[peer].clone());
             let peer = Rank(peer as u32);
             let max = cfg.max_frame;
             std::thread::Builder::new()
                 .name(format!("kungfu-shm-r{}", peer.0))
                 .spawn(move || {
-                    read_loop(&ring, peer, &mb, &stop, max);
+                    read_loop(&ring, &lock, peer, &mb, &stop, max);
                     done.store(true, Ordering::Release);
                 })
                 .map_err(|e| TransportError::Handshake {
@@ -608,6 +673,9 @@ impl ShmTransport {
             inbound,
             outbound,
             out_locks,
+            in_locks,
+            spin: cfg.spin,
+            oversubscribed: std::thread::available_parallelism().map_or(true, |c| n > c.get()),
             stop,
             readers_done,
         }))
@@ -681,31 +749,99 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
     }
 }
 
-fn read_loop(ring: &Ring, peer: Rank, mailbox: &Mailbox, stop: &AtomicBool, max_frame: usize) {
+fn read_loop(
+    ring: &Ring,
+    lock: &std::sync::Mutex<()>,
+    peer: Rank,
+    mailbox: &Mailbox,
+    stop: &AtomicBool,
+    max_frame: usize,
+) {
     loop {
-        let mut hb = [0u8; HEADER_LEN];
-        match ring.read_exact(&mut hb, stop) {
-            Ok(()) => {}
-            Err(None) => return mailbox.fail_peer(peer, "connection closed by peer"),
-            Err(Some(why)) => return mailbox.fail_peer(peer, why),
+        // Wait without the lock, so receivers may take frames themselves.
+        if ring.available() == 0 {
+            if ring.closed() & SENDER_CLOSED != 0 {
+                return mailbox.fail_peer(peer, "connection closed by peer");
+            }
+            if let Err(why) = ring.wait_data(stop) {
+                return mailbox.fail_peer(peer, why);
+            }
+            continue;
         }
-        let header = match Header::decode(&hb, max_frame) {
-            Ok(h) => h,
-            Err(e) => return mailbox.fail_peer(peer, format!("protocol violation: {e}")),
+        let frame = {
+            let _taking = lock.lock().unwrap_or_else(|e| e.into_inner());
+            if ring.available() == 0 {
+                continue; // a receiver took it
+            }
+            let mut hb = [0u8; HEADER_LEN];
+            if let Err(e) = ring.read_exact(&mut hb, stop) {
+                return mailbox.fail_peer(
+                    peer,
+                    e.unwrap_or_else(|| "connection closed by peer".into()),
+                );
+            }
+            let header = match Header::decode(&hb, max_frame) {
+                Ok(h) => h,
+                Err(e) => return mailbox.fail_peer(peer, format!("protocol violation: {e}")),
+            };
+            let mut payload = vec![0u8; header.len as usize];
+            if let Err(e) = ring.read_exact(&mut payload, stop) {
+                return mailbox.fail_peer(
+                    peer,
+                    e.unwrap_or_else(|| "ring closed in the middle of a frame".into()),
+                );
+            }
+            (header, payload)
         };
-        let mut payload = vec![0u8; header.len as usize];
-        if let Err(e) = ring.read_exact(&mut payload, stop) {
-            return mailbox.fail_peer(
-                peer,
-                e.unwrap_or_else(|| "ring closed in the middle of a frame".into()),
-            );
-        }
         // The mailbox may make us wait for space (back-pressure): this
         // thread stops reading the ring, and the sender stops when it fills.
-        match block_on(mailbox.deliver(peer, header, Bytes::from(payload))) {
+        match block_on(mailbox.deliver(peer, frame.0, Bytes::from(frame.1))) {
             Ok(()) | Err(TransportError::StaleEpoch { .. }) => {}
             Err(_) => return,
         }
+    }
+}
+
+impl ShmTransport {
+    /// Moves every whole frame that is already in an inbound ring into the
+    /// mailbox, without waiting and without the reader threads (a ring
+    /// whose reader is busy is skipped). Returns whether it moved any.
+    fn pump(&self) -> bool {
+        let mut moved = false;
+        for (peer, ring) in self.inbound.iter().enumerate() {
+            let Some(ring) = ring else { continue };
+            if ring.available() < HEADER_LEN {
+                continue;
+            }
+            let Ok(_taking) = self.in_locks[peer].try_lock() else {
+                continue;
+            };
+            loop {
+                let avail = ring.available();
+                if avail < HEADER_LEN || avail > ring.cap {
+                    break;
+                }
+                let mut hb = [0u8; HEADER_LEN];
+                ring.copy_out(&mut hb, false);
+                // A bad header is left for the reader thread to report.
+                let Ok(header) = Header::decode(&hb, self.max_frame) else {
+                    break;
+                };
+                let len = header.len as usize;
+                if avail < HEADER_LEN + len || !self.mailbox.has_room(len) {
+                    break;
+                }
+                ring.copy_out(&mut hb, true);
+                let mut payload = vec![0u8; len];
+                ring.copy_out(&mut payload, true);
+                let from = Rank(peer as u32);
+                match self.mailbox.deliver_now(from, header, Bytes::from(payload)) {
+                    Ok(()) | Err(TransportError::StaleEpoch { .. }) => moved = true,
+                    Err(_) => return moved,
+                }
+            }
+        }
+        moved
     }
 }
 
@@ -813,13 +949,36 @@ impl Transport for ShmTransport {
         wait.await.map_err(|_| TransportError::Closed)?
     }
 
-    fn recv<'a>(
+    async fn recv<'a>(
         &'a self,
         tag: OpTag,
         from: &'a PeerSet,
         deadline: Instant,
-    ) -> impl std::future::Future<Output = Result<Frame, TransportError>> + Send + 'a {
-        self.mailbox.recv(tag, from, deadline)
+    ) -> Result<Frame, TransportError> {
+        // Poll the rings ourselves for a short while, yielding to other
+        // tasks in between: a frame that arrives meanwhile costs no thread
+        // wake-up. Then sleep until the reader thread delivers.
+        let spin_until = std::time::Instant::now() + self.spin;
+        loop {
+            if let Some(r) = self.mailbox.try_recv(tag, from) {
+                return r;
+            }
+            if self.pump() {
+                continue;
+            }
+            if std::time::Instant::now() >= spin_until {
+                break;
+            }
+            // With more ranks than cores, give the CPU to the other
+            // processes first (the one we wait for may need it); measured
+            // on 2 cores: 4 ranks, 4-byte allreduce 280 -> 80..120 us,
+            // while 2 ranks are fastest without (5 us, against 30 us).
+            if self.oversubscribed {
+                std::thread::yield_now();
+            }
+            tokio::task::yield_now().await;
+        }
+        self.mailbox.recv(tag, from, deadline).await
     }
 
     fn recv_stray(
