@@ -602,9 +602,17 @@ impl RunningOp {
                 let Some(tx) = self.plan.poll_transmit() else {
                     break;
                 };
+                let header = self.header(FrameKind::Data, tx.chunk, tx.step);
+                // Straight from the buffer where the backend can (no copy
+                // into an owned payload, no task).
+                if t.try_send_now(tx.to, header, &self.work[tx.range.clone()])
+                    .map_err(|e| self.transport_error(e))?
+                {
+                    self.plan.handle_sent(tx.id, &mut self.work);
+                    continue;
+                }
                 let payload = Bytes::copy_from_slice(&self.work[tx.range.clone()]);
                 self.plan.handle_sent(tx.id, &mut self.work);
-                let header = self.header(FrameKind::Data, tx.chunk, tx.step);
                 let t = t.clone();
                 let len = payload.len();
                 inflight += len;

@@ -85,6 +85,15 @@ impl Transport for AnyTransport {
         each!(self, t => t.check_peers(peers))
     }
 
+    fn try_send_now(
+        &self,
+        to: Rank,
+        header: Header,
+        payload: &[u8],
+    ) -> Result<bool, TransportError> {
+        each!(self, t => t.try_send_now(to, header, payload))
+    }
+
     fn close(&self, linger: Duration) -> impl Future<Output = ()> + Send + '_ {
         let f: Boxed<'_, _> = each!(self, t => Box::pin(t.close(linger)));
         f

@@ -260,6 +260,20 @@ pub trait Transport: Send + Sync + 'static {
     /// The first lost rank in `peers`, with the reason, if any.
     fn check_peers(&self, peers: &PeerSet) -> Result<(), TransportError>;
 
+    /// Sends a frame at once straight from the caller's bytes, if the
+    /// backend can without waiting (shared memory with room in the ring):
+    /// `Ok(true)` when sent, `Ok(false)` when the caller must use
+    /// [`Transport::send`]. Saves the copy into an owned buffer.
+    fn try_send_now(
+        &self,
+        to: Rank,
+        header: Header,
+        payload: &[u8],
+    ) -> Result<bool, TransportError> {
+        let _ = (to, header, payload);
+        Ok(false)
+    }
+
     /// Closes gracefully: every frame already sent reaches its peer, the
     /// peers are told this endpoint is done, and the endpoint waits up to
     /// `linger` for them to finish with it too; then as [`Transport::shutdown`].

@@ -343,6 +343,28 @@ impl Ring {
         }
     }
 
+    /// Receiver: the next `len` published bytes (the caller checked
+    /// `available()`), consumed, in a new vector that is not zeroed first.
+    fn take_vec(&self, len: usize) -> Vec<u8> {
+        let tail_w = self.u64_at(OFF_TAIL);
+        let tail = tail_w.load(Ordering::Relaxed);
+        debug_assert!(len <= self.available());
+        let mut v: Vec<u8> = Vec::with_capacity(len);
+        let pos = (tail as usize) & (self.cap - 1);
+        let first = len.min(self.cap - pos);
+        // SAFETY: the ring bytes are published (see `read_exact`); `v` has
+        // capacity `len`, and the two copies fill exactly its first `len`
+        // bytes before `set_len` exposes them.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.data().add(pos), v.as_mut_ptr(), first);
+            std::ptr::copy_nonoverlapping(self.data(), v.as_mut_ptr().add(first), len - first);
+            v.set_len(len);
+        }
+        tail_w.store(tail + len as u64, Ordering::Release);
+        self.notify(OFF_SPACE_SEQ, OFF_SEND_SLEEPING);
+        v
+    }
+
     /// Receiver: waits until data is published, the sender closed, or
     /// `give_up()` says why not.
     fn wait_data(&self, stop: &AtomicBool) -> Result<(), String> {
@@ -832,8 +854,7 @@ impl ShmTransport {
                     break;
                 }
                 ring.copy_out(&mut hb, true);
-                let mut payload = vec![0u8; len];
-                ring.copy_out(&mut payload, true);
+                let payload = ring.take_vec(len);
                 let from = Rank(peer as u32);
                 match self.mailbox.deliver_now(from, header, Bytes::from(payload)) {
                     Ok(()) | Err(TransportError::StaleEpoch { .. }) => moved = true,
