@@ -25,6 +25,7 @@ use std::sync::Arc;
 use kungfu_collectives::{CollectiveError, Session, SessionConfig};
 use kungfu_topology::{PeerList, Rank};
 use kungfu_transport::any::AnyTransport;
+use kungfu_transport::hybrid::HybridTransport;
 use kungfu_transport::shm::{ShmConfig, ShmTransport};
 use kungfu_transport::tcp::{TcpConfig, TcpTransport};
 use kungfu_transport::{Epoch, TransportError};
@@ -49,7 +50,7 @@ pub enum BootstrapError {
         #[source]
         source: std::io::Error,
     },
-    #[error("transport {0:?} is not available (this build has: tcp, shm)")]
+    #[error("transport {0:?} is not available (this build has: tcp, shm, auto)")]
     UnsupportedTransport(String),
     #[error("connecting to the peers: {0}")]
     Transport(#[from] TransportError),
@@ -68,7 +69,7 @@ impl Worker {
     /// Finds the peers as `env` says, connects to all of them and starts a
     /// session. Must run inside a multi-threaded tokio runtime.
     pub async fn start(env: WorkerEnv) -> Result<Worker, BootstrapError> {
-        if env.transport != "tcp" && env.transport != "shm" {
+        if !["tcp", "shm", "auto"].contains(&env.transport.as_str()) {
             return Err(BootstrapError::UnsupportedTransport(env.transport.clone()));
         }
         let deadline = Instant::now() + env.connect_timeout;
@@ -121,34 +122,45 @@ impl Worker {
             }
         };
         let connect_timeout = deadline.saturating_duration_since(Instant::now());
-        let transport = if env.transport == "shm" {
-            if peers.hosts().len() != 1 {
-                return Err(BootstrapError::Env {
-                    var: "KUNGFU_TRANSPORT".into(),
-                    reason: format!(
-                        "shm needs every worker on one host; these are on {} hosts (use tcp)",
-                        peers.hosts().len()
-                    ),
-                });
-            }
-            drop(listener);
-            let mut cfg = ShmConfig::new(
+        let one_host = peers.hosts().len() == 1;
+        let shm_cfg = || {
+            let mut c = ShmConfig::new(
                 cluster_id,
                 Epoch(env.cluster_version),
                 Rank(env.rank as u32),
                 env.size,
             );
-            cfg.connect_timeout = connect_timeout;
-            AnyTransport::Shm(ShmTransport::connect(cfg).await?)
-        } else {
-            let mut cfg = TcpConfig::new(
+            c.connect_timeout = connect_timeout;
+            c
+        };
+        let tcp_cfg = || {
+            let mut c = TcpConfig::new(
                 cluster_id,
                 Epoch(env.cluster_version),
                 Rank(env.rank as u32),
                 peers.clone(),
             );
-            cfg.connect_timeout = connect_timeout;
-            AnyTransport::Tcp(TcpTransport::connect(cfg, listener).await?)
+            c.connect_timeout = connect_timeout;
+            c
+        };
+        let transport = match env.transport.as_str() {
+            "shm" if !one_host => {
+                return Err(BootstrapError::Env {
+                    var: "KUNGFU_TRANSPORT".into(),
+                    reason: format!(
+                        "shm needs every worker on one host; these are on {} hosts (use tcp or auto)",
+                        peers.hosts().len()
+                    ),
+                });
+            }
+            "shm" | "auto" if one_host => {
+                drop(listener);
+                AnyTransport::Shm(ShmTransport::connect(shm_cfg()).await?)
+            }
+            "auto" => AnyTransport::Hybrid(
+                HybridTransport::connect(tcp_cfg(), shm_cfg(), &peers, listener).await?,
+            ),
+            _ => AnyTransport::Tcp(TcpTransport::connect(tcp_cfg(), listener).await?),
         };
         let transport = Arc::new(transport);
         let session = Session::new(

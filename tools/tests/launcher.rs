@@ -320,6 +320,33 @@ fn shared_memory_transport() {
         "{t}"
     );
     assert!(started.elapsed() < Duration::from_secs(30), "{t}");
+    // auto: shared memory inside each "host", TCP between them
+    for s in ["BINARY_TREE_STAR", "RING", "CLIQUE"] {
+        let cmd = kungfu_run(&[
+            "-np",
+            "4",
+            "-H",
+            "127.0.0.1:2,127.0.0.2:2",
+            "--transport",
+            "auto",
+            "--strategy",
+            s,
+            BENCH,
+            "allreduce",
+            "-b",
+            "0",
+            "-e",
+            "4M",
+            "-f",
+            "64",
+            "-n",
+            "2",
+            "-w",
+            "1",
+        ]);
+        let out = run_bounded(cmd, Duration::from_secs(120));
+        assert!(out.status.success(), "auto {s}:\n{}", text(&out));
+    }
     // two hosts cannot share memory: a clear error, not a hang
     let out = run_bounded(
         kungfu_run(&[

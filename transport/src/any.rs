@@ -9,16 +9,18 @@ use std::time::Duration;
 use bytes::Bytes;
 use kungfu_topology::Rank;
 
+use crate::hybrid::HybridTransport;
 use crate::shm::ShmTransport;
 use crate::tcp::TcpTransport;
 use crate::{
     Capabilities, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
 };
 
-/// A TCP or shared-memory endpoint.
+/// A TCP, shared-memory or hybrid endpoint.
 pub enum AnyTransport {
     Tcp(Arc<TcpTransport>),
     Shm(Arc<ShmTransport>),
+    Hybrid(Arc<HybridTransport>),
 }
 
 type Boxed<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -28,6 +30,7 @@ macro_rules! each {
         match $self {
             AnyTransport::Tcp($t) => $e,
             AnyTransport::Shm($t) => $e,
+            AnyTransport::Hybrid($t) => $e,
         }
     };
 }

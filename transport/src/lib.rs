@@ -11,6 +11,7 @@
 //!   peer list.
 //! - [`shm::ShmTransport`]: shared memory between the ranks of one host,
 //!   a ring per ordered pair with spin-then-futex waiting.
+//! - [`hybrid::HybridTransport`]: shared memory inside a host, TCP across.
 //! - [`mem::MemNetwork`]: in-process, for tests; it can delay and reorder
 //!   frames with a seeded RNG and kill ranks.
 //!
@@ -65,6 +66,7 @@ use kungfu_topology::Rank;
 
 pub mod any;
 pub mod header;
+pub mod hybrid;
 pub mod mailbox;
 pub mod mem;
 // The only module with unsafe code: mapped memory, atomics in it, futexes.

@@ -72,12 +72,18 @@ const YIELDS: u32 = 2;
 const NAP: Duration = Duration::from_millis(5);
 
 /// Settings of a shared-memory endpoint.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct ShmConfig {
     pub cluster_id: u64,
     pub epoch: Epoch,
     pub rank: Rank,
+    /// The number of ranks in the cluster.
     pub size: usize,
+    /// The ranks reached through shared memory (this host's, this rank
+    /// included); `None`: all of them.
+    pub local: Option<PeerSet>,
+    /// A mailbox shared with another backend (see [`crate::hybrid`]).
+    pub mailbox: Option<Arc<Mailbox>>,
     /// Data bytes of each ring (rounded up to a power of two, at least 4 KiB).
     pub ring_bytes: usize,
     pub max_frame: usize,
@@ -99,6 +105,8 @@ impl ShmConfig {
             epoch,
             rank,
             size,
+            local: None,
+            mailbox: None,
             ring_bytes: 4 << 20,
             max_frame: 64 << 20,
             mailbox_bytes: 256 << 20,
@@ -638,7 +646,10 @@ impl ShmTransport {
                 addr: cfg.dir.display().to_string(),
                 reason: format!("setup task: {e}"),
             })??;
-        let mailbox = Arc::new(Mailbox::new(cfg.epoch, cfg.mailbox_bytes));
+        let mailbox = cfg
+            .mailbox
+            .clone()
+            .unwrap_or_else(|| Arc::new(Mailbox::new(cfg.epoch, cfg.mailbox_bytes)));
         let stop = Arc::new(AtomicBool::new(false));
         let mut writers = Vec::with_capacity(n);
         let mut readers_done = Vec::with_capacity(n);
@@ -697,7 +708,9 @@ impl ShmTransport {
             out_locks,
             in_locks,
             spin: cfg.spin,
-            oversubscribed: std::thread::available_parallelism().map_or(true, |c| n > c.get()),
+            oversubscribed: std::thread::available_parallelism().map_or(true, |c| {
+                cfg.local.as_ref().map_or(n, |l| l.iter().count()) > c.get()
+            }),
             stop,
             readers_done,
         }))
@@ -715,22 +728,21 @@ fn setup(cfg: &ShmConfig, cap: usize) -> Result<(Rings, Rings), TransportError> 
         reason,
     };
     let mut created = Created(Vec::new());
+    let peer = |j: usize| {
+        j != cfg.rank.idx()
+            && cfg
+                .local
+                .as_ref()
+                .is_none_or(|l| l.contains(Rank(j as u32)))
+    };
     let mut inbound: Rings = vec![None; n];
-    for (j, slot) in inbound
-        .iter_mut()
-        .enumerate()
-        .filter(|(j, _)| *j != cfg.rank.idx())
-    {
+    for (j, slot) in inbound.iter_mut().enumerate().filter(|(j, _)| peer(*j)) {
         let ring = create_inbound(cfg, cap, Rank(j as u32), &mut created)
             .map_err(|e| fail(Some(Rank(j as u32)), e))?;
         *slot = Some(Arc::new(ring));
     }
     let mut outbound: Rings = vec![None; n];
-    for (j, slot) in outbound
-        .iter_mut()
-        .enumerate()
-        .filter(|(j, _)| *j != cfg.rank.idx())
-    {
+    for (j, slot) in outbound.iter_mut().enumerate().filter(|(j, _)| peer(*j)) {
         let ring = open_outbound(cfg, cap, Rank(j as u32), deadline)
             .map_err(|e| fail(Some(Rank(j as u32)), e))?;
         *slot = Some(Arc::new(ring));

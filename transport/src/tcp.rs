@@ -39,7 +39,7 @@ const WRITE_BATCH: usize = 64;
 const IO_BUFFER: usize = 64 * 1024;
 
 /// Settings of a TCP endpoint.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct TcpConfig {
     /// Identifies the job: workers of another job are refused.
     pub cluster_id: u64,
@@ -52,6 +52,11 @@ pub struct TcpConfig {
     pub max_frame: usize,
     /// Unmatched bytes held before the endpoint stops reading a peer.
     pub mailbox_bytes: usize,
+    /// Ranks this endpoint does not connect to (another backend reaches
+    /// them; see [`crate::hybrid`]). Every rank must skip the same pairs.
+    pub skip: PeerSet,
+    /// A mailbox shared with another backend.
+    pub mailbox: Option<Arc<Mailbox>>,
 }
 
 impl TcpConfig {
@@ -65,6 +70,8 @@ impl TcpConfig {
             connect_timeout: Duration::from_secs(30),
             max_frame: 64 << 20,
             mailbox_bytes: 256 << 20,
+            skip: PeerSet::new(),
+            mailbox: None,
         }
     }
 }
@@ -206,7 +213,7 @@ fn check_hello(cfg: &TcpConfig, h: &Hello) -> Result<(), (Status, String)> {
     if h.peers_digest != cfg.peers.digest().0 {
         return Err((Status::PeerList, "peer lists differ".to_string()));
     }
-    if h.from.idx() >= n || h.from <= cfg.rank {
+    if h.from.idx() >= n || h.from <= cfg.rank || cfg.skip.contains(h.from) {
         return Err((
             Status::BadRank,
             format!("{} may not dial {} in a cluster of {n}", h.from, cfg.rank),
@@ -288,7 +295,10 @@ impl TcpTransport {
         let mut streams = dialed?;
         streams.extend(accepted?);
 
-        let mailbox = Arc::new(Mailbox::new(cfg.epoch, cfg.mailbox_bytes));
+        let mailbox = cfg
+            .mailbox
+            .clone()
+            .unwrap_or_else(|| Arc::new(Mailbox::new(cfg.epoch, cfg.mailbox_bytes)));
         let mut writers = Vec::with_capacity(n);
         let mut tasks = Vec::with_capacity(n);
         let mut readers = Vec::with_capacity(n);
@@ -333,7 +343,7 @@ async fn dial_lower(
     deadline: Instant,
 ) -> Result<HashMap<Rank, TcpStream>, TransportError> {
     let mut set = tokio::task::JoinSet::new();
-    for r in 0..cfg.rank.0 {
+    for r in (0..cfg.rank.0).filter(|&r| !cfg.skip.contains(Rank(r))) {
         let cfg = cfg.clone();
         set.spawn(async move {
             let peer = Rank(r);
@@ -420,7 +430,9 @@ async fn accept_higher(
     deadline: Instant,
 ) -> Result<HashMap<Rank, TcpStream>, TransportError> {
     let n = cfg.peers.len();
-    let expected = n - 1 - cfg.rank.idx();
+    let expected = (cfg.rank.0 + 1..n as u32)
+        .filter(|&r| !cfg.skip.contains(Rank(r)))
+        .count();
     let mut out: HashMap<Rank, TcpStream> = HashMap::new();
     let mut refusals: Vec<String> = Vec::new();
     let mut pending = tokio::task::JoinSet::new();
@@ -458,7 +470,7 @@ async fn accept_higher(
             _ = tokio::time::sleep_until(deadline) => {
                 let missing: Vec<String> = (cfg.rank.0 + 1..n as u32)
                     .map(Rank)
-                    .filter(|r| !out.contains_key(r))
+                    .filter(|r| !out.contains_key(r) && !cfg.skip.contains(*r))
                     .map(|r| r.0.to_string())
                     .collect();
                 return Err(TransportError::Handshake {

@@ -26,7 +26,8 @@ options:
                         hosts in order; workers on other machines start via ssh
   --strategy S          STAR, RING, TREE, BINARY_TREE, BINARY_TREE_STAR,
                         MULTI_BINARY_TREE_STAR, CLIQUE or AUTO (default AUTO)
-  --transport T         tcp (default) or shm (shared memory; every worker on one host)
+  --transport T         tcp (default); shm (shared memory, every worker on one
+                        host); auto (shared memory inside each host, tcp across)
   --timeout DUR         stop the job after DUR (e.g. 90s, 5m); exit status 124
   --grace DUR           after a worker fails, how long the others may take to
                         exit by themselves before SIGTERM (default 2s)
@@ -73,9 +74,9 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
             }
             "--transport" => {
                 o.transport = value(&mut i, a)?;
-                if o.transport != "tcp" && o.transport != "shm" {
+                if !["tcp", "shm", "auto"].contains(&o.transport.as_str()) {
                     bail!(
-                        "transport {:?} is not available (this build has: tcp, shm)",
+                        "transport {:?} is not available (this build has: tcp, shm, auto)",
                         o.transport
                     );
                 }

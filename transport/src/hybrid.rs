@@ -1,0 +1,135 @@
+//! Host-aware transport: shared memory to the ranks of this host, TCP to
+//! the others, one mailbox for both, so the layers above see one endpoint.
+//! Hierarchical strategies (`BINARY_TREE_STAR`, ...) then use both at once:
+//! the star inside a host over shared memory, the tree across hosts over
+//! TCP.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kungfu_topology::{PeerList, Rank};
+use tokio::net::TcpListener;
+
+use crate::mailbox::Mailbox;
+use crate::shm::{ShmConfig, ShmTransport};
+use crate::tcp::{TcpConfig, TcpTransport};
+use crate::{
+    Capabilities, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
+};
+
+/// Shared memory inside the host, TCP across hosts.
+pub struct HybridTransport {
+    tcp: Arc<TcpTransport>,
+    shm: Arc<ShmTransport>,
+    local: PeerSet,
+    mailbox: Arc<Mailbox>,
+}
+
+impl HybridTransport {
+    /// Connects both backends: `tcp` and `shm` give every setting but the
+    /// peer split and the mailbox, which this fills in from `peers` (the
+    /// ranks on the host of `tcp.rank` go through shared memory).
+    pub async fn connect(
+        mut tcp: TcpConfig,
+        mut shm: ShmConfig,
+        peers: &PeerList,
+        listener: TcpListener,
+    ) -> Result<Arc<HybridTransport>, TransportError> {
+        let me = tcp.rank;
+        let local: PeerSet = peers.hosts()[peers.host_of(me)].iter().copied().collect();
+        let mailbox = Arc::new(Mailbox::new(tcp.epoch, tcp.mailbox_bytes));
+        tcp.skip = local.clone();
+        tcp.mailbox = Some(mailbox.clone());
+        shm.local = Some(local.clone());
+        shm.mailbox = Some(mailbox.clone());
+        let (t, s) = tokio::join!(
+            TcpTransport::connect(tcp, listener),
+            ShmTransport::connect(shm)
+        );
+        Ok(Arc::new(HybridTransport {
+            tcp: t?,
+            shm: s?,
+            local,
+            mailbox,
+        }))
+    }
+}
+
+impl Transport for HybridTransport {
+    fn rank(&self) -> Rank {
+        self.tcp.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.tcp.size()
+    }
+
+    fn epoch(&self) -> Epoch {
+        self.tcp.epoch()
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            name: "shm+tcp",
+            ..self.tcp.capabilities()
+        }
+    }
+
+    async fn send(&self, to: Rank, header: Header, payload: Bytes) -> Result<(), TransportError> {
+        if self.local.contains(to) {
+            self.shm.send(to, header, payload).await
+        } else {
+            self.tcp.send(to, header, payload).await
+        }
+    }
+
+    fn try_send_now(
+        &self,
+        to: Rank,
+        header: Header,
+        payload: &[u8],
+    ) -> Result<bool, TransportError> {
+        if self.local.contains(to) {
+            self.shm.try_send_now(to, header, payload)
+        } else {
+            Ok(false)
+        }
+    }
+
+    fn recv<'a>(
+        &'a self,
+        tag: OpTag,
+        from: &'a PeerSet,
+        deadline: Instant,
+    ) -> impl Future<Output = Result<Frame, TransportError>> + Send + 'a {
+        // The shared mailbox holds the frames of both backends; the shm
+        // side also polls its rings while it waits.
+        self.shm.recv(tag, from, deadline)
+    }
+
+    fn recv_stray(
+        &self,
+        deadline: Instant,
+    ) -> impl Future<Output = Result<Frame, TransportError>> + Send + '_ {
+        self.mailbox.recv_stray(deadline)
+    }
+
+    fn retire(&self, tag: OpTag) {
+        self.mailbox.retire(tag);
+    }
+
+    fn check_peers(&self, peers: &PeerSet) -> Result<(), TransportError> {
+        self.mailbox.check_peers(peers)
+    }
+
+    async fn close(&self, linger: Duration) {
+        tokio::join!(self.tcp.close(linger), self.shm.close(linger));
+    }
+
+    fn shutdown(&self) {
+        self.tcp.shutdown();
+        self.shm.shutdown();
+    }
+}
