@@ -133,27 +133,28 @@ impl OpSpec {
     /// [`OpSpec::input_len`] bytes).
     pub fn init_work(&self, input: &[u8], me: Rank, size: usize) -> Vec<u8> {
         let b = self.block_bytes().expect("validated");
-        let mut work = vec![0u8; self.work_len(size).expect("validated")];
+        let zeroed = || vec![0u8; self.work_len(size).expect("validated")];
+        let mine = me.idx() * b..(me.idx() + 1) * b;
         match self.kind {
+            // the input is the whole buffer: one pass, no zeroing first
             OpKind::Allreduce(_) | OpKind::Reduce { .. } | OpKind::ReduceScatter(_) => {
-                work.copy_from_slice(input)
+                input.to_vec()
             }
-            OpKind::Broadcast { root } => {
-                if root == me {
-                    work.copy_from_slice(input)
-                }
-            }
+            OpKind::Broadcast { root } if root == me => input.to_vec(),
+            OpKind::Broadcast { .. } => zeroed(),
             OpKind::Allgather | OpKind::Gather { .. } => {
-                work[me.idx() * b..(me.idx() + 1) * b].copy_from_slice(input)
+                let mut work = zeroed();
+                work[mine].copy_from_slice(input);
+                work
             }
             OpKind::Alltoall => {
+                let mut work = zeroed();
                 let half = b * size;
                 work[..half].copy_from_slice(input);
-                let mine = me.idx() * b..(me.idx() + 1) * b;
                 work.copy_within(mine.clone(), half + mine.start);
+                work
             }
         }
-        work
     }
 
     /// Where rank `me`'s result lies in its working buffer; `None` where the
