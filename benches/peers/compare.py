@@ -14,9 +14,10 @@ for KungFu-rs). Both use f32, out of place, the same sizes, the same
 iteration rule (warmup, then iters back to back; the slowest rank's mean).
 
 --transport default: Open MPI with its defaults (shared memory inside the
-host) against KungFu-rs's default transport; tcp: Open MPI forced onto TCP
-over loopback (--mca btl tcp,self --mca btl_tcp_if_include lo) against
-KungFu-rs's TCP transport. Machines are shared and noisy: read the ratios,
+host) against KungFu-rs's host-aware transport (`--transport auto`: shared
+memory inside the host); tcp: Open MPI forced onto TCP over loopback
+(--mca btl tcp,self --mca btl_tcp_if_include lo) against KungFu-rs's TCP
+transport. Machines are shared and noisy: read the ratios,
 and the spread between rounds, not single numbers.
 """
 
@@ -53,7 +54,8 @@ def build(workdir):
 def kungfu(np_, op, a, workdir):
     out = os.path.join(workdir, "kf.json")
     rel = os.path.join(ROOT, "target", "release")
-    run([os.path.join(rel, "kungfu-run"), "-np", str(np_), "--timeout", "20m",
+    transport = "tcp" if a.transport == "tcp" else "auto"
+    run([os.path.join(rel, "kungfu-run"), "-np", str(np_), "--timeout", "20m", "--transport", transport,
          os.path.join(rel, "kungfu-bench"), op, "-b", str(a.min), "-e", str(a.max), "-f", "4",
          "-n", str(a.iters), "-w", str(a.warmup), "-c", "1", "--in-place", "0", "--json", out])
     with open(out) as f:

@@ -251,7 +251,7 @@ impl WorkerEnv {
             size,
             discovery,
             strategy,
-            transport: get("KUNGFU_TRANSPORT").unwrap_or_else(|| "tcp".into()),
+            transport: get("KUNGFU_TRANSPORT").unwrap_or_else(|| "auto".into()),
             cluster_version: get("KUNGFU_CLUSTER_VERSION")
                 .map(|v| parse("KUNGFU_CLUSTER_VERSION", &v))
                 .transpose()?

@@ -78,12 +78,14 @@ fn kungfu_run(args: &[&str]) -> Command {
 
 #[test]
 fn every_strategy_and_size_is_correct() {
-    for np in 1..=4 {
+    for (np, transport) in (1..=4).flat_map(|np| [(np, "tcp"), (np, "auto")]) {
         for s in Strategy::ALL {
             let np_s = np.to_string();
             let cmd = kungfu_run(&[
                 "-np",
                 &np_s,
+                "--transport",
+                transport,
                 "--strategy",
                 s.name(),
                 BENCH,
@@ -103,10 +105,10 @@ fn every_strategy_and_size_is_correct() {
             ]);
             let out = run_bounded(cmd, Duration::from_secs(150));
             let t = text(&out);
-            assert!(out.status.success(), "np={np} {s}:\n{t}");
+            assert!(out.status.success(), "np={np} {s} {transport}:\n{t}");
             assert!(
                 t.contains("# Out of bounds values : 0 OK"),
-                "np={np} {s}:\n{t}"
+                "np={np} {s} {transport}:\n{t}"
             );
             // sizes 0 B .. 4 MiB all printed
             assert!(
@@ -434,9 +436,28 @@ fn a_worker_that_exits_3_stops_the_job() {
 }
 
 #[test]
-fn a_worker_killed_during_allreduce_is_named_and_nothing_hangs() {
+fn a_worker_killed_during_allreduce_is_named_and_nothing_hangs_tcp() {
+    kill_rank_two_mid_allreduce("tcp");
+}
+
+/// Over shared memory no socket reports the death: the rings carry the
+/// peers' pids, and a waiting side checks them.
+#[test]
+fn a_worker_killed_during_allreduce_is_named_and_nothing_hangs_shm() {
+    kill_rank_two_mid_allreduce("shm");
+}
+
+fn kill_rank_two_mid_allreduce(transport: &str) {
     let mut c = kungfu_run(&[
-        "-np", "4", SELFTEST, "--steps", "1000000", "--size", "262144",
+        "-np",
+        "4",
+        "--transport",
+        transport,
+        SELFTEST,
+        "--steps",
+        "1000000",
+        "--size",
+        "262144",
     ]);
     c.stdout(Stdio::piped()).stderr(Stdio::piped());
     let mut child = c.spawn().expect("spawn kungfu-run");

@@ -26,8 +26,8 @@ options:
                         hosts in order; workers on other machines start via ssh
   --strategy S          STAR, RING, TREE, BINARY_TREE, BINARY_TREE_STAR,
                         MULTI_BINARY_TREE_STAR, CLIQUE or AUTO (default AUTO)
-  --transport T         tcp (default); shm (shared memory, every worker on one
-                        host); auto (shared memory inside each host, tcp across)
+  --transport T         auto (default: shared memory inside each host, tcp
+                        across), tcp, or shm (every worker on one host)
   --timeout DUR         stop the job after DUR (e.g. 90s, 5m); exit status 124
   --grace DUR           after a worker fails, how long the others may take to
                         exit by themselves before SIGTERM (default 2s)
@@ -43,7 +43,7 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
         np: 0,
         hosts: Vec::new(),
         strategy: None,
-        transport: "tcp".into(),
+        transport: "auto".into(),
         timeout: None,
         port_base: 38000,
         self_host: None,
