@@ -305,3 +305,50 @@ fn plans_beyond_four_gib() {
         }
     }
 }
+
+/// Hostile frames never panic a plan: random (from, chunk, step, length)
+/// frames are refused with an error or accepted only where the plan
+/// expects exactly that frame, and the plan stays consistent.
+#[test]
+fn random_frames_never_panic_a_plan() {
+    let mut rng = SeededRng::new(77);
+    let peers = PeerList::with_hosts(&[2, 3]);
+    for strategy in Strategy::ALL {
+        for kind in [
+            OpKind::Allreduce(ReduceOp::Sum),
+            OpKind::Gather { root: Rank(3) },
+            OpKind::Alltoall,
+        ] {
+            let spec = OpSpec {
+                kind,
+                dtype: DType::F32,
+                count: 50,
+            };
+            let n = peers.len();
+            let topo = |root: Root| Arc::new(strategy.resolve(&peers, root, 200));
+            let me = Rank(1);
+            let mut plan = build(&PlanInput {
+                spec: &spec,
+                me,
+                size: n,
+                chunk_bytes: 64,
+                topology: &topo,
+            })
+            .unwrap();
+            let mut work = spec.init_work(&reference::inputs(&spec, n)[1], me, n);
+            for _ in 0..2000 {
+                let from = Rank(rng.below(n as u64 + 2) as u32);
+                let chunk = rng.below(40) as u32;
+                let step = rng.below(12) as u16;
+                let len = rng.below(300) as usize;
+                let _ =
+                    plan.handle_frame(from, chunk, step, Bytes::from(vec![7u8; len]), &mut work);
+                while let Some(tx) = plan.poll_transmit() {
+                    assert!(tx.range.end <= work.len());
+                    plan.handle_sent(tx.id, &mut work);
+                }
+            }
+            assert!(!plan.waiting_for().contains(&me));
+        }
+    }
+}
