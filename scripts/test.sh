@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh Debian machine with Rust installed:
-# installs the system packages the tests need, then checks formatting and
-# lints, runs every test, and builds and smoke-runs the benches.
+# installs the system packages the tests need, then checks formatting,
+# lints and docs, runs every test, and builds and smoke-runs the benches.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +24,8 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+echo "== cargo doc (warnings are errors)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked -q
 echo "== cargo test"
 cargo test --workspace --locked
 echo "== benches (one quick pass each, so they never rot)"

@@ -2,7 +2,7 @@
 //!
 //! A worker started by `kungfu-run`, torchrun, Slurm's `srun` or Open MPI's
 //! `mpirun` calls [`Worker::start`] with [`WorkerEnv::from_env`] and gets a
-//! connected [`kungfu_collectives::Session`]. See [`env`] for the variables
+//! connected [`kungfu_collectives::Session`]. See [`mod@env`] for the variables
 //! each launcher sets.
 //!
 //! # Quick start
