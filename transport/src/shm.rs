@@ -159,11 +159,6 @@ struct Ring {
     cap: usize,
 }
 
-// SAFETY: the mapping is only accessed through atomics and through raw
-// copies into byte ranges that the SPSC protocol gives to one side at a
-// time, so sharing the handle between threads is sound.
-unsafe impl Sync for Ring {}
-
 impl Ring {
     fn u32_at(&self, off: usize) -> &AtomicU32 {
         debug_assert!(off % 4 == 0 && off + 4 <= CTL);
