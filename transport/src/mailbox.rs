@@ -255,6 +255,39 @@ impl Mailbox {
         }
     }
 
+    /// [`Mailbox::recv`], after staying runnable for `spin`: in between,
+    /// `pump` may move frames in (returning whether it did), and the task
+    /// yields to the runtime (which then polls its IO instead of parking
+    /// the thread) and, if `yield_os`, to the OS (ranks outnumber cores).
+    /// A frame that arrives during the spin costs no thread wake-up.
+    pub async fn recv_spinning(
+        &self,
+        tag: OpTag,
+        from: &PeerSet,
+        deadline: Instant,
+        spin: std::time::Duration,
+        yield_os: bool,
+        mut pump: impl FnMut() -> bool + Send,
+    ) -> Result<Frame, TransportError> {
+        let spin_until = std::time::Instant::now() + spin;
+        loop {
+            if let Some(r) = self.try_recv(tag, from) {
+                return r;
+            }
+            if pump() {
+                continue;
+            }
+            if std::time::Instant::now() >= spin_until {
+                break;
+            }
+            if yield_os {
+                std::thread::yield_now();
+            }
+            tokio::task::yield_now().await;
+        }
+        self.recv(tag, from, deadline).await
+    }
+
     /// Marks `peer` lost: receives that name it fail once nothing of theirs
     /// is queued. The first reason is kept.
     pub fn fail_peer(&self, peer: Rank, reason: impl Into<Arc<str>>) {

@@ -57,10 +57,16 @@ pub struct TcpConfig {
     pub skip: PeerSet,
     /// A mailbox shared with another backend.
     pub mailbox: Option<Arc<Mailbox>>,
+    /// How long a receive stays runnable (letting the runtime poll the
+    /// sockets) before it sleeps. Measured on 2 cores, 4-byte allreduce:
+    /// 2 ranks ~100 -> ~25 us; 4 ranks (more than cores, so the spin
+    /// yields to the OS) ~150 -> ~100 us.
+    pub spin: Duration,
 }
 
 impl TcpConfig {
-    /// Defaults: 30 s to connect, 64 MiB frames, a 256 MiB mailbox.
+    /// Defaults: 30 s to connect, 64 MiB frames, a 256 MiB mailbox, 50 us
+    /// of spinning before a receive sleeps.
     pub fn new(cluster_id: u64, epoch: Epoch, rank: Rank, peers: PeerList) -> TcpConfig {
         TcpConfig {
             cluster_id,
@@ -72,6 +78,7 @@ impl TcpConfig {
             mailbox_bytes: 256 << 20,
             skip: PeerSet::new(),
             mailbox: None,
+            spin: Duration::from_micros(50),
         }
     }
 }
@@ -255,6 +262,10 @@ pub struct TcpTransport {
     tasks: Mutex<Vec<JoinHandle<()>>>,
     /// Reader tasks: they end when the peer closes its side.
     readers: Mutex<Vec<JoinHandle<()>>>,
+    /// How long a receive stays runnable before it sleeps (see `recv`).
+    spin: Duration,
+    /// More ranks on this host than cores: spinning yields to the OS.
+    oversubscribed: bool,
 }
 
 enum WriterMsg {
@@ -328,6 +339,9 @@ impl TcpTransport {
             writers,
             tasks: Mutex::new(tasks),
             readers: Mutex::new(readers),
+            spin: cfg.spin,
+            oversubscribed: std::thread::available_parallelism()
+                .map_or(true, |c| cfg.peers.local_size(cfg.rank) > c.get()),
         }))
     }
 
@@ -693,7 +707,10 @@ impl Transport for TcpTransport {
         from: &'a PeerSet,
         deadline: Instant,
     ) -> impl std::future::Future<Output = Result<Frame, TransportError>> + Send + 'a {
-        self.mailbox.recv(tag, from, deadline)
+        self.mailbox
+            .recv_spinning(tag, from, deadline, self.spin, self.oversubscribed, || {
+                false
+            })
     }
 
     fn recv_stray(
