@@ -125,3 +125,23 @@ async fn a_missing_peer_fails_the_connect_cleanly() {
     assert!(e.to_string().contains("did not appear"), "{e}");
     assert!(leftover_files(id).is_empty(), "{:?}", leftover_files(id));
 }
+
+/// Frames that fit the ring go straight from the caller's bytes; larger
+/// ones are refused by `try_send_now` (the caller falls back to `send`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn try_send_now_writes_what_fits() {
+    let ts = shm_cluster(2, 4096).await;
+    let from0: PeerSet = [Rank(0)].into_iter().collect();
+    assert!(ts[0]
+        .try_send_now(Rank(1), data(tag(1)), b"direct")
+        .unwrap());
+    let f = ts[1].recv(tag(1), &from0, soon()).await.unwrap();
+    assert_eq!(&f.payload[..], b"direct");
+    assert!(!ts[0]
+        .try_send_now(Rank(1), data(tag(2)), &[0u8; 8192])
+        .unwrap());
+    assert!(matches!(
+        ts[0].try_send_now(Rank(5), data(tag(3)), b"x"),
+        Err(TransportError::NoSuchPeer { .. })
+    ));
+}

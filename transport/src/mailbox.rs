@@ -296,6 +296,32 @@ impl Mailbox {
         wake_all(&mut inner);
     }
 
+    /// The checks every backend makes before it sends `len` bytes to
+    /// `to`: a rank it has a route to, a frame within `max_frame`, a peer
+    /// not lost.
+    pub(crate) fn check_send(
+        &self,
+        to: Rank,
+        size: usize,
+        has_route: bool,
+        len: usize,
+        max_frame: usize,
+    ) -> Result<(), TransportError> {
+        if !has_route {
+            return Err(TransportError::NoSuchPeer { peer: to, size });
+        }
+        if len > max_frame {
+            return Err(TransportError::FrameTooLarge {
+                len,
+                max: max_frame,
+            });
+        }
+        match self.lost_reason(to) {
+            Some(reason) => Err(TransportError::PeerLost { peer: to, reason }),
+            None => Ok(()),
+        }
+    }
+
     /// See [`crate::Transport::check_peers`].
     pub fn check_peers(&self, peers: &PeerSet) -> Result<(), TransportError> {
         let inner = self.lock();

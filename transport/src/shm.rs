@@ -939,27 +939,39 @@ impl Transport for ShmTransport {
         }
     }
 
+    fn try_send_now(
+        &self,
+        to: Rank,
+        mut header: Header,
+        payload: &[u8],
+    ) -> Result<bool, TransportError> {
+        let route = self.outbound.get(to.idx()).and_then(Option::as_ref);
+        self.mailbox.check_send(
+            to,
+            self.size,
+            route.is_some(),
+            payload.len(),
+            self.max_frame,
+        )?;
+        let ring = route.expect("checked");
+        header.len = payload.len() as u64;
+        let h = header.encode();
+        let Ok(_frame) = self.out_locks[to.idx()].try_lock() else {
+            return Ok(false); // a frame is half written by the writer thread
+        };
+        Ok(ring.closed() & RECEIVER_CLOSED == 0 && ring.try_write(&[&h, payload]))
+    }
+
     async fn send(
         &self,
         to: Rank,
         mut header: Header,
         payload: Bytes,
     ) -> Result<(), TransportError> {
-        let Some(Some(w)) = self.writers.get(to.idx()) else {
-            return Err(TransportError::NoSuchPeer {
-                peer: to,
-                size: self.size,
-            });
-        };
-        if payload.len() > self.max_frame {
-            return Err(TransportError::FrameTooLarge {
-                len: payload.len(),
-                max: self.max_frame,
-            });
-        }
-        if let Some(reason) = self.mailbox.lost_reason(to) {
-            return Err(TransportError::PeerLost { peer: to, reason });
-        }
+        let w = self.writers.get(to.idx()).and_then(Option::as_ref);
+        self.mailbox
+            .check_send(to, self.size, w.is_some(), payload.len(), self.max_frame)?;
+        let w = w.expect("checked");
         header.len = payload.len() as u64;
         let h = header.encode();
         // Fast path: the frame fits now and no frame is half written.

@@ -669,24 +669,15 @@ impl Transport for TcpTransport {
         mut header: Header,
         payload: Bytes,
     ) -> Result<(), TransportError> {
-        let writer = match self.writers.get(to.idx()) {
-            Some(Some(w)) => w,
-            _ => {
-                return Err(TransportError::NoSuchPeer {
-                    peer: to,
-                    size: self.size,
-                })
-            }
-        };
-        if payload.len() > self.max_frame {
-            return Err(TransportError::FrameTooLarge {
-                len: payload.len(),
-                max: self.max_frame,
-            });
-        }
-        if let Some(reason) = self.mailbox.lost_reason(to) {
-            return Err(TransportError::PeerLost { peer: to, reason });
-        }
+        let writer = self.writers.get(to.idx()).and_then(Option::as_ref);
+        self.mailbox.check_send(
+            to,
+            self.size,
+            writer.is_some(),
+            payload.len(),
+            self.max_frame,
+        )?;
+        let writer = writer.expect("checked");
         header.len = payload.len() as u64;
         let (done, wait) = oneshot::channel();
         let msg = Outgoing {
