@@ -239,6 +239,40 @@ impl Ring {
         }
     }
 
+    /// Copies `src` into the ring at stream offset `at`, wrapping around.
+    ///
+    /// # Safety
+    /// Bytes `[at, at + src.len())` must be free and owned by the caller,
+    /// the sender (`tail <= at` and `at + len <= tail + cap`), and stay so
+    /// until it publishes them by moving `head`.
+    unsafe fn copy_in(&self, at: u64, src: &[u8]) {
+        let pos = (at as usize) & (self.cap - 1);
+        let first = src.len().min(self.cap - pos);
+        // SAFETY: both pieces lie inside the data region (pos < cap, first
+        // <= cap - pos, the rest < cap); the caller owns those bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.data().add(pos), first);
+            std::ptr::copy_nonoverlapping(src.as_ptr().add(first), self.data(), src.len() - first);
+        }
+    }
+
+    /// Copies `n` bytes out of the ring at stream offset `at` into `dst`.
+    ///
+    /// # Safety
+    /// Bytes `[at, at + n)` must be published (`at + n <= head`, read with
+    /// Acquire) and not yet consumed, and `dst` valid for `n` writes.
+    unsafe fn copy_out_raw(&self, at: u64, dst: *mut u8, n: usize) {
+        let pos = (at as usize) & (self.cap - 1);
+        let first = n.min(self.cap - pos);
+        // SAFETY: both pieces lie inside the data region; the sender does
+        // not touch published bytes until `tail` passes them; `dst` is
+        // valid for `n` bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.data().add(pos), dst, first);
+            std::ptr::copy_nonoverlapping(self.data(), dst.add(first), n - first);
+        }
+    }
+
     /// Sender: appends all of `src`, waiting for space as needed.
     fn write_all(&self, mut src: &[u8], stop: &AtomicBool) -> Result<(), String> {
         let head_w = self.u64_at(OFF_HEAD);
@@ -272,16 +306,10 @@ impl Ring {
                 continue;
             }
             let n = free.min(src.len());
-            let pos = (head as usize) & (self.cap - 1);
-            let first = n.min(self.cap - pos);
-            // SAFETY: bytes [head, head + n) of the ring are free (the
-            // receiver has consumed everything below `tail`, and `n <=
-            // free`), so this side alone writes them until `head` is
-            // published below; both pieces lie inside the data region.
-            unsafe {
-                std::ptr::copy_nonoverlapping(src.as_ptr(), self.data().add(pos), first);
-                std::ptr::copy_nonoverlapping(src.as_ptr().add(first), self.data(), n - first);
-            }
+            // SAFETY: bytes [head, head + n) are free (the receiver consumed
+            // everything below `tail`, and `n <= free`); only this side
+            // writes them until `head` moves below.
+            unsafe { self.copy_in(head, &src[..n]) };
             head_w.store(head + n as u64, Ordering::Release);
             self.notify(OFF_DATA_SEQ, OFF_RECV_SLEEPING);
             src = &src[n..];
@@ -302,14 +330,9 @@ impl Ring {
         }
         let mut at = head;
         for p in parts {
-            let pos = (at as usize) & (self.cap - 1);
-            let first = p.len().min(self.cap - pos);
-            // SAFETY: as in `write_all`: [head, head + total) is free and
-            // only this side writes it until `head` is published.
-            unsafe {
-                std::ptr::copy_nonoverlapping(p.as_ptr(), self.data().add(pos), first);
-                std::ptr::copy_nonoverlapping(p.as_ptr().add(first), self.data(), p.len() - first);
-            }
+            // SAFETY: [head, head + total) is free (checked above) and only
+            // this side writes it until `head` is published below.
+            unsafe { self.copy_in(at, p) };
             at += p.len() as u64;
         }
         head_w.store(at, Ordering::Release);
@@ -332,14 +355,9 @@ impl Ring {
         let tail = tail_w.load(Ordering::Relaxed);
         let n = dst.len();
         debug_assert!(n <= self.available());
-        let pos = (tail as usize) & (self.cap - 1);
-        let first = n.min(self.cap - pos);
-        // SAFETY: as in `read_exact`: these bytes are published and stay
-        // untouched by the sender until `tail` passes them.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.data().add(pos), dst.as_mut_ptr(), first);
-            std::ptr::copy_nonoverlapping(self.data(), dst.as_mut_ptr().add(first), n - first);
-        }
+        // SAFETY: the caller checked that `n` bytes are published; `dst`
+        // is a live slice of `n` bytes.
+        unsafe { self.copy_out_raw(tail, dst.as_mut_ptr(), n) };
         if consume {
             tail_w.store(tail + n as u64, Ordering::Release);
             self.notify(OFF_SPACE_SEQ, OFF_SEND_SLEEPING);
@@ -353,14 +371,11 @@ impl Ring {
         let tail = tail_w.load(Ordering::Relaxed);
         debug_assert!(len <= self.available());
         let mut v: Vec<u8> = Vec::with_capacity(len);
-        let pos = (tail as usize) & (self.cap - 1);
-        let first = len.min(self.cap - pos);
-        // SAFETY: the ring bytes are published (see `read_exact`); `v` has
-        // capacity `len`, and the two copies fill exactly its first `len`
+        // SAFETY: `len` bytes are published (checked by the caller); `v`
+        // has capacity `len`, and the copy fills exactly its first `len`
         // bytes before `set_len` exposes them.
         unsafe {
-            std::ptr::copy_nonoverlapping(self.data().add(pos), v.as_mut_ptr(), first);
-            std::ptr::copy_nonoverlapping(self.data(), v.as_mut_ptr().add(first), len - first);
+            self.copy_out_raw(tail, v.as_mut_ptr(), len);
             v.set_len(len);
         }
         tail_w.store(tail + len as u64, Ordering::Release);
@@ -395,7 +410,6 @@ impl Ring {
     fn read_exact(&self, dst: &mut [u8], stop: &AtomicBool) -> Result<(), Option<String>> {
         let head_w = self.u64_at(OFF_HEAD);
         let tail_w = self.u64_at(OFF_TAIL);
-        let send_pid = || self.u32_at(OFF_SEND_PID).load(Ordering::Acquire);
         let mut got = 0;
         while got < dst.len() {
             let tail = tail_w.load(Ordering::Relaxed);
@@ -412,42 +426,13 @@ impl Ring {
                         Some("ring closed in the middle of a frame".into())
                     });
                 }
-                self.wait(
-                    OFF_DATA_SEQ,
-                    OFF_RECV_SLEEPING,
-                    || head_w.load(Ordering::Acquire) != head || self.closed() & SENDER_CLOSED != 0,
-                    || {
-                        if stop.load(Ordering::Acquire) {
-                            Some("endpoint stopped".into())
-                        } else if !pid_alive(send_pid()) {
-                            Some(format!("sending process {} is gone", send_pid()))
-                        } else {
-                            None
-                        }
-                    },
-                )
-                .map_err(Some)?;
+                self.wait_data(stop).map_err(Some)?;
                 continue;
             }
             let n = avail.min(dst.len() - got);
-            let pos = (tail as usize) & (self.cap - 1);
-            let first = n.min(self.cap - pos);
-            // SAFETY: bytes [tail, tail + n) were published by the sender
-            // (`n <= head - tail`, read with Acquire) and it will not write
-            // them again until `tail` moves past them; both pieces lie in
-            // the data region, and `dst[got..got + n]` is ours.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    self.data().add(pos),
-                    dst.as_mut_ptr().add(got),
-                    first,
-                );
-                std::ptr::copy_nonoverlapping(
-                    self.data(),
-                    dst.as_mut_ptr().add(got + first),
-                    n - first,
-                );
-            }
+            // SAFETY: `n <= head - tail` bytes are published (head read with
+            // Acquire); `dst[got..got + n]` is ours.
+            unsafe { self.copy_out_raw(tail, dst.as_mut_ptr().add(got), n) };
             tail_w.store(tail + n as u64, Ordering::Release);
             self.notify(OFF_SPACE_SEQ, OFF_SEND_SLEEPING);
             got += n;
