@@ -330,6 +330,14 @@ impl Mailbox {
         }
     }
 
+    /// Marks `peer` lost because writing to it failed, and returns the
+    /// error its pending and later sends report.
+    pub(crate) fn lose_writer(&self, peer: Rank, why: impl std::fmt::Display) -> TransportError {
+        let reason: Arc<str> = format!("write: {why}").into();
+        self.fail_peer(peer, reason.clone());
+        TransportError::PeerLost { peer, reason }
+    }
+
     /// See [`crate::Transport::check_peers`].
     pub fn check_peers(&self, peers: &PeerSet) -> Result<(), TransportError> {
         let inner = self.lock();

@@ -886,9 +886,7 @@ fn write_loop(
                         .write_all(&h, stop)
                         .and_then(|()| ring.write_all(&payload, stop));
                     if let Err(why) = r {
-                        let reason: Arc<str> = format!("write: {why}").into();
-                        mailbox.fail_peer(peer, reason.clone());
-                        lost = Some(TransportError::PeerLost { peer, reason });
+                        lost = Some(mailbox.lose_writer(peer, why));
                     }
                 }
                 let _ = done.send(lost.clone().map_or(Ok(()), Err));

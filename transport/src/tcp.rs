@@ -607,9 +607,7 @@ async fn write_loop(
                 }
                 .await;
                 if let Err(e) = res {
-                    let reason: Arc<str> = format!("write: {e}").into();
-                    mailbox.fail_peer(peer, reason.clone());
-                    lost = Some(TransportError::PeerLost { peer, reason });
+                    lost = Some(mailbox.lose_writer(peer, e));
                 }
             }
             batch.push(msg.done);
@@ -619,9 +617,7 @@ async fn write_loop(
         }
         if lost.is_none() {
             if let Err(e) = wr.flush().await {
-                let reason: Arc<str> = format!("write: {e}").into();
-                mailbox.fail_peer(peer, reason.clone());
-                lost = Some(TransportError::PeerLost { peer, reason });
+                lost = Some(mailbox.lose_writer(peer, e));
             }
         }
         for done in batch.drain(..) {
