@@ -5,6 +5,12 @@
 //! from the allocator and ranges start at element boundaries) they run on
 //! typed slices, which the compiler vectorises; otherwise an unaligned
 //! fallback reads and writes little-endian elements.
+//!
+//! Every kernel is compiled three times, for AVX-512, for AVX2 + FMA and
+//! for the baseline target, and the first the CPU supports is picked at
+//! run time (once; see [`kernel_isa`]). f16 and bf16 are reduced in blocks:
+//! converted to f32 (f16 by `half`'s slice conversions, which use F16C
+//! where present; bf16 by a shift), reduced in f32, rounded back.
 
 use std::fmt;
 
@@ -172,6 +178,25 @@ macro_rules! element {
 element!(u8 => U8, i8 => I8, u16 => U16, i16 => I16, u32 => U32, i32 => I32,
     u64 => U64, i64 => I64, f16 => F16, bf16 => BF16, f32 => F32, f64 => F64);
 
+macro_rules! dispatch {
+    ($dtype:expr, $f:ident, $($args:expr),*) => {
+        match $dtype {
+            DType::U8 => $f::<u8>($($args),*),
+            DType::I8 => $f::<i8>($($args),*),
+            DType::U16 => $f::<u16>($($args),*),
+            DType::I16 => $f::<i16>($($args),*),
+            DType::U32 => $f::<u32>($($args),*),
+            DType::I32 => $f::<i32>($($args),*),
+            DType::U64 => $f::<u64>($($args),*),
+            DType::I64 => $f::<i64>($($args),*),
+            DType::F16 => $f::<f16>($($args),*),
+            DType::BF16 => $f::<bf16>($($args),*),
+            DType::F32 => $f::<f32>($($args),*),
+            DType::F64 => $f::<f64>($($args),*),
+        }
+    };
+}
+
 /// Arithmetic the kernels need, per element type.
 trait Num: bytemuck::Pod {
     fn add(self, o: Self) -> Self;
@@ -247,10 +272,20 @@ fn bf16_to_f32(x: bf16) -> f32 {
 /// kept quiet; written without branches so that loops vectorise.
 #[inline(always)]
 fn f32_to_bf16(f: f32) -> bf16 {
+    bf16::from_bits(f32_to_bf16_bits(f))
+}
+
+#[inline(always)]
+fn f32_to_bf16_bits(f: f32) -> u16 {
     let b = f.to_bits();
-    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
-    let nan = ((b >> 16) as u16) | 0x0040;
-    bf16::from_bits(if f.is_nan() { nan } else { rounded })
+    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
+    let nan = (b >> 16) | 0x0040;
+    // |f| > inf in the bits is NaN; an integer compare vectorises
+    (if b & 0x7fff_ffff > 0x7f80_0000 {
+        nan
+    } else {
+        rounded
+    }) as u16
 }
 
 impl Num for bf16 {
@@ -277,14 +312,34 @@ impl Num for bf16 {
     }
 }
 
-fn reduce_typed<T: Num>(op: ReduceOp, dst: &mut [u8], src: &[u8]) {
-    // One monomorphic loop per operator (a function pointer per element
-    // would block inlining and vectorisation).
+/// Which operand comes first: `dst = op(dst, src)` or `dst = op(src, dst)`.
+/// Ranks that each reduce the same two values (recursive doubling) use
+/// one canonical order, so float results agree to the bit even for the
+/// cases where an operator is not symmetric (`max(0.0, -0.0)`, NaN
+/// payloads).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Order {
+    DstFirst,
+    SrcFirst,
+}
+
+#[inline(always)]
+fn reduce_typed<T: Num>(op: ReduceOp, dst: &mut [u8], src: &[u8], order: Order) {
+    // One monomorphic loop per operator and order (a function pointer per
+    // element would block inlining and vectorisation).
+    macro_rules! by_order {
+        ($f:expr) => {
+            match order {
+                Order::DstFirst => zip_apply(dst, src, $f),
+                Order::SrcFirst => zip_apply(dst, src, |d: T, s: T| $f(s, d)),
+            }
+        };
+    }
     match op {
-        ReduceOp::Sum | ReduceOp::Avg => zip_apply(dst, src, T::add),
-        ReduceOp::Prod => zip_apply(dst, src, T::mul),
-        ReduceOp::Min => zip_apply(dst, src, T::min),
-        ReduceOp::Max => zip_apply(dst, src, T::max),
+        ReduceOp::Sum | ReduceOp::Avg => by_order!(T::add),
+        ReduceOp::Prod => by_order!(T::mul),
+        ReduceOp::Min => by_order!(T::min),
+        ReduceOp::Max => by_order!(T::max),
     }
 }
 
@@ -308,6 +363,257 @@ fn zip_apply<T: Num, F: Fn(T, T) -> T>(dst: &mut [u8], src: &[u8], f: F) {
     }
 }
 
+/// Elements of a 16-bit float type converted per block.
+const HALF_BLOCK: usize = 256;
+
+/// A 16-bit float type reduced through f32.
+trait HalfFloat: Num {
+    fn widen(src: &[u8], out: &mut [f32]);
+    fn narrow(src: &[f32], out: &mut [u8]);
+}
+
+impl HalfFloat for f16 {
+    #[inline(always)]
+    fn widen(src: &[u8], out: &mut [f32]) {
+        use half::slice::HalfFloatSliceExt;
+        match bytemuck::try_cast_slice::<u8, f16>(src) {
+            Ok(h) => h.convert_to_f32_slice(out),
+            Err(_) => {
+                for (o, c) in out.iter_mut().zip(src.chunks_exact(2)) {
+                    *o = f16::from_le(c).to_f32();
+                }
+            }
+        }
+    }
+    #[inline(always)]
+    fn narrow(src: &[f32], out: &mut [u8]) {
+        use half::slice::HalfFloatSliceExt;
+        match bytemuck::try_cast_slice_mut::<u8, f16>(out) {
+            Ok(h) => h.convert_from_f32_slice(src),
+            Err(_) => {
+                for (x, c) in src.iter().zip(out.chunks_exact_mut(2)) {
+                    f16::from_f32(*x).store_le(c);
+                }
+            }
+        }
+    }
+}
+
+impl HalfFloat for bf16 {
+    #[inline(always)]
+    fn widen(src: &[u8], out: &mut [f32]) {
+        match bytemuck::try_cast_slice::<u8, u16>(src) {
+            Ok(h) => {
+                for (o, h) in out.iter_mut().zip(h) {
+                    *o = f32::from_bits(u32::from(*h) << 16);
+                }
+            }
+            Err(_) => {
+                for (o, c) in out.iter_mut().zip(src.chunks_exact(2)) {
+                    *o = f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16);
+                }
+            }
+        }
+    }
+    #[inline(always)]
+    fn narrow(src: &[f32], out: &mut [u8]) {
+        match bytemuck::try_cast_slice_mut::<u8, u16>(out) {
+            Ok(h) => {
+                for (x, h) in src.iter().zip(h) {
+                    *h = f32_to_bf16_bits(*x);
+                }
+            }
+            Err(_) => {
+                for (x, c) in src.iter().zip(out.chunks_exact_mut(2)) {
+                    c.copy_from_slice(&f32_to_bf16_bits(*x).to_le_bytes());
+                }
+            }
+        }
+    }
+}
+
+/// Reduces 16-bit floats block by block in f32 (same results as
+/// element-wise: widening is exact, each result is rounded once).
+#[inline(always)]
+fn reduce_half<H: HalfFloat>(op: ReduceOp, dst: &mut [u8], src: &[u8], order: Order) {
+    let mut a = [0f32; HALF_BLOCK];
+    let mut b = [0f32; HALF_BLOCK];
+    for (d, s) in dst
+        .chunks_mut(2 * HALF_BLOCK)
+        .zip(src.chunks(2 * HALF_BLOCK))
+    {
+        let k = d.len() / 2;
+        H::widen(d, &mut a[..k]);
+        H::widen(s, &mut b[..k]);
+        reduce_typed::<f32>(
+            op,
+            bytemuck::cast_slice_mut(&mut a[..k]),
+            bytemuck::cast_slice(&b[..k]),
+            order,
+        );
+        H::narrow(&a[..k], d);
+    }
+}
+
+#[inline(always)]
+fn reduce_any(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8], order: Order) {
+    match dtype {
+        DType::F16 => reduce_half::<f16>(op, dst, src, order),
+        DType::BF16 => reduce_half::<bf16>(op, dst, src, order),
+        d => dispatch!(d, reduce_typed, op, dst, src, order),
+    }
+}
+
+/// The instruction set the kernels run with on this CPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelIsa {
+    Avx512,
+    Avx2,
+    Baseline,
+}
+
+/// Detected once. `KUNGFU_KERNEL_ISA=baseline|avx2` caps it (to compare,
+/// or to rule the vector paths out when debugging).
+pub fn kernel_isa() -> KernelIsa {
+    static ISA: std::sync::OnceLock<KernelIsa> = std::sync::OnceLock::new();
+    *ISA.get_or_init(|| {
+        let cap = std::env::var("KUNGFU_KERNEL_ISA").unwrap_or_default();
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c");
+            let avx512 = avx2
+                && std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vl");
+            match cap.as_str() {
+                "baseline" => KernelIsa::Baseline,
+                "avx2" if avx2 => KernelIsa::Avx2,
+                _ if avx512 => KernelIsa::Avx512,
+                _ if avx2 => KernelIsa::Avx2,
+                _ => KernelIsa::Baseline,
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = cap;
+            KernelIsa::Baseline
+        }
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod isa {
+    use super::*;
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) fn reduce_avx512(dtype: DType, op: ReduceOp, d: &mut [u8], s: &[u8], o: Order) {
+        reduce_any(dtype, op, d, s, o)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn reduce_avx2(dtype: DType, op: ReduceOp, d: &mut [u8], s: &[u8], o: Order) {
+        reduce_any(dtype, op, d, s, o)
+    }
+
+    /// Sums or multiplies 16-bit floats 8 at a time in f32 registers
+    /// (F16C for f16, shifts for bf16; both round to nearest even once),
+    /// then the tail through the block path. Min and max keep the block
+    /// path: their NaN rules are those of `f32::min`, not of `vminps`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn half_sum_prod(bf: bool, prod: bool, d: &mut [u8], s: &[u8]) {
+        use std::arch::x86_64::*;
+        let n = d.len().min(s.len()) / 16;
+        let (dp, sp) = (d.as_mut_ptr(), s.as_ptr());
+        let widen = |v: __m128i| -> __m256 {
+            if bf {
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(v)))
+            } else {
+                _mm256_cvtph_ps(v)
+            }
+        };
+        let narrow = |x: __m256| -> __m128i {
+            if bf {
+                let b = _mm256_castps_si256(x);
+                let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
+                let bias = _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff));
+                let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(b, bias));
+                let quiet = _mm256_or_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(0x40));
+                let abs = _mm256_and_si256(b, _mm256_set1_epi32(0x7fff_ffff));
+                let nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f80_0000));
+                let r = _mm256_blendv_epi8(rounded, quiet, nan);
+                let r = _mm256_and_si256(r, _mm256_set1_epi32(0xffff));
+                let packed = _mm256_packus_epi32(r, r);
+                _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(packed))
+            } else {
+                _mm256_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT }>(x)
+            }
+        };
+        for i in 0..n {
+            // SAFETY: 16 * i + 16 <= len of both slices; unaligned loads
+            // and stores of 16 bytes are allowed at any address.
+            unsafe {
+                let a = widen(_mm_loadu_si128(dp.add(16 * i) as *const __m128i));
+                let b = widen(_mm_loadu_si128(sp.add(16 * i) as *const __m128i));
+                let r = if prod {
+                    _mm256_mul_ps(a, b)
+                } else {
+                    _mm256_add_ps(a, b)
+                };
+                _mm_storeu_si128(dp.add(16 * i) as *mut __m128i, narrow(r));
+            }
+        }
+        let op = if prod { ReduceOp::Prod } else { ReduceOp::Sum };
+        let (dt, st) = (&mut d[16 * n..], &s[16 * n..]);
+        if bf {
+            reduce_half::<half::bf16>(op, dt, st, Order::DstFirst);
+        } else {
+            reduce_half::<half::f16>(op, dt, st, Order::DstFirst);
+        }
+    }
+
+    /// The vector 16-bit path applies (sum and product of f16 and bf16).
+    fn half_fast(dtype: DType, op: ReduceOp) -> Option<(bool, bool)> {
+        let bf = match dtype {
+            DType::F16 => false,
+            DType::BF16 => true,
+            _ => return None,
+        };
+        match op {
+            ReduceOp::Sum | ReduceOp::Avg => Some((bf, false)),
+            ReduceOp::Prod => Some((bf, true)),
+            ReduceOp::Min | ReduceOp::Max => None,
+        }
+    }
+
+    pub(super) fn reduce(
+        isa: KernelIsa,
+        dtype: DType,
+        op: ReduceOp,
+        d: &mut [u8],
+        s: &[u8],
+        o: Order,
+    ) {
+        if let (KernelIsa::Avx512 | KernelIsa::Avx2, Some((bf, prod))) = (isa, half_fast(dtype, op))
+        {
+            // SAFETY: `kernel_isa` returns these only when the CPU has
+            // avx2, fma and f16c. Sum and product are symmetric, so the
+            // operand order only matters for NaN payloads (either is NaN).
+            return unsafe { half_sum_prod(bf, prod, d, s) };
+        }
+        match isa {
+            // SAFETY: `kernel_isa` returns Avx512 only when the CPU has
+            // every feature the function is compiled for.
+            KernelIsa::Avx512 => unsafe { reduce_avx512(dtype, op, d, s, o) },
+            // SAFETY: as above, for avx2, fma and f16c.
+            KernelIsa::Avx2 => unsafe { reduce_avx2(dtype, op, d, s, o) },
+            KernelIsa::Baseline => reduce_any(dtype, op, d, s, o),
+        }
+    }
+}
+
 fn scale_typed<T: Num>(buf: &mut [u8], n: usize) {
     match bytemuck::try_cast_slice_mut::<u8, T>(buf) {
         Ok(b) => b.iter_mut().for_each(|x| *x = x.div_n(n)),
@@ -319,34 +625,23 @@ fn scale_typed<T: Num>(buf: &mut [u8], n: usize) {
     }
 }
 
-macro_rules! dispatch {
-    ($dtype:expr, $f:ident, $($args:expr),*) => {
-        match $dtype {
-            DType::U8 => $f::<u8>($($args),*),
-            DType::I8 => $f::<i8>($($args),*),
-            DType::U16 => $f::<u16>($($args),*),
-            DType::I16 => $f::<i16>($($args),*),
-            DType::U32 => $f::<u32>($($args),*),
-            DType::I32 => $f::<i32>($($args),*),
-            DType::U64 => $f::<u64>($($args),*),
-            DType::I64 => $f::<i64>($($args),*),
-            DType::F16 => $f::<f16>($($args),*),
-            DType::BF16 => $f::<bf16>($($args),*),
-            DType::F32 => $f::<f32>($($args),*),
-            DType::F64 => $f::<f64>($($args),*),
-        }
-    };
-}
-
 /// `dst[i] = op(dst[i], src[i])` for every element.
 ///
 /// Panics if the slices differ in length or are not a whole number of
 /// elements: plans only produce element-aligned ranges of equal length, and
 /// frame lengths are checked before they reach a kernel.
 pub fn reduce_into(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
+    reduce_into_ordered(dtype, op, dst, src, Order::DstFirst)
+}
+
+/// [`reduce_into`] with the operands in `order`.
+pub fn reduce_into_ordered(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8], order: Order) {
     assert_eq!(dst.len(), src.len(), "reduce of unequal ranges");
     assert_eq!(dst.len() % dtype.size(), 0, "range not element-aligned");
-    dispatch!(dtype, reduce_typed, op, dst, src)
+    #[cfg(target_arch = "x86_64")]
+    isa::reduce(kernel_isa(), dtype, op, dst, src, order);
+    #[cfg(not(target_arch = "x86_64"))]
+    reduce_any(dtype, op, dst, src, order);
 }
 
 /// Divides every element by `n` (the last step of [`ReduceOp::Avg`]).
@@ -406,6 +701,85 @@ mod tests {
                 assert_eq!(got, expect_val, "{d} {op}");
             }
         }
+    }
+
+    /// Random bit patterns of every dtype, reduced by the vector paths and
+    /// by a scalar element-by-element reference: identical bits (NaNs
+    /// compared as NaN), both operand orders, aligned and not.
+    #[test]
+    fn vector_paths_match_the_scalar_reference() {
+        let mut rng = 0x9e3779b97f4a7c15u64;
+        let mut next = || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        fn scalar<T: Num>(op: ReduceOp, d: &mut [u8], s: &[u8], o: Order) {
+            let w = std::mem::size_of::<T>();
+            for (d, s) in d.chunks_exact_mut(w).zip(s.chunks_exact(w)) {
+                let (a, b) = (T::from_le(d), T::from_le(s));
+                let (a, b) = if o == Order::DstFirst { (a, b) } else { (b, a) };
+                let r = match op {
+                    ReduceOp::Sum | ReduceOp::Avg => a.add(b),
+                    ReduceOp::Prod => a.mul(b),
+                    ReduceOp::Min => a.min(b),
+                    ReduceOp::Max => a.max(b),
+                };
+                r.store_le(d);
+            }
+        }
+        let same = |d: DType, x: &[u8], y: &[u8]| -> bool {
+            x.chunks_exact(d.size())
+                .zip(y.chunks_exact(d.size()))
+                .all(|(a, b)| {
+                    a == b
+                        || match d {
+                            DType::F16 => f16::from_le(a).is_nan() && f16::from_le(b).is_nan(),
+                            DType::BF16 => bf16::from_le(a).is_nan() && bf16::from_le(b).is_nan(),
+                            DType::F32 => f32::from_le(a).is_nan() && f32::from_le(b).is_nan(),
+                            DType::F64 => f64::from_le(a).is_nan() && f64::from_le(b).is_nan(),
+                            _ => false,
+                        }
+                })
+        };
+        for d in DType::ALL {
+            for op in ReduceOp::ALL.into_iter().filter(|op| op.supports(d)) {
+                for order in [Order::DstFirst, Order::SrcFirst] {
+                    for (len, off) in [(1usize, 0usize), (1000, 0), (1000, 1), (4099, 0)] {
+                        let bytes = len * d.size();
+                        let mut a: Vec<u8> = (0..bytes + off).map(|_| next() as u8).collect();
+                        let b: Vec<u8> = (0..bytes + off).map(|_| next() as u8).collect();
+                        let mut want = a.clone();
+                        dispatch!(d, scalar, op, &mut want[off..], &b[off..], order);
+                        reduce_into_ordered(d, op, &mut a[off..], &b[off..], order);
+                        if a[..off] != want[..off] || !same(d, &a[off..], &want[off..]) {
+                            let i = (0..a.len()).find(|&i| a[i] != want[i]).unwrap();
+                            let i = i - (i - off) % d.size();
+                            let w = d.size();
+                            panic!(
+                                "{d} {op} {order:?} len {len} offset {off}: at byte {i} got {:x?} want {:x?}, operands were {:x?}",
+                                &a[i..i + w], &want[i..i + w], &b[i..i + w]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_kernel_isa_is_detected() {
+        let isa = kernel_isa();
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+            && std::env::var("KUNGFU_KERNEL_ISA").is_err()
+        {
+            assert_ne!(isa, KernelIsa::Baseline);
+        }
+        let _ = isa;
     }
 
     #[test]

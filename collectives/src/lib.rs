@@ -61,11 +61,15 @@ mod dtype;
 mod error;
 pub mod names;
 pub mod plan;
+mod pool;
 pub mod reference;
 mod session;
 mod spec;
 
-pub use dtype::{reduce_into, scale_down, DType, Element, ReduceOp};
+pub use dtype::{
+    kernel_isa, reduce_into, reduce_into_ordered, scale_down, DType, Element, KernelIsa, Order,
+    ReduceOp,
+};
 pub use error::CollectiveError;
 pub use session::{Callback, OpHandle, OpOutput, Session, SessionConfig};
 pub use spec::{OpKind, OpSpec};

@@ -28,7 +28,7 @@ pub fn input(dtype: DType, op: Option<ReduceOp>, rank: usize, len: usize) -> Vec
     let mut out = Vec::with_capacity(len * dtype.size());
     for i in 0..len {
         let v = if op == Some(ReduceOp::Prod) {
-            1 + u8::from((rank + i) % 4 == 0)
+            1 + u8::from((rank + i).is_multiple_of(4))
         } else {
             ((rank * 7 + i * 3) % 11 + 1) as u8
         };

@@ -16,7 +16,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use kungfu_topology::{PeerList, Rank, Root, Strategy, Topology};
+use kungfu_topology::{AutoThresholds, PeerList, Rank, Root, Strategy, Topology};
 use kungfu_transport::{
     Epoch, Frame, FrameKind, Header, Instant, OpTag, PeerSet, Transport, TransportError,
 };
@@ -28,6 +28,7 @@ use crate::dtype::scale_down;
 use crate::names::{check_name, NameTable};
 use crate::plan::build::{build, PlanInput};
 use crate::plan::Plan;
+use crate::pool::{BufPool, PooledBuf};
 use crate::{CollectiveError, DType, Element, OpKind, OpSpec, ReduceOp};
 
 /// Settings of a [`Session`].
@@ -35,6 +36,8 @@ use crate::{CollectiveError, DType, Element, OpKind, OpSpec, ReduceOp};
 pub struct SessionConfig {
     /// The strategy every op uses (`AUTO` chooses per op size).
     pub strategy: Strategy,
+    /// Where `AUTO` switches algorithms by message size.
+    pub auto: AutoThresholds,
     /// Ops are cut into chunks of at most this many bytes, which pipeline.
     pub chunk_bytes: usize,
     /// An op fails when it makes no progress for this long.
@@ -43,16 +46,22 @@ pub struct SessionConfig {
     /// always allowed). Sends copy their bytes, so this bounds the extra
     /// memory a large op takes at once.
     pub max_inflight_bytes: usize,
+    /// Idle working buffers kept for reuse, in bytes at most: ops in the
+    /// steady state then allocate no buffer (0 turns the pool off).
+    pub buffer_pool_bytes: usize,
 }
 
 impl Default for SessionConfig {
-    /// `AUTO`, 1 MiB chunks, 60 s without progress, 64 MiB in flight.
+    /// `AUTO`, 1 MiB chunks, 60 s without progress, 64 MiB in flight, a
+    /// 256 MiB buffer pool.
     fn default() -> SessionConfig {
         SessionConfig {
             strategy: Strategy::Auto,
+            auto: AutoThresholds::default(),
             chunk_bytes: 1 << 20,
             op_timeout: Duration::from_secs(60),
             max_inflight_bytes: 64 << 20,
+            buffer_pool_bytes: 256 << 20,
         }
     }
 }
@@ -61,7 +70,7 @@ impl Default for SessionConfig {
 /// lies in it (`None` for non-roots of reduce and gather).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OpOutput {
-    work: Vec<u8>,
+    work: PooledBuf,
     range: Option<Range<usize>>,
 }
 
@@ -132,6 +141,7 @@ struct Inner<T> {
     topologies: Mutex<HashMap<(Strategy, Root), Arc<Topology>>>,
     tombstones: Mutex<Tombstones>,
     runtime: tokio::runtime::Handle,
+    pool: Arc<BufPool>,
 }
 
 /// How many finished ops are remembered, to judge their late frames.
@@ -208,7 +218,9 @@ impl<T: Transport> Session<T> {
                 "chunk_bytes and op_timeout must be positive".into(),
             ));
         }
+        let pool = BufPool::new(config.buffer_pool_bytes);
         let inner = Arc::new(Inner {
+            pool,
             transport,
             peers,
             config,
@@ -248,7 +260,9 @@ impl<T: Transport> Session<T> {
     /// The topology an op of `bytes` bytes per rank and `root` runs on.
     pub fn topology(&self, root: Root, bytes: usize) -> Arc<Topology> {
         let s = match self.inner.config.strategy {
-            Strategy::Auto => Strategy::auto_choice(&self.inner.peers, bytes),
+            Strategy::Auto => {
+                Strategy::auto_choice_with(&self.inner.peers, root, bytes, &self.inner.config.auto)
+            }
             s => s,
         };
         lock(&self.inner.topologies)
@@ -308,8 +322,15 @@ impl<T: Transport> Session<T> {
         buf: &mut [E],
         op: ReduceOp,
     ) -> Result<(), CollectiveError> {
-        let out = self.allreduce(name, buf, op).await?;
-        buf.copy_from_slice(&out);
+        let spec = OpSpec {
+            kind: OpKind::Allreduce(op),
+            dtype: E::DTYPE,
+            count: buf.len(),
+        };
+        self.copy_result(
+            self.submit(name, spec, bytemuck::cast_slice(buf)).await?,
+            buf,
+        );
         Ok(())
     }
 
@@ -320,9 +341,25 @@ impl<T: Transport> Session<T> {
         buf: &mut [E],
         root: Rank,
     ) -> Result<(), CollectiveError> {
-        let out = self.broadcast(name, buf, root).await?;
-        buf.copy_from_slice(&out);
+        let spec = OpSpec {
+            kind: OpKind::Broadcast { root },
+            dtype: E::DTYPE,
+            count: buf.len(),
+        };
+        self.copy_result(
+            self.submit(name, spec, bytemuck::cast_slice(buf)).await?,
+            buf,
+        );
         Ok(())
+    }
+
+    /// Copies an op's output (of `buf`'s length) into `buf`; the working
+    /// buffer goes back to the pool.
+    fn copy_result<E: Element>(&self, out: OpOutput, buf: &mut [E]) {
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf);
+        if let Some(o) = out.bytes() {
+            bytes.copy_from_slice(o);
+        }
     }
 
     /// `root` gets the reduction; other ranks get an empty vector.
@@ -541,6 +578,8 @@ impl<T: Transport> Session<T> {
         })
         .map_err(invalid)?;
         let (op, seq) = lock(&self.inner.names).begin(&name)?;
+        let mut work = self.inner.pool.take(spec.work_len(n).expect("validated"));
+        spec.init_work_into(input, me, n, work.vec_mut());
         Ok(RunningOp {
             name,
             spec,
@@ -550,7 +589,7 @@ impl<T: Transport> Session<T> {
                 seq,
             },
             digest,
-            work: spec.init_work(input, me, n),
+            work,
             plan,
             remote_abort: false,
         })
@@ -574,7 +613,7 @@ struct RunningOp {
     spec: OpSpec,
     tag: OpTag,
     digest: u32,
-    work: Vec<u8>,
+    work: PooledBuf,
     plan: Plan,
     /// The op failed because a peer said so (not to be echoed back).
     remote_abort: bool,
@@ -680,7 +719,7 @@ impl RunningOp {
             scale_down(self.spec.dtype, &mut self.work[r.clone()], n);
         }
         Ok(OpOutput {
-            work: std::mem::take(&mut self.work),
+            work: std::mem::replace(&mut self.work, PooledBuf::unpooled(Vec::new())),
             range,
         })
     }

@@ -132,27 +132,34 @@ impl OpSpec {
     /// Builds the working buffer of rank `me` from its input (which must be
     /// [`OpSpec::input_len`] bytes).
     pub fn init_work(&self, input: &[u8], me: Rank, size: usize) -> Vec<u8> {
+        let mut work = Vec::new();
+        self.init_work_into(input, me, size, &mut work);
+        work
+    }
+
+    /// [`OpSpec::init_work`] into `work` (cleared first), reusing its
+    /// allocation.
+    pub fn init_work_into(&self, input: &[u8], me: Rank, size: usize, work: &mut Vec<u8>) {
         let b = self.block_bytes().expect("validated");
-        let zeroed = || vec![0u8; self.work_len(size).expect("validated")];
+        let len = self.work_len(size).expect("validated");
         let mine = me.idx() * b..(me.idx() + 1) * b;
+        work.clear();
         match self.kind {
             // the input is the whole buffer: one pass, no zeroing first
             OpKind::Allreduce(_) | OpKind::Reduce { .. } | OpKind::ReduceScatter(_) => {
-                input.to_vec()
+                work.extend_from_slice(input)
             }
-            OpKind::Broadcast { root } if root == me => input.to_vec(),
-            OpKind::Broadcast { .. } => zeroed(),
+            OpKind::Broadcast { root } if root == me => work.extend_from_slice(input),
+            OpKind::Broadcast { .. } => work.resize(len, 0),
             OpKind::Allgather | OpKind::Gather { .. } => {
-                let mut work = zeroed();
+                work.resize(len, 0);
                 work[mine].copy_from_slice(input);
-                work
             }
             OpKind::Alltoall => {
-                let mut work = zeroed();
+                work.resize(len, 0);
                 let half = b * size;
                 work[..half].copy_from_slice(input);
                 work.copy_within(mine.clone(), half + mine.start);
-                work
             }
         }
     }

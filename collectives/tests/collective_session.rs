@@ -406,7 +406,16 @@ fn stale_and_hostile_frames() {
         let ts = MemNetwork::new(2, cfg);
         let ss: Vec<_> = ts
             .iter()
-            .map(|t| Session::new(t.clone(), PeerList::local(2), SessionConfig::default()).unwrap())
+            .map(|t| {
+                // A star: rank 1 needs rank 0's result, so it cannot finish
+                // before rank 0's abort reaches it (with recursive doubling
+                // it would finish, correctly, from rank 0's first frame).
+                let cfg = SessionConfig {
+                    strategy: Strategy::Star,
+                    ..SessionConfig::default()
+                };
+                Session::new(t.clone(), PeerList::local(2), cfg).unwrap()
+            })
             .collect();
         let tag = OpTag {
             epoch: Epoch(4),

@@ -124,7 +124,7 @@ fn layouts(n: usize) -> Vec<PeerList> {
     if n >= 3 {
         // hosts of three workers (the last one smaller), for host-aware strategies
         let mut per = vec![3; n / 3];
-        if n % 3 != 0 {
+        if !n.is_multiple_of(3) {
             per.push(n % 3);
         }
         v.push(PeerList::with_hosts(&per));
@@ -349,6 +349,56 @@ fn random_frames_never_panic_a_plan() {
                 }
             }
             assert!(!plan.waiting_for().contains(&me));
+        }
+    }
+}
+
+/// Ranks that reduce the same values themselves (recursive doubling) must
+/// still agree to the bit, signed zeros included (`max(0.0, -0.0)` is not
+/// symmetric), except for the payload and sign of NaNs: the compiler
+/// treats float `+` as commutative, and x86 keeps the payload of whichever
+/// operand comes first, so only NaN-ness is guaranteed (as in MPI).
+#[test]
+fn every_rank_gets_the_same_bits() {
+    let specials = [
+        0.0f32,
+        -0.0,
+        f32::NAN,
+        -f32::NAN,
+        f32::from_bits(0x7fc0_1234),
+        1.0,
+    ];
+    for n in [2usize, 3, 4, 5, 8] {
+        let peers = PeerList::local(n);
+        for op in [ReduceOp::Max, ReduceOp::Min, ReduceOp::Sum] {
+            let spec = OpSpec {
+                kind: OpKind::Allreduce(op),
+                dtype: DType::F32,
+                count: 36,
+            };
+            let inputs: Vec<Vec<u8>> = (0..n)
+                .map(|r| {
+                    let v: Vec<f32> = (0..36)
+                        .map(|i| specials[(i + r * (i / 6 + 1)) % 6])
+                        .collect();
+                    bytemuck::cast_slice(&v).to_vec()
+                })
+                .collect();
+            for strategy in Strategy::ALL {
+                for seed in 0..4 {
+                    let outs = simulate(&peers, strategy, &spec, &inputs, 40, seed);
+                    let bits = |o: &Option<Vec<u8>>| -> Vec<u32> {
+                        let v: Vec<f32> = bytemuck::pod_collect_to_vec(o.as_ref().unwrap());
+                        v.iter()
+                            .map(|x| if x.is_nan() { u32::MAX } else { x.to_bits() })
+                            .collect()
+                    };
+                    let first = bits(&outs[0]);
+                    for (r, o) in outs.iter().enumerate() {
+                        assert_eq!(bits(o), first, "{strategy} {op} n={n} rank {r}");
+                    }
+                }
+            }
         }
     }
 }

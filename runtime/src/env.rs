@@ -15,7 +15,7 @@
 
 use std::time::Duration;
 
-use kungfu_topology::{fnv1a64, PeerList, Strategy};
+use kungfu_topology::{fnv1a64, AutoThresholds, PeerList, Strategy};
 
 use crate::BootstrapError;
 
@@ -55,6 +55,12 @@ pub struct WorkerEnv {
     pub connect_timeout: Duration,
     pub op_timeout: Duration,
     pub chunk_bytes: usize,
+    /// `AUTO`'s size thresholds (`KUNGFU_AUTO_LARGE_BYTES`,
+    /// `KUNGFU_AUTO_PAIR_RING_BYTES`).
+    pub auto: AutoThresholds,
+    /// How long a receive polls before it sleeps (`KUNGFU_SPIN_US`; the
+    /// transport's default when unset).
+    pub spin: Option<Duration>,
 }
 
 fn parse<T: std::str::FromStr>(var: &str, v: &str) -> Result<T, BootstrapError> {
@@ -245,7 +251,23 @@ impl WorkerEnv {
             .map(|v| parse("KUNGFU_CHUNK_BYTES", &v))
             .transpose()?
             .unwrap_or(1 << 20);
+        let bytes = |var: &str, default: usize| -> Result<usize, BootstrapError> {
+            Ok(get(var)
+                .map(|v| parse(var, &v))
+                .transpose()?
+                .unwrap_or(default))
+        };
+        let def = AutoThresholds::default();
+        let auto = AutoThresholds {
+            large_bytes: bytes("KUNGFU_AUTO_LARGE_BYTES", def.large_bytes)?,
+            pair_ring_bytes: bytes("KUNGFU_AUTO_PAIR_RING_BYTES", def.pair_ring_bytes)?,
+        };
+        let spin = get("KUNGFU_SPIN_US")
+            .map(|v| parse("KUNGFU_SPIN_US", &v).map(Duration::from_micros))
+            .transpose()?;
         Ok(WorkerEnv {
+            spin,
+            auto,
             launcher,
             rank,
             size,

@@ -131,6 +131,9 @@ impl Worker {
                 env.size,
             );
             c.connect_timeout = connect_timeout;
+            if let Some(spin) = env.spin {
+                c.spin = spin;
+            }
             c
         };
         let tcp_cfg = || {
@@ -141,6 +144,9 @@ impl Worker {
                 peers.clone(),
             );
             c.connect_timeout = connect_timeout;
+            if let Some(spin) = env.spin {
+                c.spin = spin;
+            }
             c
         };
         let transport = match env.transport.as_str() {
@@ -169,6 +175,7 @@ impl Worker {
             SessionConfig {
                 strategy: env.strategy,
                 chunk_bytes: env.chunk_bytes,
+                auto: env.auto,
                 op_timeout: env.op_timeout,
                 ..SessionConfig::default()
             },

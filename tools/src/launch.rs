@@ -43,7 +43,79 @@ pub struct LaunchOptions {
     pub grace: Duration,
     /// Extra `NAME=VALUE` for every worker.
     pub env: Vec<(String, String)>,
+    /// Pin each local worker to one CPU.
+    pub bind: Bind,
     pub program: Vec<String>,
+}
+
+/// Whether workers are pinned to CPUs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bind {
+    /// Pin worker `i` of a host to its `i`-th allowed CPU when the host has
+    /// at least as many allowed CPUs as workers (as `mpirun` binds to
+    /// cores by default for small jobs); otherwise leave them free.
+    Auto,
+    Core,
+    None,
+}
+
+impl std::str::FromStr for Bind {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> anyhow::Result<Bind> {
+        match s {
+            "auto" => Ok(Bind::Auto),
+            "core" => Ok(Bind::Core),
+            "none" => Ok(Bind::None),
+            _ => anyhow::bail!("--bind-to {s:?}: expected auto, core or none"),
+        }
+    }
+}
+
+/// The CPUs this process may run on, in order.
+fn allowed_cpus() -> Vec<usize> {
+    use nix::sched::{sched_getaffinity, CpuSet};
+    match sched_getaffinity(Pid::from_raw(0)) {
+        Ok(set) => (0..CpuSet::count())
+            .filter(|&c| set.is_set(c).unwrap_or(false))
+            .collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+/// The CPU for local worker `local_rank` of `local_size`, if it is to be
+/// pinned. `Core` with more workers than CPUs wraps around.
+pub fn cpu_for(
+    bind: Bind,
+    allowed: &[usize],
+    local_rank: usize,
+    local_size: usize,
+) -> Option<usize> {
+    if allowed.is_empty() {
+        return None;
+    }
+    match bind {
+        Bind::None => None,
+        Bind::Auto if local_size > allowed.len() => None,
+        Bind::Auto | Bind::Core => Some(allowed[local_rank % allowed.len()]),
+    }
+}
+
+/// Pins the child to `cpu` between fork and exec.
+fn pin(cmd: &mut Command, cpu: usize) -> anyhow::Result<()> {
+    use nix::sched::{sched_setaffinity, CpuSet};
+    let mut set = CpuSet::new();
+    set.set(cpu).with_context(|| format!("CPU {cpu}"))?;
+    #[allow(unsafe_code)]
+    // SAFETY: the closure runs in the child between fork and exec, where
+    // only async-signal-safe calls are allowed: it makes one system call
+    // (sched_setaffinity) on a set built before the fork, and allocates
+    // nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            sched_setaffinity(Pid::from_raw(0), &set).map_err(std::io::Error::from)
+        });
+    }
+    Ok(())
 }
 
 const TERM_TO_KILL: Duration = Duration::from_secs(3);
@@ -165,8 +237,12 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
     };
 
     let width = (opts.np - 1).to_string().len();
+    let allowed = allowed_cpus();
     for s in slots.iter().filter(|s| mine(&s.host)) {
         let mut cmd = Command::new(&opts.program[0]);
+        if let Some(cpu) = cpu_for(opts.bind, &allowed, s.local_rank, s.local_size) {
+            pin(&mut cmd, cpu)?;
+        }
         cmd.args(&opts.program[1..])
             .env("KUNGFU_RANK", s.rank.to_string())
             .env("KUNGFU_SIZE", opts.np.to_string())
@@ -218,6 +294,12 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
             if let Some(st) = &opts.strategy {
                 remote.extend(["--strategy".into(), st.clone()]);
             }
+            let bind = match opts.bind {
+                Bind::Auto => "auto",
+                Bind::Core => "core",
+                Bind::None => "none",
+            };
+            remote.extend(["--bind-to".into(), bind.into()]);
             for (k, v) in &opts.env {
                 remote.extend(["-x".into(), format!("{k}={v}")]);
             }
@@ -328,5 +410,31 @@ mod tests {
         let (what, code) = describe(&ExitStatus::from_raw(9));
         assert_eq!(code, 137);
         assert!(what.contains("SIGKILL"), "{what}");
+    }
+}
+
+#[cfg(test)]
+mod bind_tests {
+    use super::*;
+
+    #[test]
+    fn cpus_for_workers() {
+        let two = [0, 1];
+        assert_eq!(cpu_for(Bind::Auto, &two, 1, 2), Some(1));
+        assert_eq!(
+            cpu_for(Bind::Auto, &two, 1, 4),
+            None,
+            "more workers than CPUs"
+        );
+        assert_eq!(cpu_for(Bind::Core, &two, 3, 4), Some(1), "wraps around");
+        assert_eq!(cpu_for(Bind::None, &two, 0, 1), None);
+        assert_eq!(
+            cpu_for(Bind::Auto, &[4, 6], 1, 2),
+            Some(6),
+            "the allowed set, in order"
+        );
+        assert_eq!(cpu_for(Bind::Core, &[], 0, 1), None);
+        assert_eq!("core".parse::<Bind>().unwrap(), Bind::Core);
+        assert!("socket".parse::<Bind>().is_err());
     }
 }

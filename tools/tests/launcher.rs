@@ -668,3 +668,40 @@ fn mpirun_starts_a_job() {
     }
     assert_eq!(t.matches("done").count(), 4, "{t}");
 }
+
+/// `--bind-to core` pins each worker to one CPU (worker i to the i-th
+/// allowed CPU, wrapping around); `--bind-to none` leaves the full set.
+#[test]
+fn workers_are_pinned_to_cores() {
+    let script = "grep Cpus_allowed_list /proc/self/status";
+    let out = run_bounded(
+        kungfu_run(&["-np", "2", "--bind-to", "core", "sh", "-c", script]),
+        Duration::from_secs(30),
+    );
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    let allowed = std::fs::read_to_string("/proc/self/status").unwrap();
+    let mine = allowed
+        .lines()
+        .find(|l| l.starts_with("Cpus_allowed_list"))
+        .unwrap()
+        .to_string();
+    for rank in 0..2 {
+        let line = t
+            .lines()
+            .find(|l| l.starts_with(&format!("[{rank}] Cpus_allowed_list")))
+            .unwrap_or_else(|| panic!("no line of rank {rank}: {t}"));
+        let list = line.rsplit(['\t', ' ']).next().unwrap();
+        assert!(
+            list.parse::<usize>().is_ok(),
+            "rank {rank} is not pinned to one CPU: {line} (ours: {mine})"
+        );
+    }
+    let out = run_bounded(
+        kungfu_run(&["-np", "1", "--bind-to", "none", "sh", "-c", script]),
+        Duration::from_secs(30),
+    );
+    let t = text(&out);
+    let want = mine.rsplit(['\t', ' ']).next().unwrap();
+    assert!(t.contains(want), "unbound worker: {t} (ours: {mine})");
+}

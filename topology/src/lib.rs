@@ -21,7 +21,7 @@
 //! topo.validate().unwrap();
 //! match topo.shape() {
 //!     Shape::Trees(pairs) => assert_eq!(pairs.len(), 1),
-//!     Shape::Ring(_) => unreachable!(),
+//!     Shape::Ring(_) | Shape::Butterfly(_) => unreachable!(),
 //! }
 //! let again = Strategy::BinaryTreeStar.resolve(&peers, Root::Any, 1 << 20);
 //! assert_eq!(topo.digest(), again.digest());
@@ -38,7 +38,8 @@
 //! | `BINARY_TREE_STAR` | star inside each host, binary tree across host masters | the same, rooted at the root |
 //! | `MULTI_BINARY_TREE_STAR` | one `BINARY_TREE_STAR` per host master (chunks rotate over them) | `BINARY_TREE_STAR` from the root |
 //! | `CLIQUE` | one star per rank (chunks rotate, so every rank reduces a share) | a star around the root |
-//! | `AUTO` | chosen from the host layout and the message size | likewise |
+//! | `RECURSIVE_DOUBLING` | `log2 n` pairwise exchanges (extra ranks fold in first, get the result last) | a star up to 4 ranks, a binomial tree beyond |
+//! | `AUTO` | chosen from the host layout and the message size ([`AutoThresholds`]) | likewise |
 
 mod digest;
 mod graph;
@@ -48,4 +49,6 @@ mod strategy;
 pub use digest::{fnv1a64, Digest};
 pub use graph::{Graph, GraphPair, TopologyError};
 pub use peers::{Peer, PeerList, PeerListError, Rank};
-pub use strategy::{Root, Shape, Strategy, StrategyParseError, Topology, AUTO_LARGE_BYTES};
+pub use strategy::{
+    AutoThresholds, Root, Shape, Strategy, StrategyParseError, Topology, AUTO_LARGE_BYTES,
+};

@@ -5,8 +5,33 @@ use std::str::FromStr;
 
 use crate::{Digest, Graph, GraphPair, PeerList, Rank, TopologyError};
 
-/// Messages of at least this many bytes count as large for [`Strategy::Auto`].
+/// Messages of at least this many bytes count as large for [`Strategy::Auto`]
+/// (the default of [`AutoThresholds::large_bytes`]).
 pub const AUTO_LARGE_BYTES: usize = 64 * 1024;
+
+/// Where [`Strategy::Auto`] switches algorithms, by message size in bytes.
+/// Every worker of a cluster must use the same values (a difference shows
+/// as a mismatch error on the first op it affects).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AutoThresholds {
+    /// From this size up, unrooted ops on more than two ranks use the ring
+    /// (bandwidth-optimal); below it, recursive doubling inside a host and
+    /// a binary tree of stars across hosts (latency-optimal).
+    pub large_bytes: usize,
+    /// On two ranks of one host, recursive doubling (one exchange, both
+    /// ranks reducing at once) is used below this size, the ring from it.
+    pub pair_ring_bytes: usize,
+}
+
+impl Default for AutoThresholds {
+    /// 64 KiB; on two ranks, recursive doubling at every size.
+    fn default() -> AutoThresholds {
+        AutoThresholds {
+            large_bytes: AUTO_LARGE_BYTES,
+            pair_ring_bytes: usize::MAX,
+        }
+    }
+}
 
 /// A named way of connecting the workers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -18,6 +43,14 @@ pub enum Strategy {
     BinaryTreeStar,
     MultiBinaryTreeStar,
     Clique,
+    /// Recursive doubling: in round `k`, rank `i` exchanges its whole
+    /// partial result with rank `i ^ 2^k` and both reduce. `log2 n` rounds
+    /// (latency-optimal for small messages); with `n` not a power of two,
+    /// the ranks beyond the largest power hand their data to a partner
+    /// first and get the result back last. Rooted ops (which have no
+    /// recursive-doubling form) use a star up to 4 ranks, a binomial tree
+    /// beyond; allgather and reduce-scatter run block-wise on those.
+    RecursiveDoubling,
     Auto,
 }
 
@@ -36,6 +69,9 @@ pub enum Shape {
     Trees(Vec<GraphPair>),
     /// A ring in this order: reduce-scatter then allgather around it.
     Ring(Vec<Rank>),
+    /// Recursive doubling over positions in this order (see
+    /// [`Strategy::RecursiveDoubling`]).
+    Butterfly(Vec<Rank>),
 }
 
 /// A strategy resolved for one peer list, root and message size.
@@ -57,8 +93,12 @@ impl Topology {
                     d = p.feed(d);
                 }
             }
-            Shape::Ring(order) => {
-                d = d.u64(2);
+            Shape::Ring(order) | Shape::Butterfly(order) => {
+                d = d.u64(if matches!(shape, Shape::Ring(_)) {
+                    2
+                } else {
+                    3
+                });
                 for r in order {
                     d = d.u64(u64::from(r.0));
                 }
@@ -96,7 +136,7 @@ impl Topology {
     pub fn validate(&self) -> Result<(), TopologyError> {
         match &self.shape {
             Shape::Trees(pairs) => pairs.iter().try_for_each(|p| p.validate(self.n)),
-            Shape::Ring(order) => {
+            Shape::Ring(order) | Shape::Butterfly(order) => {
                 let mut seen = vec![false; self.n];
                 if order.len() != self.n {
                     return Err(TopologyError::BadRing);
@@ -115,12 +155,12 @@ impl Topology {
 
 /// An unknown strategy name.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("unknown strategy {0:?} (expected one of STAR, RING, TREE, BINARY_TREE, BINARY_TREE_STAR, MULTI_BINARY_TREE_STAR, CLIQUE, AUTO)")]
+#[error("unknown strategy {0:?} (expected one of STAR, RING, TREE, BINARY_TREE, BINARY_TREE_STAR, MULTI_BINARY_TREE_STAR, CLIQUE, RECURSIVE_DOUBLING, AUTO)")]
 pub struct StrategyParseError(pub String);
 
 impl Strategy {
     /// Every strategy, `AUTO` last.
-    pub const ALL: [Strategy; 8] = [
+    pub const ALL: [Strategy; 9] = [
         Strategy::Star,
         Strategy::Ring,
         Strategy::Tree,
@@ -128,6 +168,7 @@ impl Strategy {
         Strategy::BinaryTreeStar,
         Strategy::MultiBinaryTreeStar,
         Strategy::Clique,
+        Strategy::RecursiveDoubling,
         Strategy::Auto,
     ];
 
@@ -140,22 +181,46 @@ impl Strategy {
             Strategy::BinaryTreeStar => "BINARY_TREE_STAR",
             Strategy::MultiBinaryTreeStar => "MULTI_BINARY_TREE_STAR",
             Strategy::Clique => "CLIQUE",
+            Strategy::RecursiveDoubling => "RECURSIVE_DOUBLING",
             Strategy::Auto => "AUTO",
         }
     }
 
-    /// `AUTO`'s choice for a message of `bytes` on this layout: a ring for
-    /// large messages (bandwidth-optimal; the ring order keeps each host's
-    /// workers adjacent so only one link per host crosses the network);
-    /// for small ones, a star on a small host, a binary tree on a large
-    /// one, and a star inside hosts joined by a binary tree across hosts.
-    /// Rooted ops with large messages use a pipelined chain (`RING` rooted).
+    /// `AUTO`'s choice for a message of `bytes` on this layout, with the
+    /// default thresholds (see [`Strategy::auto_choice_with`]).
     pub fn auto_choice(peers: &PeerList, bytes: usize) -> Strategy {
-        if bytes >= AUTO_LARGE_BYTES && peers.len() > 2 {
+        Strategy::auto_choice_with(peers, Root::Any, bytes, &AutoThresholds::default())
+    }
+
+    /// `AUTO`'s choice: a ring for large messages (bandwidth-optimal; the
+    /// ring order keeps each host's workers adjacent so only one link per
+    /// host crosses the network; rooted ops get a pipelined chain). For
+    /// small messages: inside one host, recursive doubling (unrooted) or a
+    /// star (rooted, up to 4 ranks) or a binary tree (rooted, more); across
+    /// hosts, stars inside hosts joined by a binary tree. Two ranks of one
+    /// host use recursive doubling up to `pair_ring_bytes`.
+    pub fn auto_choice_with(
+        peers: &PeerList,
+        root: Root,
+        bytes: usize,
+        th: &AutoThresholds,
+    ) -> Strategy {
+        let n = peers.len();
+        let one_host = peers.hosts().len() <= 1;
+        if one_host && n == 2 && root == Root::Any {
+            return if bytes >= th.pair_ring_bytes {
+                Strategy::Ring
+            } else {
+                Strategy::RecursiveDoubling
+            };
+        }
+        if bytes >= th.large_bytes && n > 2 {
             Strategy::Ring
-        } else if peers.hosts().len() > 1 {
+        } else if !one_host {
             Strategy::BinaryTreeStar
-        } else if peers.len() <= 4 {
+        } else if root == Root::Any {
+            Strategy::RecursiveDoubling
+        } else if n <= 4 {
             Strategy::Star
         } else {
             Strategy::BinaryTree
@@ -163,17 +228,31 @@ impl Strategy {
     }
 
     /// Generates the topology for an op of `bytes` bytes (the size only
-    /// matters to `AUTO`). Deterministic: every worker that calls this with
-    /// the same arguments gets the same graphs and digest.
+    /// matters to `AUTO`), with the default thresholds.
     ///
     /// Panics if `root` is not a rank of `peers` (callers validate roots).
     pub fn resolve(self, peers: &PeerList, root: Root, bytes: usize) -> Topology {
+        self.resolve_with(peers, root, bytes, &AutoThresholds::default())
+    }
+
+    /// Generates the topology for an op of `bytes` bytes; `AUTO` chooses
+    /// with `th`. Deterministic: every worker that calls this with the
+    /// same arguments gets the same graphs and digest.
+    ///
+    /// Panics if `root` is not a rank of `peers` (callers validate roots).
+    pub fn resolve_with(
+        self,
+        peers: &PeerList,
+        root: Root,
+        bytes: usize,
+        th: &AutoThresholds,
+    ) -> Topology {
         let n = peers.len();
         if let Root::At(r) = root {
             assert!(r.idx() < n, "root {r} outside a cluster of {n}");
         }
         let s = match self {
-            Strategy::Auto => Strategy::auto_choice(peers, bytes),
+            Strategy::Auto => Strategy::auto_choice_with(peers, root, bytes, th),
             s => s,
         };
         let r0 = Rank(0);
@@ -206,6 +285,11 @@ impl Strategy {
                         .collect(),
                 )
             }
+            (Strategy::RecursiveDoubling, Root::Any) => Shape::Butterfly(ring_order(peers)),
+            (Strategy::RecursiveDoubling, Root::At(r)) if n <= 4 => {
+                Shape::Trees(vec![pair(star, r)])
+            }
+            (Strategy::RecursiveDoubling, Root::At(r)) => Shape::Trees(vec![pair(binomial, r)]),
             (Strategy::Clique, Root::Any) => {
                 Shape::Trees(peers.ranks().map(|r| pair(star, r)).collect())
             }
@@ -332,7 +416,7 @@ mod tests {
                                 assert_eq!(p.len(), 1);
                                 assert_eq!(p[0].root, r);
                             }
-                            Shape::Ring(_) => panic!("rooted ring"),
+                            Shape::Ring(_) | Shape::Butterfly(_) => panic!("rooted ring"),
                         }
                     }
                 }
@@ -383,8 +467,28 @@ mod tests {
         let two = PeerList::with_hosts(&[4, 4]);
         assert_eq!(
             Strategy::Auto.resolve(&one, Root::Any, 10).strategy(),
+            Strategy::RecursiveDoubling
+        );
+        assert_eq!(
+            Strategy::Auto
+                .resolve(&one, Root::At(Rank(3)), 10)
+                .strategy(),
             Strategy::BinaryTree
         );
+        let pair = PeerList::local(2);
+        assert_eq!(
+            Strategy::Auto.resolve(&pair, Root::Any, 1 << 30).strategy(),
+            Strategy::RecursiveDoubling
+        );
+        let th = AutoThresholds {
+            large_bytes: 100,
+            pair_ring_bytes: 1000,
+        };
+        let at = |p: &PeerList, b| Strategy::Auto.resolve_with(p, Root::Any, b, &th).strategy();
+        assert_eq!(at(&pair, 999), Strategy::RecursiveDoubling);
+        assert_eq!(at(&pair, 1000), Strategy::Ring);
+        assert_eq!(at(&one, 99), Strategy::RecursiveDoubling);
+        assert_eq!(at(&one, 100), Strategy::Ring);
         assert_eq!(
             Strategy::Auto.resolve(&two, Root::Any, 10).strategy(),
             Strategy::BinaryTreeStar
@@ -404,7 +508,7 @@ mod tests {
         // Two hosts, so that BINARY_TREE_STAR is not just a star.
         let peers = PeerList::with_hosts(&[3, 3]);
         let mut seen = std::collections::HashSet::new();
-        for s in &Strategy::ALL[..7] {
+        for s in &Strategy::ALL[..8] {
             assert!(seen.insert(s.resolve(&peers, Root::Any, 0).digest()), "{s}");
         }
         let a = Strategy::Tree

@@ -286,3 +286,34 @@ pub trait Transport: Send + Sync + 'static {
     /// [`TransportError::Closed`], frames in flight may be lost. Idempotent.
     fn shutdown(&self);
 }
+
+/// CPUs of this host that the job may use: the cgroup's cpuset if there is
+/// one, else the online CPUs. Not this process's affinity, which a
+/// launcher that pins each rank to a core narrows to one.
+pub fn host_cpus() -> usize {
+    let count = |list: &str| -> usize {
+        list.trim()
+            .split(',')
+            .filter(|p| !p.is_empty())
+            .map(|p| match p.split_once('-') {
+                Some((a, b)) => match (a.parse::<usize>(), b.parse::<usize>()) {
+                    (Ok(a), Ok(b)) if b >= a => b - a + 1,
+                    _ => 1,
+                },
+                None => 1,
+            })
+            .sum()
+    };
+    for path in [
+        "/sys/fs/cgroup/cpuset.cpus.effective",
+        "/sys/devices/system/cpu/online",
+    ] {
+        if let Ok(list) = std::fs::read_to_string(path) {
+            let c = count(&list);
+            if c > 0 {
+                return c;
+            }
+        }
+    }
+    std::thread::available_parallelism().map_or(1, |c| c.get())
+}

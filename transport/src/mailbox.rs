@@ -267,13 +267,29 @@ impl Mailbox {
         deadline: Instant,
         spin: std::time::Duration,
         yield_os: bool,
-        mut pump: impl FnMut() -> bool + Send,
+        pump: impl FnMut() -> bool + Send,
     ) -> Result<Frame, TransportError> {
+        match self.spin_recv(tag, from, spin, yield_os, pump).await {
+            Some(r) => r,
+            None => self.recv(tag, from, deadline).await,
+        }
+    }
+
+    /// The spinning phase of [`Mailbox::recv_spinning`]: `None` if nothing
+    /// came within `spin`.
+    pub async fn spin_recv(
+        &self,
+        tag: OpTag,
+        from: &PeerSet,
+        spin: std::time::Duration,
+        yield_os: bool,
+        mut pump: impl FnMut() -> bool + Send,
+    ) -> Option<Result<Frame, TransportError>> {
         let spin_until = std::time::Instant::now() + spin;
         let mut polls = 0u32;
         loop {
             if let Some(r) = self.try_recv(tag, from) {
-                return r;
+                return Some(r);
             }
             if pump() {
                 continue;
@@ -281,19 +297,18 @@ impl Mailbox {
             // Yielding polls the runtime's IO (a system call), and reading
             // the clock is not free either: do both every few polls only.
             polls = polls.wrapping_add(1);
-            if polls % 16 != 0 {
+            if !polls.is_multiple_of(16) {
                 std::hint::spin_loop();
                 continue;
             }
             if std::time::Instant::now() >= spin_until {
-                break;
+                return None;
             }
             if yield_os {
                 std::thread::yield_now();
             }
             tokio::task::yield_now().await;
         }
-        self.recv(tag, from, deadline).await
     }
 
     /// Marks `peer` lost: receives that name it fail once nothing of theirs

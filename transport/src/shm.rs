@@ -56,6 +56,9 @@ const OFF_HEAD: usize = 64;
 const OFF_TAIL: usize = 128;
 const OFF_DATA_SEQ: usize = 192;
 const OFF_RECV_SLEEPING: usize = 196;
+/// Non-zero while a receiving task of the receiver polls its rings itself:
+/// the sender then does not wake the reader thread.
+const OFF_RECV_POLLING: usize = 200;
 const OFF_SPACE_SEQ: usize = 256;
 const OFF_SEND_SLEEPING: usize = 260;
 const SENDER_CLOSED: u32 = 1;
@@ -161,7 +164,7 @@ struct Ring {
 
 impl Ring {
     fn u32_at(&self, off: usize) -> &AtomicU32 {
-        debug_assert!(off % 4 == 0 && off + 4 <= CTL);
+        debug_assert!(off.is_multiple_of(4) && off + 4 <= CTL);
         // SAFETY: the mapping is page-aligned and at least CTL bytes long;
         // `off` is a multiple of 4 inside the control page, and every
         // access to these words, by either process, is atomic.
@@ -169,7 +172,7 @@ impl Ring {
     }
 
     fn u64_at(&self, off: usize) -> &AtomicU64 {
-        debug_assert!(off % 8 == 0 && off + 8 <= CTL);
+        debug_assert!(off.is_multiple_of(8) && off + 8 <= CTL);
         // SAFETY: as for `u32_at`, with an 8-aligned offset.
         unsafe { &*(self.map.as_ptr().add(off) as *const AtomicU64) }
     }
@@ -195,7 +198,9 @@ impl Ring {
     /// Wakes the other side if it sleeps on `seq`.
     fn notify(&self, seq: usize, sleeping: usize) {
         fence(Ordering::SeqCst);
-        if self.u32_at(sleeping).load(Ordering::SeqCst) != 0 {
+        if self.u32_at(sleeping).load(Ordering::SeqCst) != 0
+            && (seq != OFF_DATA_SEQ || self.u32_at(OFF_RECV_POLLING).load(Ordering::SeqCst) == 0)
+        {
             self.u32_at(seq).fetch_add(1, Ordering::AcqRel);
             futex(self.u32_at(seq), libc::FUTEX_WAKE, 1, None);
         }
@@ -206,16 +211,18 @@ impl Ring {
         &self,
         seq: usize,
         sleeping: usize,
+        eager: bool,
         ready: impl Fn() -> bool,
         give_up: impl Fn() -> Option<String>,
     ) -> Result<(), String> {
-        for _ in 0..SPINS {
+        let (spins, yields) = if eager { (SPINS, YIELDS) } else { (0, 0) };
+        for _ in 0..spins {
             if ready() {
                 return Ok(());
             }
             std::hint::spin_loop();
         }
-        for _ in 0..YIELDS {
+        for _ in 0..yields {
             if ready() {
                 return Ok(());
             }
@@ -290,6 +297,7 @@ impl Ring {
                 self.wait(
                     OFF_SPACE_SEQ,
                     OFF_SEND_SLEEPING,
+                    true,
                     || tail_w.load(Ordering::Acquire) != tail,
                     || {
                         if stop.load(Ordering::Acquire) {
@@ -384,14 +392,18 @@ impl Ring {
     }
 
     /// Receiver: waits until data is published, the sender closed, or
-    /// `give_up()` says why not.
-    fn wait_data(&self, stop: &AtomicBool) -> Result<(), String> {
+    /// `give_up()` says why not. `eager` spins and yields first (for the
+    /// rest of a frame); otherwise it sleeps at once (an idle reader
+    /// thread: receiving tasks poll the rings themselves, and a spinning
+    /// reader thread would take their cores).
+    fn wait_data(&self, stop: &AtomicBool, eager: bool) -> Result<(), String> {
         let head_w = self.u64_at(OFF_HEAD);
         let tail = self.u64_at(OFF_TAIL).load(Ordering::Relaxed);
         let send_pid = || self.u32_at(OFF_SEND_PID).load(Ordering::Acquire);
         self.wait(
             OFF_DATA_SEQ,
             OFF_RECV_SLEEPING,
+            eager,
             || head_w.load(Ordering::Acquire) != tail || self.closed() & SENDER_CLOSED != 0,
             || {
                 if stop.load(Ordering::Acquire) {
@@ -426,7 +438,7 @@ impl Ring {
                         Some("ring closed in the middle of a frame".into())
                     });
                 }
-                self.wait_data(stop).map_err(Some)?;
+                self.wait_data(stop, true).map_err(Some)?;
                 continue;
             }
             let n = avail.min(dst.len() - got);
@@ -593,6 +605,9 @@ pub struct ShmTransport {
     spin: Duration,
     /// More ranks on this host than cores.
     oversubscribed: bool,
+    /// Receiving tasks polling the inbound rings now (see
+    /// `OFF_RECV_POLLING`).
+    polling: std::sync::atomic::AtomicUsize,
     stop: Arc<AtomicBool>,
     readers_done: Vec<Arc<AtomicBool>>,
 }
@@ -657,6 +672,15 @@ impl ShmTransport {
         let in_locks: Vec<Arc<std::sync::Mutex<()>>> = (0..n)
             .map(|_| Arc::new(std::sync::Mutex::new(())))
             .collect();
+        let oversubscribed =
+            cfg.local.as_ref().map_or(n, |l| l.iter().count()) > crate::host_cpus();
+        // An idle reader thread spins before it sleeps only when every
+        // rank has a core: then a sleeping reader costs its sender a wake-up
+        // system call per frame that arrives between ops (2 ranks, 4 bytes:
+        // 3-8 us with spinning, 12-20 without), while with more ranks than
+        // cores spinning readers take the cores the ranks need (4 ranks:
+        // 45-100 us with, 21-59 without).
+        let eager = !oversubscribed;
         for (peer, ring) in inbound.iter().enumerate() {
             let Some(ring) = ring.clone() else { continue };
             let done = Arc::new(AtomicBool::new(false));
@@ -667,7 +691,7 @@ impl ShmTransport {
             std::thread::Builder::new()
                 .name(format!("kungfu-shm-r{}", peer.0))
                 .spawn(move || {
-                    read_loop(&ring, &lock, peer, &mb, &stop, max);
+                    read_loop(&ring, &lock, peer, &mb, &stop, max, eager);
                     done.store(true, Ordering::Release);
                 })
                 .map_err(|e| TransportError::Handshake {
@@ -688,11 +712,10 @@ impl ShmTransport {
             out_locks,
             in_locks,
             spin: cfg.spin,
-            oversubscribed: std::thread::available_parallelism().map_or(true, |c| {
-                cfg.local.as_ref().map_or(n, |l| l.iter().count()) > c.get()
-            }),
+            oversubscribed,
             stop,
             readers_done,
+            polling: std::sync::atomic::AtomicUsize::new(0),
         }))
     }
 }
@@ -770,6 +793,7 @@ fn read_loop(
     mailbox: &Mailbox,
     stop: &AtomicBool,
     max_frame: usize,
+    eager: bool,
 ) {
     loop {
         // Wait without the lock, so receivers may take frames themselves.
@@ -777,7 +801,7 @@ fn read_loop(
             if ring.closed() & SENDER_CLOSED != 0 {
                 return mailbox.fail_peer(peer, "connection closed by peer");
             }
-            if let Err(why) = ring.wait_data(stop) {
+            if let Err(why) = ring.wait_data(stop, eager) {
                 return mailbox.fail_peer(peer, why);
             }
             continue;
@@ -816,7 +840,40 @@ fn read_loop(
     }
 }
 
+/// Marks the inbound rings polled while a receiving task spins on them,
+/// so senders skip waking the reader threads. When the last poller stops,
+/// the flags are cleared and the rings pumped once more: a frame
+/// published while a sender saw the flag set is not left unnoticed.
+struct Polling<'a>(&'a ShmTransport);
+
+impl<'a> Polling<'a> {
+    fn start(t: &'a ShmTransport) -> Polling<'a> {
+        if t.polling.fetch_add(1, Ordering::SeqCst) == 0 {
+            t.set_polling(1);
+        }
+        Polling(t)
+    }
+}
+
+impl Drop for Polling<'_> {
+    fn drop(&mut self) {
+        if self.0.polling.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.set_polling(0);
+            fence(Ordering::SeqCst);
+            // Frames the pump cannot take (the mailbox is full) wait for
+            // the reader thread's next bounded nap.
+            self.0.pump();
+        }
+    }
+}
+
 impl ShmTransport {
+    fn set_polling(&self, v: u32) {
+        for ring in self.inbound.iter().flatten() {
+            ring.u32_at(OFF_RECV_POLLING).store(v, Ordering::SeqCst);
+        }
+    }
+
     /// Moves every whole frame that is already in an inbound ring into the
     /// mailbox, without waiting and without the reader threads (a ring
     /// whose reader is busy is skipped). Returns whether it moved any.
@@ -972,20 +1029,29 @@ impl Transport for ShmTransport {
         wait.await.map_err(|_| TransportError::Closed)?
     }
 
-    fn recv<'a>(
-        &'a self,
+    async fn recv(
+        &self,
         tag: OpTag,
-        from: &'a PeerSet,
+        from: &PeerSet,
         deadline: Instant,
-    ) -> impl std::future::Future<Output = Result<Frame, TransportError>> + Send + 'a {
+    ) -> Result<Frame, TransportError> {
         // Poll the rings ourselves while spinning. With more ranks than
         // cores, yield to the OS between polls; measured on 2 cores, 4-byte
         // allreduce: 4 ranks 280 -> 80..120 us, while 2 ranks are fastest
         // without (5 us, against 30 us).
-        self.mailbox
-            .recv_spinning(tag, from, deadline, self.spin, self.oversubscribed, || {
-                self.pump()
-            })
+        {
+            let _polling = Polling::start(self);
+            let pump = || self.pump();
+            let spun = self
+                .mailbox
+                .spin_recv(tag, from, self.spin, self.oversubscribed, pump)
+                .await;
+            if let Some(r) = spun {
+                return r;
+            }
+            // dropping the guard pumps once more after clearing the flags
+        }
+        self.mailbox.recv(tag, from, deadline).await
     }
 
     fn recv_stray(

@@ -340,8 +340,7 @@ impl TcpTransport {
             tasks: Mutex::new(tasks),
             readers: Mutex::new(readers),
             spin: cfg.spin,
-            oversubscribed: std::thread::available_parallelism()
-                .map_or(true, |c| cfg.peers.local_size(cfg.rank) > c.get()),
+            oversubscribed: cfg.peers.local_size(cfg.rank) > crate::host_cpus(),
         }))
     }
 

@@ -12,7 +12,7 @@ use std::ops::Range;
 use kungfu_topology::{Graph, Rank, Root, Shape, Topology};
 
 use super::{chunks, segment, ActionId, Plan, PlanBuilder};
-use crate::{OpKind, OpSpec, ReduceOp};
+use crate::{OpKind, OpSpec, Order, ReduceOp};
 
 /// How to cut and where to run one op.
 pub struct PlanInput<'a> {
@@ -150,10 +150,59 @@ impl Ctx<'_> {
     }
 }
 
+impl Ctx<'_> {
+    /// Recursive-doubling allreduce of every chunk over positions in
+    /// `order` (see `Strategy::RecursiveDoubling`). Steps: 0 folds the
+    /// extra ranks in, `1..=rounds` are the exchanges, `rounds + 1` hands
+    /// the result back to the extras. Partners reduce lower position first,
+    /// so both get the same bits.
+    fn butterfly(&mut self, order: &[Rank], cs: &[Range<usize>]) {
+        let n = self.n;
+        let pos = order
+            .iter()
+            .position(|&r| r == self.me)
+            .expect("me in order");
+        let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
+        let rounds = p.trailing_zeros() as u16;
+        for (c, r) in cs.iter().enumerate() {
+            let (c, br) = (c as u32, self.bytes(r));
+            if pos >= p {
+                let partner = order[pos - p];
+                let s = self.b.send(partner, c, 0, br.clone(), &[]);
+                self.b.recv(partner, c, rounds + 1, br, false, &[s]);
+                continue;
+            }
+            let extra = (pos + p < n).then(|| order[pos + p]);
+            let mut last: Vec<ActionId> = Vec::new();
+            if let Some(e) = extra {
+                let fold = self
+                    .b
+                    .recv_with(e, c, 0, br.clone(), Some(Order::DstFirst), &[]);
+                last.push(fold);
+            }
+            for k in 0..rounds {
+                let q = pos ^ (1 << k);
+                let s = self.b.send(order[q], c, k + 1, br.clone(), &last);
+                let ord = if pos < q {
+                    Order::DstFirst
+                } else {
+                    Order::SrcFirst
+                };
+                last = vec![self
+                    .b
+                    .recv_with(order[q], c, k + 1, br.clone(), Some(ord), &[s])];
+            }
+            if let Some(e) = extra {
+                self.b.send(e, c, rounds + 1, br, &last);
+            }
+        }
+    }
+}
+
 fn pairs_of(t: &Topology) -> &[kungfu_topology::GraphPair] {
     match t.shape() {
         Shape::Trees(p) => p,
-        Shape::Ring(_) => unreachable!("rooted topologies are trees"),
+        Shape::Ring(_) | Shape::Butterfly(_) => unreachable!("rooted topologies are trees"),
     }
 }
 
@@ -208,6 +257,7 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, String> {
                         cx.tree_bcast(&p.broadcast, c as u32, 1, r, &before, &recvs);
                     }
                 }
+                Shape::Butterfly(order) => cx.butterfly(order, &cs),
                 Shape::Ring(order) => {
                     for (c, r) in cs.iter().enumerate() {
                         let seg = |k: usize| segment(r, n, k);
@@ -241,7 +291,7 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, String> {
                         cx.ring_ag(order, tag(0, c), 0, &seg, &[], &|_| Vec::new());
                     }
                 }
-                Shape::Trees(_) => {
+                Shape::Trees(_) | Shape::Butterfly(_) => {
                     for j in 0..n {
                         let tj = (cx.input.topology)(Root::At(Rank(j as u32)));
                         let g = &pairs_of(&tj)[0].broadcast;
@@ -261,7 +311,7 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, String> {
                         cx.ring_rs(order, tag(0, c), &seg);
                     }
                 }
-                Shape::Trees(_) => {
+                Shape::Trees(_) | Shape::Butterfly(_) => {
                     for j in 0..n {
                         let tj = (cx.input.topology)(Root::At(Rank(j as u32)));
                         let g = &pairs_of(&tj)[0].reduce;

@@ -25,7 +25,7 @@ use bytes::Bytes;
 use kungfu_topology::Rank;
 use kungfu_transport::PeerSet;
 
-use crate::dtype::{reduce_into, DType, ReduceOp};
+use crate::dtype::{reduce_into_ordered, DType, Order, ReduceOp};
 
 pub mod build;
 mod chunk;
@@ -47,7 +47,8 @@ enum Action {
     Recv {
         from: Rank,
         range: Range<usize>,
-        reduce: bool,
+        /// Reduce in this operand order, or (None) overwrite.
+        reduce: Option<Order>,
     },
 }
 
@@ -141,6 +142,21 @@ impl PlanBuilder {
         step: u16,
         range: Range<usize>,
         reduce: bool,
+        deps: &[ActionId],
+    ) -> ActionId {
+        let reduce = reduce.then_some(Order::DstFirst);
+        self.recv_with(from, chunk, step, range, reduce, deps)
+    }
+
+    /// Like [`PlanBuilder::recv`], reducing with the operands in `order`
+    /// (`None`: overwrite).
+    pub fn recv_with(
+        &mut self,
+        from: Rank,
+        chunk: u32,
+        step: u16,
+        range: Range<usize>,
+        reduce: Option<Order>,
         deps: &[ActionId],
     ) -> ActionId {
         let id = self.push(
@@ -330,10 +346,9 @@ impl Plan {
             unreachable!("apply on a receive");
         };
         let dst = &mut work[range.clone()];
-        if reduce {
-            reduce_into(self.dtype, self.op, dst, payload);
-        } else {
-            dst.copy_from_slice(payload);
+        match reduce {
+            Some(order) => reduce_into_ordered(self.dtype, self.op, dst, payload, order),
+            None => dst.copy_from_slice(payload),
         }
     }
 

@@ -26,6 +26,53 @@ use kungfu_tools::{fmt_size, parse_size};
 use kungfu_topology::{Rank, Strategy};
 use kungfu_transport::any::AnyTransport;
 
+/// Counts heap allocations, so the bench can report what an op allocates
+/// in the steady state (the JSON rows and the footer carry it).
+mod heap {
+    use std::alloc::{GlobalAlloc, Layout, System};
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+    pub struct Counting;
+    static CALLS: AtomicU64 = AtomicU64::new(0);
+    static BYTES: AtomicU64 = AtomicU64::new(0);
+
+    #[allow(unsafe_code)]
+    // SAFETY: every method forwards to the system allocator with the
+    // caller's arguments unchanged; the counters have no effect on memory.
+    unsafe impl GlobalAlloc for Counting {
+        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+            CALLS.fetch_add(1, Relaxed);
+            BYTES.fetch_add(layout.size() as u64, Relaxed);
+            // SAFETY: the caller upholds `alloc`'s contract, passed on as is.
+            unsafe { System.alloc(layout) }
+        }
+        unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+            CALLS.fetch_add(1, Relaxed);
+            BYTES.fetch_add(layout.size() as u64, Relaxed);
+            // SAFETY: as for `alloc`.
+            unsafe { System.alloc_zeroed(layout) }
+        }
+        unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+            CALLS.fetch_add(1, Relaxed);
+            BYTES.fetch_add(new_size as u64, Relaxed);
+            // SAFETY: as for `alloc`; `ptr` came from this allocator.
+            unsafe { System.realloc(ptr, layout, new_size) }
+        }
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+            // SAFETY: `ptr` came from this allocator with `layout`.
+            unsafe { System.dealloc(ptr, layout) }
+        }
+    }
+
+    /// (allocations, bytes allocated) so far, by every thread.
+    pub fn snapshot() -> (u64, u64) {
+        (CALLS.load(Relaxed), BYTES.load(Relaxed))
+    }
+}
+
+#[global_allocator]
+static HEAP: heap::Counting = heap::Counting;
+
 const USAGE: &str = "\
 usage: kungfu-bench OP [options]     (run under kungfu-run)
 
@@ -237,6 +284,9 @@ struct Cell {
     algbw: f64,
     busbw: f64,
     wrong: u64,
+    /// Heap allocations and bytes per timed op on this rank (all threads).
+    allocs: f64,
+    alloc_bytes: f64,
 }
 
 struct Row {
@@ -255,9 +305,10 @@ async fn time_ops(
     input: &[u8],
     iters: usize,
     in_place: bool,
-) -> anyhow::Result<(f64, OpOutput)> {
+) -> anyhow::Result<(f64, OpOutput, (f64, f64))> {
     let mut buf = input.to_vec();
     let mut last = None;
+    let h0 = heap::snapshot();
     let t0 = Instant::now();
     for _ in 0..iters {
         let out = s.submit(name, spec, &buf).await?;
@@ -272,7 +323,10 @@ async fn time_ops(
         last = Some(out);
     }
     let dt = t0.elapsed().as_secs_f64() / iters as f64;
-    Ok((dt, last.expect("iters >= 1")))
+    let h1 = heap::snapshot();
+    let per = |a: u64, b: u64| (b - a) as f64 / iters as f64;
+    let heap = (per(h0.0, h1.0), per(h0.1, h1.1));
+    Ok((dt, last.expect("iters >= 1"), heap))
 }
 
 async fn measure(
@@ -280,7 +334,7 @@ async fn measure(
     args: &Args,
     spec: OpSpec,
     in_place: bool,
-) -> anyhow::Result<(f64, u64)> {
+) -> anyhow::Result<(f64, u64, (f64, f64))> {
     let n = s.size();
     let me = s.rank().idx();
     // Every rank's input is needed only to compute the expected result.
@@ -301,7 +355,7 @@ async fn measure(
     if args.warmup > 0 {
         time_ops(s, &name, spec, inp, args.warmup, in_place).await?;
     }
-    let (dt, _) = time_ops(s, &name, spec, inp, args.iters, in_place).await?;
+    let (dt, _, heap) = time_ops(s, &name, spec, inp, args.iters, in_place).await?;
     let mut wrong = 0;
     if args.check {
         // one fresh op from the pristine input, checked element by element
@@ -311,16 +365,18 @@ async fn measure(
     // the slowest rank's time, and the wrong values of all ranks
     let t = s.allreduce("bench/time", &[dt], ReduceOp::Max).await?[0];
     let w = s.allreduce("bench/wrong", &[wrong], ReduceOp::Sum).await?[0];
-    Ok((t, w))
+    Ok((t, w, heap))
 }
 
-fn cell(op: Op, n: usize, size: usize, t: f64, wrong: u64) -> Cell {
+fn cell(op: Op, n: usize, size: usize, (t, wrong, heap): (f64, u64, (f64, f64))) -> Cell {
     let algbw = if t > 0.0 { size as f64 / t / 1e9 } else { 0.0 };
     Cell {
         time_us: t * 1e6,
         algbw,
         busbw: algbw * op.busbw_factor(n),
         wrong,
+        allocs: heap.0,
+        alloc_bytes: heap.1,
     }
 }
 
@@ -418,17 +474,17 @@ async fn bench(args: Args) -> anyhow::Result<bool> {
             count,
         };
         let bytes = shown * es;
-        let (t1, w1) = measure(s, &args, spec, false).await?;
-        let (t2, w2) = if args.in_place {
+        let oop = measure(s, &args, spec, false).await?;
+        let ip = if args.in_place {
             measure(s, &args, spec, true).await?
         } else {
-            (0.0, 0)
+            (0.0, 0, (0.0, 0.0))
         };
         let row = Row {
             size: bytes,
             count: shown,
-            oop: cell(args.op, n, bytes, t1, w1),
-            ip: cell(args.op, n, bytes, t2, w2),
+            oop: cell(args.op, n, bytes, oop),
+            ip: cell(args.op, n, bytes, ip),
         };
         if me == 0 {
             let redop = if args.op.reduces() {
@@ -472,6 +528,17 @@ async fn bench(args: Args) -> anyhow::Result<bool> {
             if wrong == 0 { "OK" } else { "FAILED" }
         );
         println!("# Avg bus bandwidth    : {avg:.4}");
+        if let Some(big) = rows.last() {
+            println!(
+                "# Heap per op (rank 0) : {:.1} allocations, {} at {} ({:.1} allocations, {} at {})",
+                big.oop.allocs,
+                fmt_size(big.oop.alloc_bytes as usize),
+                fmt_size(big.size),
+                rows[0].oop.allocs,
+                fmt_size(rows[0].oop.alloc_bytes as usize),
+                fmt_size(rows[0].size),
+            );
+        }
         println!("#");
         if let Some(path) = &args.json {
             std::fs::write(path, json(&args, n, strategy, &rows, avg, wrong))
@@ -506,8 +573,8 @@ async fn bench(args: Args) -> anyhow::Result<bool> {
 fn json(args: &Args, n: usize, strategy: Strategy, rows: &[Row], avg: f64, wrong: u64) -> String {
     let c = |c: &Cell| {
         format!(
-            r#"{{"time_us":{:.3},"algbw_gbps":{:.6},"busbw_gbps":{:.6},"wrong":{}}}"#,
-            c.time_us, c.algbw, c.busbw, c.wrong
+            r#"{{"time_us":{:.3},"algbw_gbps":{:.6},"busbw_gbps":{:.6},"wrong":{},"allocs_per_op":{:.2},"alloc_bytes_per_op":{:.0}}}"#,
+            c.time_us, c.algbw, c.busbw, c.wrong, c.allocs, c.alloc_bytes
         )
     };
     let mut o = format!(

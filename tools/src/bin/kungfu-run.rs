@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use kungfu_tools::launch::{run, LaunchOptions};
+use kungfu_tools::launch::{run, Bind, LaunchOptions};
 use kungfu_tools::{parse_duration, parse_hosts, HostSlots};
 
 const USAGE: &str = "\
@@ -32,6 +32,9 @@ options:
   --grace DUR           after a worker fails, how long the others may take to
                         exit by themselves before SIGTERM (default 2s)
   --port-base P         first port on each host of a multi-machine job (38000)
+  --bind-to B           auto (default: pin each worker to one CPU when a host has
+                        at least as many CPUs as workers), core (always pin,
+                        wrapping around), or none
   -x NAME=VALUE         set an environment variable for every worker
   -h, --help            this text
 ";
@@ -50,6 +53,7 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
         cluster_id: None,
         grace: Duration::from_secs(2),
         env: Vec::new(),
+        bind: Bind::Auto,
         program: Vec::new(),
     };
     let mut i = 0;
@@ -88,6 +92,7 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
                     .parse()
                     .context("--port-base needs a port")?
             }
+            "--bind-to" => o.bind = value(&mut i, a)?.parse()?,
             "--self" => o.self_host = Some(value(&mut i, a)?),
             "--cluster-id" => {
                 o.cluster_id = Some(
