@@ -7,7 +7,7 @@
 //! plan says. Every wait is bounded by the op timeout, counted from the
 //! op's last progress.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::ops::Range;
 use std::pin::Pin;
@@ -27,7 +27,7 @@ use crate::abort::{Abort, AbortReason};
 use crate::dtype::scale_down;
 use crate::names::{check_name, NameTable};
 use crate::plan::build::{build, PlanInput};
-use crate::plan::Plan;
+use crate::plan::{Plan, Transmit};
 use crate::pool::{BufPool, PooledBuf};
 use crate::{CollectiveError, DType, Element, OpKind, OpSpec, ReduceOp};
 
@@ -636,7 +636,25 @@ impl RunningOp {
         let mut deadline = Instant::now() + timeout;
         let cap = inner.config.max_inflight_bytes;
         let mut inflight = 0usize;
+        // Frames for backends that send from place once there is room
+        // (shared memory with a full ring): kept in the working buffer, not
+        // copied, and tried again between receives.
+        let mut pending: VecDeque<Transmit> = VecDeque::new();
         loop {
+            let mut k = 0;
+            while k < pending.len() {
+                let tx = &pending[k];
+                let header = self.header(FrameKind::Data, tx.chunk, tx.step);
+                if t.try_send_now(tx.to, header, &self.work[tx.range.clone()])
+                    .map_err(|e| self.transport_error(e))?
+                {
+                    let tx = pending.remove(k).expect("k < len");
+                    self.plan.handle_sent(tx.id, &mut self.work);
+                    deadline = Instant::now() + timeout;
+                } else {
+                    k += 1;
+                }
+            }
             while inflight < cap || sends.is_empty() {
                 let Some(tx) = self.plan.poll_transmit() else {
                     break;
@@ -648,6 +666,10 @@ impl RunningOp {
                     .map_err(|e| self.transport_error(e))?
                 {
                     self.plan.handle_sent(tx.id, &mut self.work);
+                    continue;
+                }
+                if t.sends_in_place(tx.to) {
+                    pending.push_back(tx);
                     continue;
                 }
                 let payload = Bytes::copy_from_slice(&self.work[tx.range.clone()]);
@@ -665,13 +687,32 @@ impl RunningOp {
             if self.plan.is_done() {
                 break;
             }
+            // With frames pending, receive without sleeping (the backend
+            // still spins, then comes back to retry them).
+            let recv_deadline = if pending.is_empty() {
+                deadline
+            } else {
+                Instant::now()
+            };
             tokio::select! {
                 Some(joined) = sends.join_next(), if !sends.is_empty() => {
                     inflight -= self.check_send(joined)?;
                     deadline = Instant::now() + timeout;
                 }
-                r = t.recv(self.tag, &listen, deadline) => match r {
-                    Ok(frame) => {
+                r = t.recv_in_place(self.tag, &listen, recv_deadline, {
+                    // Frames the plan can take now are applied straight
+                    // from the transport's memory (shm: the ring); anything
+                    // else (aborts, other digests, frames ahead of their
+                    // dependencies) comes back owned and goes the long way.
+                    let (plan, work, digest) = (&mut self.plan, &mut *self.work, self.digest);
+                    move |from: Rank, h: &Header, parts: &[&[u8]]| {
+                        h.kind == FrameKind::Data
+                            && h.digest == digest
+                            && matches!(plan.try_apply(from, h.chunk, h.step, parts, work), Ok(true))
+                    }
+                }) => match r {
+                    Ok(None) => deadline = Instant::now() + timeout,
+                    Ok(Some(frame)) => {
                         deadline = Instant::now() + timeout;
                         self.handle_frame(inner, frame)?;
                     }
@@ -684,6 +725,8 @@ impl RunningOp {
                     {
                         listen.remove(peer);
                     }
+                    Err(TransportError::Timeout { .. })
+                        if !pending.is_empty() && Instant::now() < deadline => {}
                     Err(TransportError::Timeout { .. }) => {
                         return Err(CollectiveError::Timeout {
                             name: self.name.clone(),

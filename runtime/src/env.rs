@@ -55,8 +55,7 @@ pub struct WorkerEnv {
     pub connect_timeout: Duration,
     pub op_timeout: Duration,
     pub chunk_bytes: usize,
-    /// `AUTO`'s size thresholds (`KUNGFU_AUTO_LARGE_BYTES`,
-    /// `KUNGFU_AUTO_PAIR_RING_BYTES`).
+    /// `AUTO`'s size threshold (`KUNGFU_AUTO_LARGE_BYTES`).
     pub auto: AutoThresholds,
     /// How long a receive polls before it sleeps (`KUNGFU_SPIN_US`; the
     /// transport's default when unset).
@@ -260,7 +259,6 @@ impl WorkerEnv {
         let def = AutoThresholds::default();
         let auto = AutoThresholds {
             large_bytes: bytes("KUNGFU_AUTO_LARGE_BYTES", def.large_bytes)?,
-            pair_ring_bytes: bytes("KUNGFU_AUTO_PAIR_RING_BYTES", def.pair_ring_bytes)?,
         };
         let spin = get("KUNGFU_SPIN_US")
             .map(|v| parse("KUNGFU_SPIN_US", &v).map(Duration::from_micros))
@@ -312,6 +310,24 @@ mod tests {
         assert_eq!((e.launcher, e.rank, e.size), (Launcher::KungfuRun, 1, 2));
         assert_eq!(e.strategy, Strategy::Ring);
         assert_eq!(e.cluster_id, Some(0xabc));
+        assert_eq!(e.auto, AutoThresholds::default());
+        assert_eq!(e.spin, None);
+        let base = [
+            ("KUNGFU_RANK", "0"),
+            ("KUNGFU_SIZE", "1"),
+            ("KUNGFU_PEERS", "127.0.0.1:5000"),
+        ];
+        let tuned = [
+            base.as_slice(),
+            &[("KUNGFU_AUTO_LARGE_BYTES", "4096"), ("KUNGFU_SPIN_US", "7")],
+        ]
+        .concat();
+        let e = env(&tuned).unwrap();
+        assert_eq!(e.auto.large_bytes, 4096);
+        assert_eq!(e.spin, Some(Duration::from_micros(7)));
+        let bad = [base.as_slice(), &[("KUNGFU_AUTO_LARGE_BYTES", "big")]].concat();
+        let err = env(&bad).unwrap_err().to_string();
+        assert!(err.contains("KUNGFU_AUTO_LARGE_BYTES"), "{err}");
         assert!(env(&[
             ("KUNGFU_RANK", "1"),
             ("KUNGFU_SIZE", "3"),

@@ -14,21 +14,17 @@ pub const AUTO_LARGE_BYTES: usize = 64 * 1024;
 /// as a mismatch error on the first op it affects).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct AutoThresholds {
-    /// From this size up, unrooted ops on more than two ranks use the ring
-    /// (bandwidth-optimal); below it, recursive doubling inside a host and
-    /// a binary tree of stars across hosts (latency-optimal).
+    /// From this size up, ops use the ring (bandwidth-optimal; rooted
+    /// ops a chain along it); below it, recursive doubling inside a host
+    /// and a binary tree of stars across hosts (latency-optimal).
     pub large_bytes: usize,
-    /// On two ranks of one host, recursive doubling (one exchange, both
-    /// ranks reducing at once) is used below this size, the ring from it.
-    pub pair_ring_bytes: usize,
 }
 
 impl Default for AutoThresholds {
-    /// 64 KiB; on two ranks, recursive doubling at every size.
+    /// 64 KiB.
     fn default() -> AutoThresholds {
         AutoThresholds {
             large_bytes: AUTO_LARGE_BYTES,
-            pair_ring_bytes: usize::MAX,
         }
     }
 }
@@ -197,8 +193,7 @@ impl Strategy {
     /// host crosses the network; rooted ops get a pipelined chain). For
     /// small messages: inside one host, recursive doubling (unrooted) or a
     /// star (rooted, up to 4 ranks) or a binary tree (rooted, more); across
-    /// hosts, stars inside hosts joined by a binary tree. Two ranks of one
-    /// host use recursive doubling up to `pair_ring_bytes`.
+    /// hosts, stars inside hosts joined by a binary tree.
     pub fn auto_choice_with(
         peers: &PeerList,
         root: Root,
@@ -207,14 +202,7 @@ impl Strategy {
     ) -> Strategy {
         let n = peers.len();
         let one_host = peers.hosts().len() <= 1;
-        if one_host && n == 2 && root == Root::Any {
-            return if bytes >= th.pair_ring_bytes {
-                Strategy::Ring
-            } else {
-                Strategy::RecursiveDoubling
-            };
-        }
-        if bytes >= th.large_bytes && n > 2 {
+        if bytes >= th.large_bytes && (n > 2 || root == Root::Any) {
             Strategy::Ring
         } else if !one_host {
             Strategy::BinaryTreeStar
@@ -478,15 +466,12 @@ mod tests {
         let pair = PeerList::local(2);
         assert_eq!(
             Strategy::Auto.resolve(&pair, Root::Any, 1 << 30).strategy(),
-            Strategy::RecursiveDoubling
+            Strategy::Ring
         );
-        let th = AutoThresholds {
-            large_bytes: 100,
-            pair_ring_bytes: 1000,
-        };
+        let th = AutoThresholds { large_bytes: 100 };
         let at = |p: &PeerList, b| Strategy::Auto.resolve_with(p, Root::Any, b, &th).strategy();
-        assert_eq!(at(&pair, 999), Strategy::RecursiveDoubling);
-        assert_eq!(at(&pair, 1000), Strategy::Ring);
+        assert_eq!(at(&pair, 99), Strategy::RecursiveDoubling);
+        assert_eq!(at(&pair, 100), Strategy::Ring);
         assert_eq!(at(&one, 99), Strategy::RecursiveDoubling);
         assert_eq!(at(&one, 100), Strategy::Ring);
         assert_eq!(

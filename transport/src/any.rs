@@ -72,6 +72,21 @@ impl Transport for AnyTransport {
         f
     }
 
+    fn recv_in_place<'a, F>(
+        &'a self,
+        tag: OpTag,
+        from: &'a PeerSet,
+        deadline: Instant,
+        apply: F,
+    ) -> impl Future<Output = Result<Option<Frame>, TransportError>> + Send + 'a
+    where
+        F: FnMut(Rank, &Header, &[&[u8]]) -> bool + Send + 'a,
+    {
+        let f: Boxed<'a, _> =
+            each!(self, t => Box::pin(t.recv_in_place(tag, from, deadline, apply)));
+        f
+    }
+
     fn recv_stray(
         &self,
         deadline: Instant,
@@ -95,6 +110,10 @@ impl Transport for AnyTransport {
         payload: &[u8],
     ) -> Result<bool, TransportError> {
         each!(self, t => t.try_send_now(to, header, payload))
+    }
+
+    fn sends_in_place(&self, to: Rank) -> bool {
+        each!(self, t => t.sends_in_place(to))
     }
 
     fn close(&self, linger: Duration) -> impl Future<Output = ()> + Send + '_ {

@@ -98,6 +98,10 @@ impl Transport for HybridTransport {
         }
     }
 
+    fn sends_in_place(&self, to: Rank) -> bool {
+        self.local.contains(to)
+    }
+
     fn recv<'a>(
         &'a self,
         tag: OpTag,
@@ -107,6 +111,21 @@ impl Transport for HybridTransport {
         // The shared mailbox holds the frames of both backends; the shm
         // side also polls its rings while it waits.
         self.shm.recv(tag, from, deadline)
+    }
+
+    fn recv_in_place<'a, F>(
+        &'a self,
+        tag: OpTag,
+        from: &'a PeerSet,
+        deadline: Instant,
+        apply: F,
+    ) -> impl Future<Output = Result<Option<Frame>, TransportError>> + Send + 'a
+    where
+        F: FnMut(Rank, &Header, &[&[u8]]) -> bool + Send + 'a,
+    {
+        // Frames of the shm peers may be lent from their rings; tcp frames
+        // arrive owned through the shared mailbox.
+        self.shm.recv_in_place(tag, from, deadline, apply)
     }
 
     fn recv_stray(

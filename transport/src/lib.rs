@@ -246,6 +246,27 @@ pub trait Transport: Send + Sync + 'static {
         deadline: Instant,
     ) -> impl Future<Output = Result<Frame, TransportError>> + Send + 'a;
 
+    /// Like [`Transport::recv`], but a backend that holds frames in memory
+    /// it can lend (shared memory: the ring) first offers the payload of a
+    /// frame of `tag` in place to `apply`, in one or two pieces; if `apply`
+    /// returns true it has consumed the frame, which then costs no copy and
+    /// no allocation, and this resolves to `Ok(None)`. Otherwise the frame
+    /// comes back owned, as from `recv`. `apply` must not block. The
+    /// default lends nothing.
+    fn recv_in_place<'a, F>(
+        &'a self,
+        tag: OpTag,
+        from: &'a PeerSet,
+        deadline: Instant,
+        apply: F,
+    ) -> impl Future<Output = Result<Option<Frame>, TransportError>> + Send + 'a
+    where
+        F: FnMut(Rank, &Header, &[&[u8]]) -> bool + Send + 'a,
+    {
+        drop(apply);
+        async move { self.recv(tag, from, deadline).await.map(Some) }
+    }
+
     /// Ends op instance `tag` (done or failed): its queued and later frames
     /// no longer hold memory. Their headers become *strays*, readable with
     /// [`Transport::recv_stray`] (a bounded number of them).
@@ -274,6 +295,15 @@ pub trait Transport: Send + Sync + 'static {
     ) -> Result<bool, TransportError> {
         let _ = (to, header, payload);
         Ok(false)
+    }
+
+    /// Whether [`Transport::try_send_now`] to `to` succeeds as soon as
+    /// there is room (shared memory): a caller whose frame did not fit may
+    /// then keep it in its own buffer and try again while it receives,
+    /// instead of copying it into an owned payload. Default: false.
+    fn sends_in_place(&self, to: Rank) -> bool {
+        let _ = to;
+        false
     }
 
     /// Closes gracefully: every frame already sent reaches its peer, the

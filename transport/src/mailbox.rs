@@ -267,32 +267,36 @@ impl Mailbox {
         deadline: Instant,
         spin: std::time::Duration,
         yield_os: bool,
-        pump: impl FnMut() -> bool + Send,
+        mut pump: impl FnMut() -> bool + Send,
     ) -> Result<Frame, TransportError> {
+        let pump = || Pump::moved(pump());
         match self.spin_recv(tag, from, spin, yield_os, pump).await {
-            Some(r) => r,
+            Some(r) => r.map(|f| f.expect("plain pumps consume nothing")),
             None => self.recv(tag, from, deadline).await,
         }
     }
 
     /// The spinning phase of [`Mailbox::recv_spinning`]: `None` if nothing
-    /// came within `spin`.
+    /// came within `spin`; `Some(Ok(None))` when `pump` consumed a frame of
+    /// `tag` in place.
     pub async fn spin_recv(
         &self,
         tag: OpTag,
         from: &PeerSet,
         spin: std::time::Duration,
         yield_os: bool,
-        mut pump: impl FnMut() -> bool + Send,
-    ) -> Option<Result<Frame, TransportError>> {
+        mut pump: impl FnMut() -> Pump + Send,
+    ) -> Option<Result<Option<Frame>, TransportError>> {
         let spin_until = std::time::Instant::now() + spin;
         let mut polls = 0u32;
         loop {
             if let Some(r) = self.try_recv(tag, from) {
-                return Some(r);
+                return Some(r.map(Some));
             }
-            if pump() {
-                continue;
+            match pump() {
+                Pump::Consumed => return Some(Ok(None)),
+                Pump::Moved => continue,
+                Pump::Idle => {}
             }
             // Yielding polls the runtime's IO (a system call), and reading
             // the clock is not free either: do both every few polls only.
@@ -483,6 +487,27 @@ fn wake_all(inner: &mut Inner) {
     for slot in inner.slots.values_mut() {
         for w in slot.wakers.drain(..) {
             w.wake();
+        }
+    }
+}
+
+/// What one poll of a backend's inbound queues did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pump {
+    /// Nothing new.
+    Idle,
+    /// Frames moved into the mailbox.
+    Moved,
+    /// A frame of the awaited op was consumed in place.
+    Consumed,
+}
+
+impl Pump {
+    pub fn moved(moved: bool) -> Pump {
+        if moved {
+            Pump::Moved
+        } else {
+            Pump::Idle
         }
     }
 }

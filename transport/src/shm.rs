@@ -4,8 +4,20 @@
 //! single-consumer byte ring in a file under `/dev/shm`, created by the
 //! receiver and mapped by both. Frames (the same [`Header`] + payload as
 //! TCP) are streamed through it, so a frame may be larger than the ring.
-//! A sender copies into the ring and a receiver copies out (two copies; the
-//! single-copy path, reducing straight out of the ring, is to come).
+//! A sender copies into the ring straight from the op's buffer
+//! ([`Transport::try_send_now`]; a frame that does not fit waits in that
+//! buffer, not in a copy, see [`Transport::sends_in_place`]). A receiving
+//! task that polls the rings takes a frame of its op in place
+//! ([`Transport::recv_in_place`]): the plan reduces or copies it straight
+//! out of the ring into the op's buffer, so a byte is copied once on its
+//! way (the reduction reads it where the sender put it). Frames that
+//! arrive while no task polls, or ahead of what the plan can take, are
+//! copied out into owned buffers by a reader thread per ring, or by the
+//! polling task, as before.
+//!
+//! Idle reader threads leave the rings to a task that polled them within
+//! the last `DEFER_TO_POLLER`, and spin before sleeping only when every
+//! rank has a core.
 //!
 //! # Waiting
 //!
@@ -33,7 +45,7 @@ use kungfu_topology::Rank;
 use memmap2::MmapMut;
 use tokio::sync::oneshot;
 
-use crate::mailbox::Mailbox;
+use crate::mailbox::{Mailbox, Pump};
 use crate::{
     Capabilities, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
     HEADER_LEN,
@@ -71,6 +83,9 @@ const RECEIVER_CLOSED: u32 = 2;
 /// 110/203 us and the best large-message bandwidth.
 const SPINS: u32 = 200;
 const YIELDS: u32 = 2;
+/// A reader thread leaves frames to the receiving tasks for this long after
+/// they last polled the rings.
+const DEFER_TO_POLLER: Duration = Duration::from_micros(300);
 /// Longest single sleep, so stops, closes and dead peers are noticed.
 const NAP: Duration = Duration::from_millis(5);
 
@@ -154,6 +169,38 @@ fn pid_alive(pid: u32) -> bool {
     // process exists (ESRCH when it does not).
     let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
     r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// When a receiving task of this process last polled the inbound rings.
+struct PollClock {
+    start: std::time::Instant,
+    /// Nanoseconds after `start`.
+    at: AtomicU64,
+}
+
+impl PollClock {
+    fn new() -> PollClock {
+        PollClock {
+            start: std::time::Instant::now(),
+            at: AtomicU64::new(0),
+        }
+    }
+
+    fn now(&self) -> u64 {
+        self.start.elapsed().as_nanos() as u64
+    }
+
+    fn touch(&self) {
+        self.at.store(self.now(), Ordering::Relaxed);
+    }
+
+    /// Time since the last poll (long if there was none).
+    fn since(&self) -> Duration {
+        match self.at.load(Ordering::Relaxed) {
+            0 => Duration::MAX,
+            at => Duration::from_nanos(self.now().saturating_sub(at)),
+        }
+    }
 }
 
 /// One mapped ring file.
@@ -278,6 +325,53 @@ impl Ring {
             std::ptr::copy_nonoverlapping(self.data().add(pos), dst, first);
             std::ptr::copy_nonoverlapping(self.data(), dst.add(first), n - first);
         }
+    }
+
+    /// Receiver: lends the `n` published bytes that start `skip` bytes
+    /// past `tail` to `f`, in one or two pieces (two where they wrap
+    /// around the ring's end), without consuming them.
+    ///
+    /// The caller holds the ring's receive lock (no one else consumes) and
+    /// checked that `skip + n` bytes are published.
+    fn lend<R>(&self, skip: usize, n: usize, f: impl FnOnce(&[&[u8]]) -> R) -> R {
+        let tail = self.u64_at(OFF_TAIL).load(Ordering::Relaxed);
+        debug_assert!(skip + n <= self.available());
+        let pos = ((tail as usize).wrapping_add(skip)) & (self.cap - 1);
+        let first = n.min(self.cap - pos);
+        // SAFETY: both pieces lie inside the data region and hold published
+        // bytes (`head` was read with Acquire by `available`), which the
+        // sender does not write until `tail` passes them; `tail` moves only
+        // after `f` returns and the slices are gone, and only by the lock
+        // holder, which is us.
+        let (a, b) = unsafe {
+            (
+                std::slice::from_raw_parts(self.data().add(pos), first),
+                std::slice::from_raw_parts(self.data(), n - first),
+            )
+        };
+        if b.is_empty() {
+            f(&[a])
+        } else {
+            f(&[a, b])
+        }
+    }
+
+    /// Reader thread: sleeps for `d` at most (a sender may wake it sooner).
+    fn nap(&self, d: Duration) {
+        let seq = self.u32_at(OFF_DATA_SEQ);
+        let s = seq.load(Ordering::Acquire);
+        self.u32_at(OFF_RECV_SLEEPING).store(1, Ordering::SeqCst);
+        futex(seq, libc::FUTEX_WAIT, s, Some(d));
+        self.u32_at(OFF_RECV_SLEEPING).store(0, Ordering::Relaxed);
+    }
+
+    /// Receiver: consumes `n` published bytes without reading them.
+    fn skip(&self, n: usize) {
+        let tail_w = self.u64_at(OFF_TAIL);
+        let tail = tail_w.load(Ordering::Relaxed);
+        debug_assert!(n <= self.available());
+        tail_w.store(tail + n as u64, Ordering::Release);
+        self.notify(OFF_SPACE_SEQ, OFF_SEND_SLEEPING);
     }
 
     /// Sender: appends all of `src`, waiting for space as needed.
@@ -610,6 +704,9 @@ pub struct ShmTransport {
     polling: std::sync::atomic::AtomicUsize,
     stop: Arc<AtomicBool>,
     readers_done: Vec<Arc<AtomicBool>>,
+    /// Frames consumed in place (see [`Transport::recv_in_place`]).
+    lent: AtomicU64,
+    polled: Arc<PollClock>,
 }
 
 impl ShmTransport {
@@ -681,17 +778,22 @@ impl ShmTransport {
         // cores spinning readers take the cores the ranks need (4 ranks:
         // 45-100 us with, 21-59 without).
         let eager = !oversubscribed;
+        let polled = Arc::new(PollClock::new());
         for (peer, ring) in inbound.iter().enumerate() {
             let Some(ring) = ring.clone() else { continue };
             let done = Arc::new(AtomicBool::new(false));
             readers_done.push(done.clone());
             let (mb, stop, lock) = (mailbox.clone(), stop.clone(), in_locks[peer].clone());
             let peer = Rank(peer as u32);
-            let max = cfg.max_frame;
+            let policy = ReadPolicy {
+                max_frame: cfg.max_frame,
+                eager,
+                polled: polled.clone(),
+            };
             std::thread::Builder::new()
                 .name(format!("kungfu-shm-r{}", peer.0))
                 .spawn(move || {
-                    read_loop(&ring, &lock, peer, &mb, &stop, max, eager);
+                    read_loop(&ring, &lock, peer, &mb, &stop, &policy);
                     done.store(true, Ordering::Release);
                 })
                 .map_err(|e| TransportError::Handshake {
@@ -716,6 +818,8 @@ impl ShmTransport {
             stop,
             readers_done,
             polling: std::sync::atomic::AtomicUsize::new(0),
+            lent: AtomicU64::new(0),
+            polled,
         }))
     }
 }
@@ -786,15 +890,24 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
     }
 }
 
+/// How an idle reader thread behaves.
+#[derive(Clone)]
+struct ReadPolicy {
+    max_frame: usize,
+    /// Spin before sleeping (ranks have a core each).
+    eager: bool,
+    polled: Arc<PollClock>,
+}
+
 fn read_loop(
     ring: &Ring,
     lock: &std::sync::Mutex<()>,
     peer: Rank,
     mailbox: &Mailbox,
     stop: &AtomicBool,
-    max_frame: usize,
-    eager: bool,
+    policy: &ReadPolicy,
 ) {
+    let (max_frame, eager, polled) = (policy.max_frame, policy.eager, &policy.polled);
     loop {
         // Wait without the lock, so receivers may take frames themselves.
         if ring.available() == 0 {
@@ -804,6 +917,17 @@ fn read_loop(
             if let Err(why) = ring.wait_data(stop, eager) {
                 return mailbox.fail_peer(peer, why);
             }
+            continue;
+        }
+        // A receiving task that polled the rings lately takes the frames
+        // itself (applying them in place, with no copy): between two of its
+        // receives it is busy reducing or sending, so leave them a while.
+        let since = polled.since();
+        if since < DEFER_TO_POLLER {
+            if stop.load(Ordering::Acquire) {
+                return;
+            }
+            ring.nap(DEFER_TO_POLLER - since);
             continue;
         }
         let frame = {
@@ -841,9 +965,10 @@ fn read_loop(
 }
 
 /// Marks the inbound rings polled while a receiving task spins on them,
-/// so senders skip waking the reader threads. When the last poller stops,
-/// the flags are cleared and the rings pumped once more: a frame
-/// published while a sender saw the flag set is not left unnoticed.
+/// so senders skip waking the reader threads. A frame published while a
+/// sender saw the flag set, and left in the ring when the poller stopped,
+/// is taken by the next receive or by the reader thread after its bounded
+/// nap (`DEFER_TO_POLLER`, at most `NAP`).
 struct Polling<'a>(&'a ShmTransport);
 
 impl<'a> Polling<'a> {
@@ -859,26 +984,26 @@ impl Drop for Polling<'_> {
     fn drop(&mut self) {
         if self.0.polling.fetch_sub(1, Ordering::SeqCst) == 1 {
             self.0.set_polling(0);
-            fence(Ordering::SeqCst);
-            // Frames the pump cannot take (the mailbox is full) wait for
-            // the reader thread's next bounded nap.
-            self.0.pump();
         }
     }
 }
 
 impl ShmTransport {
-    fn set_polling(&self, v: u32) {
-        for ring in self.inbound.iter().flatten() {
-            ring.u32_at(OFF_RECV_POLLING).store(v, Ordering::SeqCst);
-        }
+    /// How many frames receivers consumed straight from the rings, with no
+    /// copy into an owned buffer.
+    pub fn frames_lent(&self) -> u64 {
+        self.lent.load(Ordering::Relaxed)
     }
 
-    /// Moves every whole frame that is already in an inbound ring into the
-    /// mailbox, without waiting and without the reader threads (a ring
-    /// whose reader is busy is skipped). Returns whether it moved any.
-    fn pump(&self) -> bool {
-        let mut moved = false;
+    /// As [`ShmTransport::pump`], but a frame of `tag` from a rank in
+    /// `from` is first lent in place to `apply`; if it consumes the frame,
+    /// it leaves the ring with no copy, and this returns at once.
+    fn pump_for<F>(&self, tag: OpTag, from: &PeerSet, apply: &mut F) -> Pump
+    where
+        F: FnMut(Rank, &Header, &[&[u8]]) -> bool,
+    {
+        self.polled.touch();
+        let mut res = Pump::Idle;
         for (peer, ring) in self.inbound.iter().enumerate() {
             let Some(ring) = ring else { continue };
             if ring.available() < HEADER_LEN {
@@ -887,6 +1012,7 @@ impl ShmTransport {
             let Ok(_taking) = self.in_locks[peer].try_lock() else {
                 continue;
             };
+            let sender = Rank(peer as u32);
             loop {
                 let avail = ring.available();
                 if avail < HEADER_LEN || avail > ring.cap {
@@ -899,19 +1025,51 @@ impl ShmTransport {
                     break;
                 };
                 let len = header.len as usize;
-                if avail < HEADER_LEN + len || !self.mailbox.has_room(len) {
+                if avail < HEADER_LEN + len {
                     break;
                 }
-                ring.copy_out(&mut hb, true);
+                if header.tag == tag
+                    && from.contains(sender)
+                    && ring.lend(HEADER_LEN, len, |parts| apply(sender, &header, parts))
+                {
+                    ring.skip(HEADER_LEN + len);
+                    self.lent.fetch_add(1, Ordering::Relaxed);
+                    return Pump::Consumed;
+                }
+                if !self.mailbox.has_room(len) {
+                    break;
+                }
+                ring.skip(HEADER_LEN);
                 let payload = ring.take_vec(len);
-                let from = Rank(peer as u32);
-                match self.mailbox.deliver_now(from, header, Bytes::from(payload)) {
-                    Ok(()) | Err(TransportError::StaleEpoch { .. }) => moved = true,
-                    Err(_) => return moved,
+                match self
+                    .mailbox
+                    .deliver_now(sender, header, Bytes::from(payload))
+                {
+                    Ok(()) | Err(TransportError::StaleEpoch { .. }) => res = Pump::Moved,
+                    Err(_) => return res,
                 }
             }
         }
-        moved
+        res
+    }
+
+    fn set_polling(&self, v: u32) {
+        for ring in self.inbound.iter().flatten() {
+            ring.u32_at(OFF_RECV_POLLING).store(v, Ordering::SeqCst);
+        }
+    }
+
+    /// Moves every whole frame that is already in an inbound ring into the
+    /// mailbox, without waiting and without the reader threads (a ring
+    /// whose reader is busy is skipped). Returns whether it moved any.
+    fn pump(&self) -> bool {
+        let none = PeerSet::new();
+        let tag = OpTag {
+            epoch: self.epoch,
+            op: crate::OpId(0),
+            seq: 0,
+        };
+        self.pump_for(tag, &none, &mut |_, _, _| false) != Pump::Idle
     }
 }
 
@@ -1002,6 +1160,10 @@ impl Transport for ShmTransport {
         Ok(ring.closed() & RECEIVER_CLOSED == 0 && ring.try_write(&[&h, payload]))
     }
 
+    fn sends_in_place(&self, to: Rank) -> bool {
+        self.outbound.get(to.idx()).is_some_and(Option::is_some)
+    }
+
     async fn send(
         &self,
         to: Rank,
@@ -1041,7 +1203,32 @@ impl Transport for ShmTransport {
         // without (5 us, against 30 us).
         {
             let _polling = Polling::start(self);
-            let pump = || self.pump();
+            let pump = || Pump::moved(self.pump());
+            let spun = self
+                .mailbox
+                .spin_recv(tag, from, self.spin, self.oversubscribed, pump)
+                .await;
+            if let Some(r) = spun {
+                return r.map(|f| f.expect("plain pumps consume nothing"));
+            }
+            // the guard clears the polling flags as it drops
+        }
+        self.mailbox.recv(tag, from, deadline).await
+    }
+
+    async fn recv_in_place<'a, F>(
+        &'a self,
+        tag: OpTag,
+        from: &'a PeerSet,
+        deadline: Instant,
+        mut apply: F,
+    ) -> Result<Option<Frame>, TransportError>
+    where
+        F: FnMut(Rank, &Header, &[&[u8]]) -> bool + Send + 'a,
+    {
+        {
+            let _polling = Polling::start(self);
+            let pump = || self.pump_for(tag, from, &mut apply);
             let spun = self
                 .mailbox
                 .spin_recv(tag, from, self.spin, self.oversubscribed, pump)
@@ -1049,9 +1236,8 @@ impl Transport for ShmTransport {
             if let Some(r) = spun {
                 return r;
             }
-            // dropping the guard pumps once more after clearing the flags
         }
-        self.mailbox.recv(tag, from, deadline).await
+        self.mailbox.recv(tag, from, deadline).await.map(Some)
     }
 
     fn recv_stray(

@@ -292,6 +292,67 @@ impl Plan {
         payload: Bytes,
         work: &mut [u8],
     ) -> Result<(), PlanError> {
+        let id = self.expected(from, chunk, step, payload.len())?;
+        let i = id.0 as usize;
+        if self.deps_left[i] == 0 {
+            self.apply(id, &payload, work);
+            self.complete(id, work);
+        } else {
+            self.state[i] = State::Arrived;
+            self.arrived.insert(id, payload);
+        }
+        Ok(())
+    }
+
+    /// Applies a data frame straight from borrowed memory (`parts`, the
+    /// payload in pieces, e.g. a shared-memory ring that wraps), if its
+    /// receive can run now: `Ok(true)` when applied (no copy was made),
+    /// `Ok(false)` when not (dependencies pending, or a piece that splits an
+    /// element): the caller then passes the frame, owned, to
+    /// [`Plan::handle_frame`]. Errors are those of `handle_frame`.
+    pub fn try_apply(
+        &mut self,
+        from: Rank,
+        chunk: u32,
+        step: u16,
+        parts: &[&[u8]],
+        work: &mut [u8],
+    ) -> Result<bool, PlanError> {
+        let got: usize = parts.iter().map(|p| p.len()).sum();
+        let id = self.expected(from, chunk, step, got)?;
+        let i = id.0 as usize;
+        let Action::Recv {
+            ref range, reduce, ..
+        } = self.actions[i]
+        else {
+            unreachable!("recv_index holds receives");
+        };
+        let esize = self.dtype.size();
+        if self.deps_left[i] != 0 || parts.iter().any(|p| p.len() % esize != 0) {
+            return Ok(false);
+        }
+        let mut at = range.start;
+        for p in parts {
+            let dst = &mut work[at..at + p.len()];
+            match reduce {
+                Some(order) => reduce_into_ordered(self.dtype, self.op, dst, p, order),
+                None => dst.copy_from_slice(p),
+            }
+            at += p.len();
+        }
+        self.complete(id, work);
+        Ok(true)
+    }
+
+    /// The receive a frame `(from, chunk, step)` of `len` bytes is for, if
+    /// it is one this plan still waits for.
+    fn expected(
+        &self,
+        from: Rank,
+        chunk: u32,
+        step: u16,
+        len: usize,
+    ) -> Result<ActionId, PlanError> {
         let id = *self
             .recv_index
             .get(&(from, chunk, step))
@@ -303,23 +364,16 @@ impl Plan {
         let Action::Recv { ref range, .. } = self.actions[i] else {
             unreachable!("recv_index holds receives");
         };
-        if payload.len() != range.len() {
+        if len != range.len() {
             return Err(PlanError::Length {
                 from,
                 chunk,
                 step,
-                got: payload.len(),
+                got: len,
                 want: range.len(),
             });
         }
-        if self.deps_left[i] == 0 {
-            self.apply(id, &payload, work);
-            self.complete(id, work);
-        } else {
-            self.state[i] = State::Arrived;
-            self.arrived.insert(id, payload);
-        }
-        Ok(())
+        Ok(id)
     }
 
     /// The ranks from which frames are still expected (for timeout errors).
