@@ -23,6 +23,7 @@ and the spread between rounds, not single numbers.
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -79,6 +80,37 @@ def mpi(np_, op, a, exe):
     return res
 
 
+def svg(title, series):
+    """A line plot of busbw (GB/s) against size (log scale): series is a list
+    of (label, colour, {size: busbw})."""
+    w, h, l, r, t, b = 720, 420, 70, 20, 40, 60
+    sizes = sorted({s for _, _, pts in series for s in pts})
+    top = max([v for _, _, pts in series for v in pts.values()] + [1e-9]) * 1.1
+    lo, hi = math.log2(max(sizes[0], 1)), math.log2(max(sizes[-1], 2))
+    x = lambda s: l + (math.log2(max(s, 1)) - lo) / max(hi - lo, 1) * (w - l - r)
+    y = lambda v: h - b - v / top * (h - t - b)
+    o = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
+         f'<rect width="{w}" height="{h}" fill="white"/>',
+         f'<text x="{w / 2}" y="22" text-anchor="middle" font-size="15">{title}</text>',
+         f'<line x1="{l}" y1="{h - b}" x2="{w - r}" y2="{h - b}" stroke="black"/>',
+         f'<line x1="{l}" y1="{t}" x2="{l}" y2="{h - b}" stroke="black"/>',
+         f'<text x="{w / 2}" y="{h - 15}" text-anchor="middle">message size (bytes)</text>',
+         f'<text x="18" y="{h / 2}" text-anchor="middle" transform="rotate(-90 18 {h / 2})">busbw (GB/s)</text>']
+    for s in sizes[::2]:
+        label = next((f"{s >> k}{u}" for k, u in ((30, "G"), (20, "M"), (10, "K")) if s >= 1 << k), str(s))
+        o.append(f'<text x="{x(s):.1f}" y="{h - b + 16}" text-anchor="middle">{label}</text>')
+    for i in range(6):
+        v = top * i / 5
+        o.append(f'<text x="{l - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.1f}</text>')
+        o.append(f'<line x1="{l}" y1="{y(v):.1f}" x2="{w - r}" y2="{y(v):.1f}" stroke="#ddd"/>')
+    for k, (label, colour, pts) in enumerate(series):
+        path = " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in sorted(pts.items()))
+        o.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="2"/>')
+        o.append(f'<text x="{l + 12}" y="{t + 16 + 16 * k}" fill="{colour}">{label}</text>')
+    o.append("</svg>")
+    return "\n".join(o) + "\n"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--np", type=int, nargs="+", default=[2, 4])
@@ -89,7 +121,10 @@ def main():
     p.add_argument("--max", type=size, default=64 << 20)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--plot", help="write one SVG per np and op into this directory")
     a = p.parse_args()
+    if a.plot:
+        os.makedirs(a.plot, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kungfu-compare-") as workdir:
         exe = build(workdir)
         for np_ in a.np:
@@ -112,6 +147,12 @@ def main():
                     tr = f"{kt / mt:7.2f}" if s <= 1024 and mt > 0 else "      -"
                     print(f"{s:>10} {kb:9.3f} {mb:9.3f} {ratio} {kt:9.1f} {mt:9.1f} {tr}")
                 sys.stdout.flush()
+                if a.plot:
+                    med = lambda d: {s: statistics.median(x[0] for x in v) for s, v in d.items()}
+                    name = os.path.join(a.plot, f"{op}-np{np_}-{a.transport}.svg")
+                    title = f"{op}, np={np_}, {a.transport} transport: busbw, median of {a.rounds}"
+                    with open(name, "w") as f:
+                        f.write(svg(title, [("KungFu-rs", "#d62728", med(kf)), ("Open MPI", "#1f77b4", med(om))]))
 
 
 if __name__ == "__main__":

@@ -142,6 +142,8 @@ struct Inner<T> {
     tombstones: Mutex<Tombstones>,
     runtime: tokio::runtime::Handle,
     pool: Arc<BufPool>,
+    /// The strategy of ops started from now on (starts as the config's).
+    strategy: Mutex<Strategy>,
 }
 
 /// How many finished ops are remembered, to judge their late frames.
@@ -221,6 +223,7 @@ impl<T: Transport> Session<T> {
         let pool = BufPool::new(config.buffer_pool_bytes);
         let inner = Arc::new(Inner {
             pool,
+            strategy: Mutex::new(config.strategy),
             transport,
             peers,
             config,
@@ -259,7 +262,7 @@ impl<T: Transport> Session<T> {
 
     /// The topology an op of `bytes` bytes per rank and `root` runs on.
     pub fn topology(&self, root: Root, bytes: usize) -> Arc<Topology> {
-        let s = match self.inner.config.strategy {
+        let s = match self.strategy() {
             Strategy::Auto => {
                 Strategy::auto_choice_with(&self.inner.peers, root, bytes, &self.inner.config.auto)
             }
@@ -269,6 +272,20 @@ impl<T: Transport> Session<T> {
             .entry((s, root))
             .or_insert_with(|| Arc::new(s.resolve(&self.inner.peers, root, bytes)))
             .clone()
+    }
+
+    /// The strategy ops started now use.
+    pub fn strategy(&self) -> Strategy {
+        *lock(&self.inner.strategy)
+    }
+
+    /// Makes ops started from now on use `s`; ops in flight keep theirs.
+    /// Every rank must switch at the same point of its sequence of ops (an
+    /// op started with different topologies on two ranks fails with a
+    /// mismatch): agree first, e.g. with [`Session::consensus`], as the C
+    /// ABI's `kf_set_strategy` does.
+    pub fn set_strategy(&self, s: Strategy) {
+        *lock(&self.inner.strategy) = s;
     }
 
     /// Starts an op on raw bytes; `input` must be `spec.input_len(size)`

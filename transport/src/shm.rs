@@ -194,6 +194,11 @@ impl PollClock {
         self.at.store(self.now(), Ordering::Relaxed);
     }
 
+    /// No task polls any more (one went to sleep): readers take over now.
+    fn clear(&self) {
+        self.at.store(0, Ordering::Relaxed);
+    }
+
     /// Time since the last poll (long if there was none).
     fn since(&self) -> Duration {
         match self.at.load(Ordering::Relaxed) {
@@ -569,7 +574,18 @@ fn map_file(file: &std::fs::File, len: usize) -> std::io::Result<MmapMut> {
     // SAFETY: the file is a ring of this job, mapped shared by exactly two
     // processes that access it only through atomics and the SPSC protocol
     // (see `Ring`); nobody truncates it while mapped.
-    unsafe { memmap2::MmapOptions::new().len(len).map_mut(file) }
+    let map = unsafe {
+        memmap2::MmapOptions::new()
+            .len(len)
+            .populate()
+            .map_mut(file)
+    }?;
+    // Fault every page in now, writably: a fresh ring's pages are otherwise
+    // allocated and zeroed one fault at a time during the first lap of
+    // real traffic (measured: the first ~50 allreduces of 64 KiB on 2 ranks
+    // took 90-180 us instead of 15).
+    let _ = map.advise(memmap2::Advice::PopulateWrite);
+    Ok(map)
 }
 
 fn create_inbound(
@@ -1053,6 +1069,18 @@ impl ShmTransport {
         res
     }
 
+    /// A receiving task stops polling and will sleep until a reader thread
+    /// delivers its frame: the readers must not wait for it any longer.
+    fn going_to_sleep(&self) {
+        self.polled.clear();
+        for ring in self.inbound.iter().flatten() {
+            if ring.available() > 0 {
+                ring.u32_at(OFF_DATA_SEQ).fetch_add(1, Ordering::AcqRel);
+                futex(ring.u32_at(OFF_DATA_SEQ), libc::FUTEX_WAKE, 1, None);
+            }
+        }
+    }
+
     fn set_polling(&self, v: u32) {
         for ring in self.inbound.iter().flatten() {
             ring.u32_at(OFF_RECV_POLLING).store(v, Ordering::SeqCst);
@@ -1213,6 +1241,7 @@ impl Transport for ShmTransport {
             }
             // the guard clears the polling flags as it drops
         }
+        self.going_to_sleep();
         self.mailbox.recv(tag, from, deadline).await
     }
 
@@ -1237,6 +1266,7 @@ impl Transport for ShmTransport {
                 return r;
             }
         }
+        self.going_to_sleep();
         self.mailbox.recv(tag, from, deadline).await.map(Some)
     }
 
