@@ -7,6 +7,12 @@ cd "$(dirname "$0")/.."
 
 need=()
 command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin libopenmpi-dev)
+# the C ABI tests: compile C and C++ against the installed library
+command -v cc >/dev/null 2>&1 || need+=(gcc)
+command -v c++ >/dev/null 2>&1 || need+=(g++)
+command -v make >/dev/null 2>&1 || need+=(make)
+command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
+command -v cmake >/dev/null 2>&1 || need+=(cmake)
 if ((${#need[@]})); then
   sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"

@@ -643,7 +643,10 @@ impl RunningOp {
         let t = &inner.transport;
         let (me, n) = (t.rank(), t.size());
         let needed = self.plan.peers().clone();
-        t.check_peers(&needed)
+        // A lost rank we must send to fails the op now; one we only receive
+        // from may have sent all we need before it left (a root that
+        // finished its broadcast and closed): the receive decides.
+        t.check_peers(self.plan.targets())
             .map_err(|e| self.transport_error(e))?;
         // Aborts may come from any rank, so listen to all, and drop lost
         // ranks this op does not need as they are reported.

@@ -179,6 +179,7 @@ impl PlanBuilder {
         let mut deps_left = vec![0u32; n];
         let mut ready = VecDeque::new();
         let mut peers = PeerSet::new();
+        let mut targets = PeerSet::new();
         for (i, deps) in self.deps.iter().enumerate() {
             deps_left[i] = deps.len() as u32;
             for d in deps {
@@ -188,7 +189,10 @@ impl PlanBuilder {
                 ready.push_back(ActionId(i as u32));
             }
             match &self.actions[i] {
-                Action::Send { to, .. } => peers.insert(*to),
+                Action::Send { to, .. } => {
+                    peers.insert(*to);
+                    targets.insert(*to);
+                }
                 Action::Recv { from, .. } => peers.insert(*from),
             }
         }
@@ -204,6 +208,7 @@ impl PlanBuilder {
             dtype,
             op,
             peers,
+            targets,
         }
     }
 }
@@ -227,12 +232,18 @@ pub struct Plan {
     dtype: DType,
     op: ReduceOp,
     peers: PeerSet,
+    targets: PeerSet,
 }
 
 impl Plan {
     /// Every rank this plan sends to or receives from.
     pub fn peers(&self) -> &PeerSet {
         &self.peers
+    }
+
+    /// Every rank this plan sends to.
+    pub fn targets(&self) -> &PeerSet {
+        &self.targets
     }
 
     /// How many actions the plan has (for tests and stats).

@@ -1,0 +1,265 @@
+//! The C ABI as C and C++ programs use it: install libkungfu with the
+//! Makefile into a scratch prefix, compile against it with pkg-config
+//! alone (C dynamically and statically, C++ under AddressSanitizer, the
+//! CMake example), and run each under kungfu-run.
+//!
+//! Needs the workspace built (`cargo test --workspace` builds libkungfu and
+//! kungfu-run before any test runs), a C and a C++ compiler, make,
+//! pkg-config and cmake (scripts/test.sh installs what is missing).
+//! Every process is bounded by kungfu-run's `--timeout` and a kill here.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::time::Duration;
+
+const FFI: &str = env!("CARGO_MANIFEST_DIR");
+
+/// target/debug (or whichever profile built this test).
+fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps/<test>")
+        .to_path_buf()
+}
+
+/// A scratch directory, removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(what: &str) -> Scratch {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let p = std::env::temp_dir().join(format!(
+            "kungfu-ffi-{what}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).expect("scratch dir");
+        Scratch(p)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "--- stdout\n{}--- stderr\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Runs `cmd` to completion within `limit`, killing it if it takes longer.
+fn run(mut cmd: Command, limit: Duration) -> Output {
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {cmd:?}: {e}"));
+    let pid = child.id();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || drop(tx.send(child.wait_with_output())));
+    match rx.recv_timeout(limit) {
+        Ok(out) => out.expect("wait"),
+        Err(_) => {
+            // kungfu-run forwards SIGTERM to its workers
+            let _ = Command::new("kill").arg(pid.to_string()).status();
+            std::thread::sleep(Duration::from_secs(3));
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            panic!("{cmd:?} did not finish within {limit:?}");
+        }
+    }
+}
+
+fn ok(cmd: Command, limit: Duration) -> Output {
+    let desc = format!("{cmd:?}");
+    let out = run(cmd, limit);
+    assert!(out.status.success(), "{desc} failed\n{}", text(&out));
+    out
+}
+
+/// Installs libkungfu and its headers under `prefix` with the Makefile.
+fn install(prefix: &Path) {
+    let mut make = Command::new("make");
+    make.args(["-s", "-C", FFI, "install"])
+        .arg(format!("PREFIX={}", prefix.display()))
+        .arg(format!("LIBDIR={}", target_dir().display()));
+    ok(make, Duration::from_secs(60));
+}
+
+/// `pkg-config ARGS kungfu` against the scratch install.
+fn pkg_config(prefix: &Path, args: &[&str]) -> Vec<String> {
+    let mut c = Command::new("pkg-config");
+    c.args(args)
+        .arg("kungfu")
+        .env("PKG_CONFIG_PATH", prefix.join("lib/pkgconfig"));
+    let out = ok(c, Duration::from_secs(30));
+    String::from_utf8(out.stdout)
+        .expect("utf-8")
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Compiles `src` with `compiler` and `flags` against the install in
+/// `prefix` (headers from pkg-config; `link` as given, or pkg-config's
+/// `--libs` and an rpath when `None`) into `prefix/exe`.
+fn compile(
+    prefix: &Path,
+    compiler: &str,
+    flags: &[&str],
+    src: &Path,
+    link: Option<Vec<String>>,
+    exe: &str,
+) -> PathBuf {
+    let out = prefix.join(exe);
+    let link = link.unwrap_or_else(|| {
+        let mut l = pkg_config(prefix, &["--libs"]);
+        l.push(format!("-Wl,-rpath,{}", prefix.join("lib").display()));
+        l
+    });
+    let mut c = Command::new(compiler);
+    c.args(flags)
+        .arg(src)
+        .args(pkg_config(prefix, &["--cflags"]))
+        .args(link)
+        .arg("-o")
+        .arg(&out);
+    ok(c, Duration::from_secs(180));
+    out
+}
+
+const C_FLAGS: &[&str] = &["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1"];
+
+/// kungfu-run -np `np` PROGRAM, checking that every rank said `passed`.
+fn run_job(np: usize, program: &Path, passed: &str, env: &[(&str, &str)]) {
+    let kungfu_run = target_dir().join("kungfu-run");
+    assert!(
+        kungfu_run.exists(),
+        "{} is missing: build the workspace first (cargo test --workspace does)",
+        kungfu_run.display()
+    );
+    let mut c = Command::new(kungfu_run);
+    c.args(["-np", &np.to_string(), "--timeout", "180s"]);
+    for (k, v) in env {
+        c.args(["-x", &format!("{k}={v}")]);
+    }
+    c.arg(program);
+    let out = ok(c, Duration::from_secs(200));
+    let t = text(&out);
+    for r in 0..np {
+        assert!(
+            t.contains(&format!("[{r}] rank {r}: {passed}")),
+            "rank {r}:\n{t}"
+        );
+    }
+}
+
+#[test]
+fn c_trainer_linked_dynamically() {
+    let dir = Scratch::new("c");
+    install(&dir.0);
+    let src = Path::new(FFI).join("tests/c/trainer.c");
+    let exe = compile(&dir.0, "cc", C_FLAGS, &src, None, "trainer");
+    run_job(4, &exe, "all C checks passed", &[]);
+}
+
+#[test]
+fn c_trainer_linked_statically() {
+    let dir = Scratch::new("c-static");
+    install(&dir.0);
+    // the archive itself, then what pkg-config says it needs
+    let mut link = vec![dir.0.join("lib/libkungfu.a").display().to_string()];
+    link.extend(
+        pkg_config(&dir.0, &["--static", "--libs"])
+            .into_iter()
+            .filter(|a| a != "-lkungfu"),
+    );
+    let src = Path::new(FFI).join("tests/c/trainer.c");
+    let exe = compile(&dir.0, "cc", C_FLAGS, &src, Some(link), "trainer");
+    // no libkungfu.so is needed at run time
+    std::fs::remove_file(dir.0.join("lib/libkungfu.so")).expect("remove the shared library");
+    run_job(2, &exe, "all C checks passed", &[]);
+}
+
+#[test]
+fn cpp_wrapper_under_address_sanitizer() {
+    let dir = Scratch::new("cpp");
+    install(&dir.0);
+    let flags = [
+        "-std=c++17",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        "-O1",
+        "-g",
+        "-fsanitize=address,undefined",
+        "-fno-omit-frame-pointer",
+    ];
+    let src = Path::new(FFI).join("tests/cpp/trainer.cpp");
+    let exe = compile(&dir.0, "c++", &flags, &src, None, "trainer_cpp");
+    run_job(
+        4,
+        &exe,
+        "all C++ checks passed",
+        &[
+            ("ASAN_OPTIONS", "detect_leaks=1:abort_on_error=1"),
+            ("UBSAN_OPTIONS", "halt_on_error=1"),
+        ],
+    );
+}
+
+#[test]
+fn cmake_example_finds_the_library_with_pkg_config() {
+    let dir = Scratch::new("cmake");
+    install(&dir.0);
+    let build = dir.0.join("build");
+    let mut configure = Command::new("cmake");
+    configure
+        .arg("-S")
+        .arg(Path::new(FFI).join("examples/cmake"))
+        .arg("-B")
+        .arg(&build)
+        .env("PKG_CONFIG_PATH", dir.0.join("lib/pkgconfig"));
+    ok(configure, Duration::from_secs(120));
+    let mut make = Command::new("cmake");
+    make.arg("--build").arg(&build);
+    ok(make, Duration::from_secs(180));
+    let kungfu_run = target_dir().join("kungfu-run");
+    let mut c = Command::new(kungfu_run);
+    c.args(["-np", "2", "--timeout", "120s"])
+        .arg(build.join("kungfu_example"));
+    let out = ok(c, Duration::from_secs(150));
+    let t = text(&out);
+    assert!(t.contains("[1] rank 1 of 2: average 1.5"), "{t}");
+}
+
+/// The complete example of docs/c-api.md compiles and runs as printed.
+#[test]
+fn the_documented_example_works() {
+    let doc =
+        std::fs::read_to_string(Path::new(FFI).join("../docs/c-api.md")).expect("docs/c-api.md");
+    let start = doc.find("```c\n").expect("a C block in docs/c-api.md") + 5;
+    let len = doc[start..].find("```").expect("the end of the C block");
+    let dir = Scratch::new("doc");
+    install(&dir.0);
+    let src = dir.0.join("example.c");
+    std::fs::write(&src, &doc[start..start + len]).expect("writing the example");
+    let exe = compile(&dir.0, "cc", C_FLAGS, &src, None, "example");
+    let mut c = Command::new(target_dir().join("kungfu-run"));
+    c.args(["-np", "2", "--timeout", "120s"]).arg(&exe);
+    let t = text(&ok(c, Duration::from_secs(150)));
+    assert!(
+        t.contains("[1] rank 1 of 2: grad 0.5 (expect 0.5), bias 2 (expect 2)"),
+        "{t}"
+    );
+    assert!(t.contains("[0] bias reduced"), "{t}");
+}
