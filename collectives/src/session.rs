@@ -15,7 +15,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
 use kungfu_topology::{AutoThresholds, PeerList, Rank, Root, Strategy, Topology};
 use kungfu_transport::{
     Epoch, Frame, FrameKind, Header, Instant, OpTag, PeerSet, Transport, TransportError,
@@ -30,6 +29,7 @@ use crate::plan::build::{build, PlanInput};
 use crate::plan::{Plan, Transmit};
 use crate::pool::{BufPool, PooledBuf};
 use crate::{CollectiveError, DType, Element, OpKind, OpSpec, ReduceOp};
+use kungfu_transport::pool::FramePool;
 
 /// Settings of a [`Session`].
 #[derive(Clone, Debug)]
@@ -142,6 +142,8 @@ struct Inner<T> {
     tombstones: Mutex<Tombstones>,
     runtime: tokio::runtime::Handle,
     pool: Arc<BufPool>,
+    /// Buffers for the copies of frames that backends send later.
+    frames: Arc<FramePool>,
     /// The strategy of ops started from now on (starts as the config's).
     strategy: Mutex<Strategy>,
 }
@@ -223,6 +225,7 @@ impl<T: Transport> Session<T> {
         let pool = BufPool::new(config.buffer_pool_bytes);
         let inner = Arc::new(Inner {
             pool,
+            frames: FramePool::new(config.max_inflight_bytes),
             strategy: Mutex::new(config.strategy),
             transport,
             peers,
@@ -692,7 +695,9 @@ impl RunningOp {
                     pending.push_back(tx);
                     continue;
                 }
-                let payload = Bytes::copy_from_slice(&self.work[tx.range.clone()]);
+                let mut copy = inner.frames.take(tx.range.len());
+                copy.as_mut().copy_from_slice(&self.work[tx.range.clone()]);
+                let payload = copy.freeze();
                 self.plan.handle_sent(tx.id, &mut self.work);
                 let t = t.clone();
                 let len = payload.len();

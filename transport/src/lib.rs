@@ -69,6 +69,7 @@ pub mod header;
 pub mod hybrid;
 pub mod mailbox;
 pub mod mem;
+pub mod pool;
 // The only module with unsafe code: mapped memory, atomics in it, futexes.
 #[allow(unsafe_code)]
 pub mod shm;

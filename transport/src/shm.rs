@@ -46,6 +46,7 @@ use memmap2::MmapMut;
 use tokio::sync::oneshot;
 
 use crate::mailbox::{Mailbox, Pump};
+use crate::pool::FramePool;
 use crate::{
     Capabilities, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
     HEADER_LEN,
@@ -86,6 +87,8 @@ const YIELDS: u32 = 2;
 /// A reader thread leaves frames to the receiving tasks for this long after
 /// they last polled the rings.
 const DEFER_TO_POLLER: Duration = Duration::from_micros(300);
+/// Idle receive buffers kept for reuse (see [`FramePool`]).
+const FRAME_POOL_BYTES: usize = 256 << 20;
 /// Longest single sleep, so stops, closes and dead peers are noticed.
 const NAP: Duration = Duration::from_millis(5);
 
@@ -471,25 +474,6 @@ impl Ring {
         }
     }
 
-    /// Receiver: the next `len` published bytes (the caller checked
-    /// `available()`), consumed, in a new vector that is not zeroed first.
-    fn take_vec(&self, len: usize) -> Vec<u8> {
-        let tail_w = self.u64_at(OFF_TAIL);
-        let tail = tail_w.load(Ordering::Relaxed);
-        debug_assert!(len <= self.available());
-        let mut v: Vec<u8> = Vec::with_capacity(len);
-        // SAFETY: `len` bytes are published (checked by the caller); `v`
-        // has capacity `len`, and the copy fills exactly its first `len`
-        // bytes before `set_len` exposes them.
-        unsafe {
-            self.copy_out_raw(tail, v.as_mut_ptr(), len);
-            v.set_len(len);
-        }
-        tail_w.store(tail + len as u64, Ordering::Release);
-        self.notify(OFF_SPACE_SEQ, OFF_SEND_SLEEPING);
-        v
-    }
-
     /// Receiver: waits until data is published, the sender closed, or
     /// `give_up()` says why not. `eager` spins and yields first (for the
     /// rest of a frame); otherwise it sleeps at once (an idle reader
@@ -723,6 +707,8 @@ pub struct ShmTransport {
     /// Frames consumed in place (see [`Transport::recv_in_place`]).
     lent: AtomicU64,
     polled: Arc<PollClock>,
+    /// Buffers for frames copied out of the rings.
+    frames: Arc<FramePool>,
 }
 
 impl ShmTransport {
@@ -795,6 +781,7 @@ impl ShmTransport {
         // 45-100 us with, 21-59 without).
         let eager = !oversubscribed;
         let polled = Arc::new(PollClock::new());
+        let frames = FramePool::new(FRAME_POOL_BYTES);
         for (peer, ring) in inbound.iter().enumerate() {
             let Some(ring) = ring.clone() else { continue };
             let done = Arc::new(AtomicBool::new(false));
@@ -803,6 +790,7 @@ impl ShmTransport {
             let peer = Rank(peer as u32);
             let policy = ReadPolicy {
                 max_frame: cfg.max_frame,
+                frames: frames.clone(),
                 eager,
                 polled: polled.clone(),
             };
@@ -836,6 +824,7 @@ impl ShmTransport {
             polling: std::sync::atomic::AtomicUsize::new(0),
             lent: AtomicU64::new(0),
             polled,
+            frames,
         }))
     }
 }
@@ -910,6 +899,7 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
 #[derive(Clone)]
 struct ReadPolicy {
     max_frame: usize,
+    frames: Arc<FramePool>,
     /// Spin before sleeping (ranks have a core each).
     eager: bool,
     polled: Arc<PollClock>,
@@ -962,8 +952,8 @@ fn read_loop(
                 Ok(h) => h,
                 Err(e) => return mailbox.fail_peer(peer, format!("protocol violation: {e}")),
             };
-            let mut payload = vec![0u8; header.len as usize];
-            if let Err(e) = ring.read_exact(&mut payload, stop) {
+            let mut payload = policy.frames.take(header.len as usize);
+            if let Err(e) = ring.read_exact(payload.as_mut(), stop) {
                 return mailbox.fail_peer(
                     peer,
                     e.unwrap_or_else(|| "ring closed in the middle of a frame".into()),
@@ -973,7 +963,7 @@ fn read_loop(
         };
         // The mailbox may make us wait for space (back-pressure): this
         // thread stops reading the ring, and the sender stops when it fills.
-        match block_on(mailbox.deliver(peer, frame.0, Bytes::from(frame.1))) {
+        match block_on(mailbox.deliver(peer, frame.0, frame.1.freeze())) {
             Ok(()) | Err(TransportError::StaleEpoch { .. }) => {}
             Err(_) => return,
         }
@@ -1056,11 +1046,9 @@ impl ShmTransport {
                     break;
                 }
                 ring.skip(HEADER_LEN);
-                let payload = ring.take_vec(len);
-                match self
-                    .mailbox
-                    .deliver_now(sender, header, Bytes::from(payload))
-                {
+                let mut payload = self.frames.take(len);
+                ring.copy_out(payload.as_mut(), true);
+                match self.mailbox.deliver_now(sender, header, payload.freeze()) {
                     Ok(()) | Err(TransportError::StaleEpoch { .. }) => res = Pump::Moved,
                     Err(_) => return res,
                 }

@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::Bytes;
 use kungfu_topology::{PeerList, Rank};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -25,6 +25,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 use crate::mailbox::Mailbox;
+use crate::pool::FramePool;
 use crate::{
     Capabilities, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
     HEADER_LEN,
@@ -313,6 +314,8 @@ impl TcpTransport {
         let mut writers = Vec::with_capacity(n);
         let mut tasks = Vec::with_capacity(n);
         let mut readers = Vec::with_capacity(n);
+        // receive buffers, recycled (see FramePool)
+        let frames = FramePool::new(256 << 20);
         for r in 0..n {
             let rank = Rank(r as u32);
             let Some(stream) = streams.remove(&rank) else {
@@ -327,6 +330,7 @@ impl TcpTransport {
                 rank,
                 mailbox.clone(),
                 cfg.max_frame,
+                frames.clone(),
             )));
             tasks.push(tokio::spawn(write_loop(wr, rank, rx, mailbox.clone())));
         }
@@ -534,7 +538,13 @@ async fn answer_hello(cfg: &TcpConfig, mut s: TcpStream) -> Result<(Rank, TcpStr
     }
 }
 
-async fn read_loop(rd: OwnedReadHalf, peer: Rank, mailbox: Arc<Mailbox>, max_frame: usize) {
+async fn read_loop(
+    rd: OwnedReadHalf,
+    peer: Rank,
+    mailbox: Arc<Mailbox>,
+    max_frame: usize,
+    frames: Arc<FramePool>,
+) {
     let mut rd = BufReader::with_capacity(IO_BUFFER, rd);
     loop {
         let mut hb = [0u8; HEADER_LEN];
@@ -556,20 +566,15 @@ async fn read_loop(rd: OwnedReadHalf, peer: Rank, mailbox: Arc<Mailbox>, max_fra
             }
         };
         let len = header.len as usize; // checked against max_frame by decode
-        let mut buf = BytesMut::with_capacity(len);
-        while buf.len() < len {
-            let want = len - buf.len();
-            match rd.read_buf(&mut (&mut buf).limit(want)).await {
-                Ok(0) => {
-                    mailbox.fail_peer(peer, "connection closed in the middle of a frame");
-                    return;
-                }
-                Ok(_) => {}
-                Err(e) => {
-                    mailbox.fail_peer(peer, format!("read: {e}"));
-                    return;
-                }
-            }
+        let mut buf = frames.take(len);
+        if let Err(e) = rd.read_exact(buf.as_mut()).await {
+            let why = if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                "connection closed in the middle of a frame".to_string()
+            } else {
+                format!("read: {e}")
+            };
+            mailbox.fail_peer(peer, why);
+            return;
         }
         match mailbox.deliver(peer, header, buf.freeze()).await {
             // Refused frames are counted by the mailbox; the connection goes on.
