@@ -191,6 +191,16 @@ fn c_trainer_linked_statically() {
 }
 
 #[test]
+fn cpp_wrapper() {
+    let dir = Scratch::new("cpp-plain");
+    install(&dir.0);
+    let flags = ["-std=c++17", "-Wall", "-Wextra", "-Werror", "-O2"];
+    let src = Path::new(FFI).join("tests/cpp/trainer.cpp");
+    let exe = compile(&dir.0, "c++", &flags, &src, None, "trainer_cpp");
+    run_job(4, &exe, "all C++ checks passed", &[]);
+}
+
+#[test]
 fn cpp_wrapper_under_address_sanitizer() {
     let dir = Scratch::new("cpp");
     install(&dir.0);

@@ -104,7 +104,6 @@ pub struct FrameBuf {
 }
 
 impl FrameBuf {
-
     /// The filled payload; the buffer goes back to its pool when the last
     /// clone of it is dropped.
     pub fn freeze(self) -> Bytes {
