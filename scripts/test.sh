@@ -32,6 +32,8 @@ echo "== cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== cargo doc (warnings are errors)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked -q
+echo "== cargo build (libkungfu.so/.a and kungfu-run, which the C ABI tests use)"
+cargo build --workspace --locked
 echo "== cargo test"
 cargo test --workspace --locked
 echo "== benches (one quick pass each, so they never rot)"

@@ -3,8 +3,8 @@
 //! alone (C dynamically and statically, C++ under AddressSanitizer, the
 //! CMake example), and run each under kungfu-run.
 //!
-//! Needs the workspace built (`cargo test --workspace` builds libkungfu and
-//! kungfu-run before any test runs), a C and a C++ compiler, make,
+//! Needs the workspace built first (`cargo build --workspace`: `cargo test`
+//! does not build the cdylib), a C and a C++ compiler, make,
 //! pkg-config and cmake (scripts/test.sh installs what is missing).
 //! Every process is bounded by kungfu-run's `--timeout` and a kill here.
 
@@ -88,6 +88,13 @@ fn ok(cmd: Command, limit: Duration) -> Output {
 
 /// Installs libkungfu and its headers under `prefix` with the Makefile.
 fn install(prefix: &Path) {
+    let lib = target_dir().join("libkungfu.so");
+    assert!(
+        lib.exists(),
+        "{} is missing: `cargo build --workspace` first (scripts/test.sh does; \
+         `cargo test` alone does not build a cdylib)",
+        lib.display()
+    );
     let mut make = Command::new("make");
     make.args(["-s", "-C", FFI, "install"])
         .arg(format!("PREFIX={}", prefix.display()))

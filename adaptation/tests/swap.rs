@@ -1,0 +1,112 @@
+//! Runtime strategy swaps at agreement points: 1000 named allreduces, a
+//! few in flight at any time, while random workers propose random
+//! strategies every few ops. No wrong value, no deadlock (every op is
+//! bounded by the op timeout), and every worker goes through the same
+//! sequence of strategies.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use kungfu_adaptation::{Action, Adapter};
+use kungfu_collectives::{OpHandle, ReduceOp, Session, SessionConfig};
+use kungfu_topology::{PeerList, Strategy};
+use kungfu_transport::mem::{MemConfig, MemNetwork, SeededRng};
+
+const OPS: usize = 1000;
+const EVERY: usize = 5;
+
+fn count(i: usize) -> usize {
+    1 + (i * 37) % 3001
+}
+
+fn input(rank: usize, i: usize) -> Vec<f32> {
+    (0..count(i))
+        .map(|j| (rank * 3 + (i + j) % 11) as f32)
+        .collect()
+}
+
+#[test]
+fn random_strategy_swaps_keep_every_worker_consistent() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let n = 4;
+        let cfg = MemConfig {
+            delay: Some((7, Duration::from_micros(200))),
+            ..MemConfig::default()
+        };
+        let ts = MemNetwork::new(n, cfg);
+        let mut tasks = Vec::new();
+        for (rank, t) in ts.into_iter().enumerate() {
+            let s = Session::new(
+                t,
+                PeerList::local(n),
+                SessionConfig {
+                    chunk_bytes: 2048,
+                    op_timeout: Duration::from_secs(30),
+                    ..SessionConfig::default()
+                },
+            )
+            .unwrap();
+            tasks.push(tokio::spawn(async move {
+                let mut rng = SeededRng::new(1000 + rank as u64);
+                let mut ad = Adapter::new(s.clone(), Vec::new());
+                let mut seen = vec![s.strategy()];
+                let mut proposed = 0;
+                let mut inflight: VecDeque<(usize, OpHandle<Vec<f32>>)> = VecDeque::new();
+                let check = |i: usize, got: Vec<f32>| {
+                    let want: Vec<f32> = (0..count(i))
+                        .map(|j| (0..n).map(|r| (r * 3 + (i + j) % 11) as f32).sum())
+                        .collect();
+                    assert_eq!(got, want, "rank {rank} op {i}");
+                };
+                for i in 0..OPS {
+                    let h = s.allreduce(&format!("grad/{}", i % 7), &input(rank, i), ReduceOp::Sum);
+                    inflight.push_back((i, h));
+                    if inflight.len() > 3 {
+                        let (k, h) = inflight.pop_front().unwrap();
+                        check(k, h.await.expect("op"));
+                    }
+                    if i % EVERY == EVERY - 1 {
+                        if rng.below(4) == 0 {
+                            let st = Strategy::ALL[rng.below(Strategy::ALL.len() as u64) as usize];
+                            ad.propose(Action::SetStrategy(st));
+                            proposed += 1;
+                        }
+                        ad.progress.step = i as u64;
+                        ad.agree().await.expect("agreement");
+                        seen.push(s.strategy());
+                    }
+                }
+                for (k, h) in inflight {
+                    check(k, h.await.expect("op"));
+                }
+                (seen, ad.history().to_vec(), proposed)
+            }));
+        }
+        let mut results = Vec::new();
+        for t in tasks {
+            results.push(
+                tokio::time::timeout(Duration::from_secs(240), t)
+                    .await
+                    .expect("no deadlock")
+                    .unwrap(),
+            );
+        }
+        let (seq0, hist0, _) = &results[0];
+        for (r, (seq, hist, _)) in results.iter().enumerate() {
+            assert_eq!(seq, seq0, "rank {r} went through other strategies");
+            assert_eq!(hist, hist0, "rank {r} agreed on other actions");
+        }
+        let proposals: usize = results.iter().map(|r| r.2).sum();
+        let distinct: std::collections::HashSet<_> = seq0.iter().collect();
+        assert!(
+            proposals > 20 && distinct.len() > 4,
+            "the test must swap often: {proposals} proposals, {distinct:?}"
+        );
+        assert_eq!(seq0.len(), OPS / EVERY + 1);
+    });
+}
