@@ -26,5 +26,5 @@
 pub mod monitor;
 pub mod policy;
 
-pub use monitor::{gradient_variance, sq_norm, Ema, NoiseEstimate, NoiseScale};
+pub use monitor::{gradient_variance, sq_norm, sq_norm_bytes, Ema, NoiseEstimate, NoiseScale};
 pub use policy::{Action, Adapter, AdaptiveBatchSize, Context, Metrics, Policy, Progress};

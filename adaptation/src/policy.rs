@@ -176,6 +176,16 @@ fn decide(all: &[u64]) -> Vec<Action> {
     out
 }
 
+/// What the policies see now.
+fn context<'a, T: Transport>(session: &Session<T>, progress: &'a Progress) -> Context<'a> {
+    Context {
+        rank: session.rank(),
+        size: session.size(),
+        strategy: session.strategy(),
+        progress,
+    }
+}
+
 /// Runs the policies and makes their proposals decisions every worker
 /// shares. Every worker calls the same hooks at the same steps (they are
 /// collective).
@@ -216,12 +226,7 @@ impl<T: Transport> Adapter<T> {
     }
 
     fn run_hook(&mut self, hook: impl Fn(&mut dyn Policy, &Context<'_>) -> Vec<Action>) {
-        let cx = Context {
-            rank: self.session.rank(),
-            size: self.session.size(),
-            strategy: self.session.strategy(),
-            progress: &self.progress,
-        };
+        let cx = context(&self.session, &self.progress);
         for p in &mut self.policies {
             let proposed = hook(p.as_mut(), &cx);
             self.pending.extend(proposed);
@@ -254,12 +259,7 @@ impl<T: Transport> Adapter<T> {
 
     /// After training: runs `after_train` (no agreement).
     pub fn after_train(&mut self) {
-        let cx = Context {
-            rank: self.session.rank(),
-            size: self.session.size(),
-            strategy: self.session.strategy(),
-            progress: &self.progress,
-        };
+        let cx = context(&self.session, &self.progress);
         for p in &mut self.policies {
             p.after_train(&cx);
         }

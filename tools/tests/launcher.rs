@@ -705,3 +705,50 @@ fn workers_are_pinned_to_cores() {
     let want = mine.rsplit(['\t', ' ']).next().unwrap();
     assert!(t.contains(want), "unbound worker: {t} (ours: {mine})");
 }
+
+/// `kungfu-bench swap` measures strategy swaps (and fails if a rank did not
+/// switch); `--monitor` reports the monitors' overhead and refuses what it
+/// cannot monitor.
+#[test]
+fn bench_measures_swaps_and_monitor_overhead() {
+    let out = run_bounded(
+        kungfu_run(&["-np", "3", BENCH, "swap", "-n", "6", "-w", "1"]),
+        Duration::from_secs(60),
+    );
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert!(
+        t.contains("[0] # swap latency (agreement + switch, slowest rank): mean"),
+        "{t}"
+    );
+    let out = run_bounded(
+        kungfu_run(&[
+            "-np",
+            "2",
+            BENCH,
+            "allreduce",
+            "-b",
+            "1K",
+            "-e",
+            "4K",
+            "-f",
+            "4",
+            "-n",
+            "4",
+            "-w",
+            "1",
+            "--monitor",
+            "1",
+        ]),
+        Duration::from_secs(60),
+    );
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert!(t.contains("[0] # Monitors at        4K"), "{t}");
+    assert!(t.contains("noise scale"), "{t}");
+    let mut refused = Command::new(BENCH);
+    refused.args(["allreduce", "-d", "int32", "--monitor", "1"]);
+    let out = run_bounded(refused, Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("--monitor measures allreduces of float"));
+}

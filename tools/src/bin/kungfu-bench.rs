@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use kungfu::{Worker, WorkerEnv};
+use kungfu_adaptation::{sq_norm_bytes, Action, Adapter, NoiseScale};
 use kungfu_collectives::{reference, DType, OpKind, OpOutput, OpSpec, ReduceOp, Session};
 use kungfu_tools::plot::{svg, Series};
 use kungfu_tools::{fmt_size, parse_size};
@@ -77,6 +78,7 @@ const USAGE: &str = "\
 usage: kungfu-bench OP [options]     (run under kungfu-run)
 
 OP: allreduce | broadcast | allgather | reduce-scatter | reduce | alltoall
+    | swap (the latency of a strategy swap: agreement and switch; -n, -w)
 
   -b SIZE        smallest size in bytes (default 1K; K, M, G suffixes)
   -e SIZE        largest size (default 64M)
@@ -88,6 +90,10 @@ OP: allreduce | broadcast | allgather | reduce-scatter | reduce | alltoall
   -o OP          sum, prod, min, max, avg (default sum)
   -r ROOT        root of broadcast and reduce (default 0)
   --in-place 0|1 also measure in place (default 1)
+  --monitor K    allreduce of floats: also time each size with the gradient
+                 monitors beside the loop every K-th op (norms, one small
+                 allreduce overlapped with the op, noise scale) and print
+                 their overhead (default 0: off)
   --strategy S   override KUNGFU_STRATEGY
   --json FILE    write the results as JSON (rank 0)
   --plot FILE    draw busbw against size as SVG (rank 0)
@@ -152,6 +158,8 @@ impl Op {
 
 struct Args {
     op: Op,
+    /// `swap`: measure strategy swaps instead of an op.
+    swap: bool,
     min: usize,
     max: usize,
     factor: usize,
@@ -162,6 +170,8 @@ struct Args {
     redop: ReduceOp,
     root: usize,
     in_place: bool,
+    /// Run the monitors every this many ops (0: off).
+    monitor: usize,
     strategy: Option<Strategy>,
     json: Option<String>,
     plot: Option<String>,
@@ -171,9 +181,15 @@ fn parse_args(a: &[String]) -> anyhow::Result<Option<Args>> {
     if a.is_empty() || a.iter().any(|x| x == "-h" || x == "--help") {
         return Ok(None);
     }
-    let op = Op::parse(&a[0]).with_context(|| format!("unknown op {:?}", a[0]))?;
+    let swap = a[0] == "swap";
+    let op = if swap {
+        Op::Allreduce
+    } else {
+        Op::parse(&a[0]).with_context(|| format!("unknown op {:?}", a[0]))?
+    };
     let mut r = Args {
         op,
+        swap,
         min: 1024,
         max: 64 << 20,
         factor: 2,
@@ -184,6 +200,7 @@ fn parse_args(a: &[String]) -> anyhow::Result<Option<Args>> {
         redop: ReduceOp::Sum,
         root: 0,
         in_place: true,
+        monitor: 0,
         strategy: None,
         json: None,
         plot: None,
@@ -207,6 +224,7 @@ fn parse_args(a: &[String]) -> anyhow::Result<Option<Args>> {
             }
             "-r" => r.root = v.parse().context("-r needs a rank")?,
             "--in-place" => r.in_place = v != "0",
+            "--monitor" => r.monitor = v.parse().context("--monitor needs a number")?,
             "--strategy" => r.strategy = Some(v.parse()?),
             "--json" => r.json = Some(v.clone()),
             "--plot" => r.plot = Some(v.clone()),
@@ -216,6 +234,9 @@ fn parse_args(a: &[String]) -> anyhow::Result<Option<Args>> {
     }
     if r.factor < 2 {
         bail!("-f must be at least 2");
+    }
+    if r.monitor > 0 && !(r.op == Op::Allreduce && r.dtype == DType::F32) {
+        bail!("--monitor measures allreduces of float (f32) gradients");
     }
     if r.iters == 0 {
         bail!("-n must be at least 1");
@@ -294,6 +315,8 @@ struct Row {
     count: usize,
     oop: Cell,
     ip: Cell,
+    /// With --monitor: (time per op without, with the monitors, B_simple).
+    monitor: Option<(f64, f64, Option<f64>)>,
 }
 
 /// Runs `iters` ops of `spec`, in place or not; returns the mean time per
@@ -327,6 +350,102 @@ async fn time_ops(
     let per = |a: u64, b: u64| (b - a) as f64 / iters as f64;
     let heap = (per(h0.0, h1.0), per(h0.1, h1.1));
     Ok((dt, last.expect("iters >= 1"), heap))
+}
+
+/// Times `iters` ops plain, then `iters` with the monitors a trainer runs
+/// beside its gradient allreduce every `every`-th op: the squared norm of
+/// its own gradient, a 1-element allreduce of it overlapped with the
+/// gradient's, the squared norm of the result, and the noise-scale update.
+/// Returns (plain, monitored) seconds per op on the slowest rank, and the
+/// last B_simple.
+async fn monitor_overhead(
+    s: &Session<AnyTransport>,
+    spec: OpSpec,
+    input: &[u8],
+    iters: usize,
+    every: usize,
+) -> anyhow::Result<(f64, f64, Option<f64>)> {
+    let n = s.size() as f64;
+    let name = "bench/monitored";
+    let (plain, _, _) = time_ops(s, name, spec, input, iters, false).await?;
+    let mut ns = NoiseScale::new(0.1);
+    let mut b_simple = None;
+    let t0 = Instant::now();
+    for i in 0..iters {
+        if i % every != 0 {
+            s.submit(name, spec, input).await?;
+            continue;
+        }
+        let local = sq_norm_bytes(input);
+        let small = s.allreduce("bench/monitor", &[local], ReduceOp::Avg);
+        let out = s.submit(name, spec, input).await?;
+        let big = sq_norm_bytes(out.bytes().unwrap_or_default()) / (n * n);
+        let small = small.await?[0];
+        if let Some(e) = ns.update(small, big, 1.0, n) {
+            b_simple = e.b_simple;
+        }
+    }
+    let monitored = t0.elapsed().as_secs_f64() / iters as f64;
+    let times = s
+        .allreduce("bench/monitor-times", &[plain, monitored], ReduceOp::Max)
+        .await?;
+    Ok((times[0], times[1], b_simple))
+}
+
+/// `kungfu-bench swap`: rank 0 proposes a strategy (alternately RING and
+/// STAR) at every agreement point; the time of an agreement point that
+/// switches, on the slowest rank, is the swap latency.
+async fn swap_bench(iters: usize, warmup: usize) -> anyhow::Result<bool> {
+    let w = Worker::start(WorkerEnv::from_env()?).await?;
+    let s = w.session();
+    let me = s.rank().idx();
+    let mut ad = Adapter::new(s.clone(), Vec::new());
+    let mut times = Vec::with_capacity(iters);
+    let mut switched = 0usize;
+    for i in 0..warmup + iters {
+        let want = if i % 2 == 0 {
+            Strategy::Ring
+        } else {
+            Strategy::Star
+        };
+        if me == 0 {
+            ad.propose(Action::SetStrategy(want));
+        }
+        let t = Instant::now();
+        ad.agree().await?;
+        let dt = t.elapsed().as_secs_f64();
+        // the next op runs on the new strategy (a wrong switch would fail
+        // it with a mismatch on some rank)
+        s.barrier("bench/swap").await?;
+        switched += usize::from(s.strategy() == want);
+        if i >= warmup {
+            times.push(dt);
+        }
+    }
+    let slowest = s
+        .allreduce("bench/swap-times", &times, ReduceOp::Max)
+        .await?;
+    let mut sorted = slowest.clone();
+    sorted.sort_by(f64::total_cmp);
+    if me == 0 {
+        let mean = sorted.iter().sum::<f64>() / sorted.len().max(1) as f64;
+        println!(
+            "# kungfu-bench swap: {} ranks, {} swaps (after {} untimed), transport {}",
+            s.size(),
+            iters,
+            warmup,
+            w.env().transport
+        );
+        println!(
+            "# swap latency (agreement + switch, slowest rank): mean {:.1} us, median {:.1} us, max {:.1} us",
+            mean * 1e6,
+            sorted.get(sorted.len() / 2).copied().unwrap_or(0.0) * 1e6,
+            sorted.last().copied().unwrap_or(0.0) * 1e6
+        );
+    }
+    s.barrier("bench/end").await?;
+    w.close(Duration::from_secs(10)).await;
+    Ok(switched == warmup + iters)
 }
 
 async fn measure(
@@ -381,6 +500,9 @@ fn cell(op: Op, n: usize, size: usize, (t, wrong, heap): (f64, u64, (f64, f64)))
 }
 
 async fn bench(args: Args) -> anyhow::Result<bool> {
+    if args.swap {
+        return swap_bench(args.iters.max(1), args.warmup).await;
+    }
     let mut env = WorkerEnv::from_env()?;
     if let Some(st) = args.strategy {
         env.strategy = st;
@@ -480,11 +602,18 @@ async fn bench(args: Args) -> anyhow::Result<bool> {
         } else {
             (0.0, 0, (0.0, 0.0))
         };
+        let monitor = if args.monitor > 0 {
+            let inp = reference::input(spec.dtype, spec.kind.reduce_op(), me, count);
+            Some(monitor_overhead(s, spec, &inp, args.iters.max(1), args.monitor).await?)
+        } else {
+            None
+        };
         let row = Row {
             size: bytes,
             count: shown,
             oop: cell(args.op, n, bytes, oop),
             ip: cell(args.op, n, bytes, ip),
+            monitor,
         };
         if me == 0 {
             let redop = if args.op.reduces() {
@@ -528,6 +657,18 @@ async fn bench(args: Args) -> anyhow::Result<bool> {
             if wrong == 0 { "OK" } else { "FAILED" }
         );
         println!("# Avg bus bandwidth    : {avg:.4}");
+        for r in rows.iter() {
+            if let Some((plain, monitored, b)) = r.monitor {
+                println!(
+                    "# Monitors at {:>9}  : {:.2} us -> {:.2} us per op ({:+.1}%), noise scale {}",
+                    fmt_size(r.size),
+                    plain * 1e6,
+                    monitored * 1e6,
+                    (monitored / plain - 1.0) * 100.0,
+                    b.map_or("-".to_string(), |b| format!("{b:.3}"))
+                );
+            }
+        }
         if let Some(big) = rows.last() {
             println!(
                 "# Heap per op (rank 0) : {:.1} allocations, {} at {} ({:.1} allocations, {} at {})",
