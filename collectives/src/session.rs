@@ -342,16 +342,7 @@ impl<T: Transport> Session<T> {
         buf: &mut [E],
         op: ReduceOp,
     ) -> Result<(), CollectiveError> {
-        let spec = OpSpec {
-            kind: OpKind::Allreduce(op),
-            dtype: E::DTYPE,
-            count: buf.len(),
-        };
-        self.copy_result(
-            self.submit(name, spec, bytemuck::cast_slice(buf)).await?,
-            buf,
-        );
-        Ok(())
+        self.in_place(name, OpKind::Allreduce(op), buf).await
     }
 
     /// Broadcasts `buf` in place from `root`.
@@ -361,25 +352,28 @@ impl<T: Transport> Session<T> {
         buf: &mut [E],
         root: Rank,
     ) -> Result<(), CollectiveError> {
+        self.in_place(name, OpKind::Broadcast { root }, buf).await
+    }
+
+    /// Runs `kind` on `buf` (count = its length) and copies the output
+    /// (of the same length) back into it; the working buffer goes back to
+    /// the pool.
+    async fn in_place<E: Element>(
+        &self,
+        name: &str,
+        kind: OpKind,
+        buf: &mut [E],
+    ) -> Result<(), CollectiveError> {
         let spec = OpSpec {
-            kind: OpKind::Broadcast { root },
+            kind,
             dtype: E::DTYPE,
             count: buf.len(),
         };
-        self.copy_result(
-            self.submit(name, spec, bytemuck::cast_slice(buf)).await?,
-            buf,
-        );
-        Ok(())
-    }
-
-    /// Copies an op's output (of `buf`'s length) into `buf`; the working
-    /// buffer goes back to the pool.
-    fn copy_result<E: Element>(&self, out: OpOutput, buf: &mut [E]) {
-        let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf);
+        let out = self.submit(name, spec, bytemuck::cast_slice(buf)).await?;
         if let Some(o) = out.bytes() {
-            bytes.copy_from_slice(o);
+            bytemuck::cast_slice_mut::<E, u8>(buf).copy_from_slice(o);
         }
+        Ok(())
     }
 
     /// `root` gets the reduction; other ranks get an empty vector.

@@ -979,6 +979,7 @@ struct Polling<'a>(&'a ShmTransport);
 
 impl<'a> Polling<'a> {
     fn start(t: &'a ShmTransport) -> Polling<'a> {
+        t.polled.touch();
         if t.polling.fetch_add(1, Ordering::SeqCst) == 0 {
             t.set_polling(1);
         }
@@ -988,6 +989,9 @@ impl<'a> Polling<'a> {
 
 impl Drop for Polling<'_> {
     fn drop(&mut self) {
+        // the clock counts from the end of a spin phase (a receive that
+        // goes to sleep clears it afterwards)
+        self.0.polled.touch();
         if self.0.polling.fetch_sub(1, Ordering::SeqCst) == 1 {
             self.0.set_polling(0);
         }
@@ -1008,7 +1012,6 @@ impl ShmTransport {
     where
         F: FnMut(Rank, &Header, &[&[u8]]) -> bool,
     {
-        self.polled.touch();
         let mut res = Pump::Idle;
         for (peer, ring) in self.inbound.iter().enumerate() {
             let Some(ring) = ring else { continue };
