@@ -71,5 +71,5 @@ pub use dtype::{
     ReduceOp,
 };
 pub use error::CollectiveError;
-pub use session::{Callback, OpHandle, OpOutput, Session, SessionConfig};
+pub use session::{Callback, OpHandle, OpOutput, OpStats, Session, SessionConfig};
 pub use spec::{OpKind, OpSpec};

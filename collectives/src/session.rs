@@ -66,6 +66,39 @@ impl Default for SessionConfig {
     }
 }
 
+/// What the ops that completed on one strategy did, seen from this rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct OpStats {
+    pub ops: u64,
+    /// Bytes of the ops' buffers (one rank's `count` elements each).
+    pub bytes: u64,
+    /// Time from start to completion, summed.
+    pub busy: Duration,
+}
+
+impl OpStats {
+    fn add(&mut self, bytes: usize, took: Duration) {
+        self.ops += 1;
+        self.bytes += bytes as u64;
+        self.busy += took;
+    }
+
+    /// Bytes per second of busy time (0 without ops).
+    pub fn rate(&self) -> f64 {
+        let s = self.busy.as_secs_f64();
+        if s > 0.0 {
+            self.bytes as f64 / s
+        } else {
+            0.0
+        }
+    }
+
+    /// Mean time per op.
+    pub fn mean_latency(&self) -> Option<Duration> {
+        (self.ops > 0).then(|| Duration::from_secs_f64(self.busy.as_secs_f64() / self.ops as f64))
+    }
+}
+
 /// The result of an op: the working buffer and where this rank's output
 /// lies in it (`None` for non-roots of reduce and gather).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -146,6 +179,8 @@ struct Inner<T> {
     frames: Arc<FramePool>,
     /// The strategy of ops started from now on (starts as the config's).
     strategy: Mutex<Strategy>,
+    /// Completed ops by the strategy they ran on.
+    stats: Mutex<HashMap<Strategy, OpStats>>,
 }
 
 /// How many finished ops are remembered, to judge their late frames.
@@ -227,6 +262,7 @@ impl<T: Transport> Session<T> {
             pool,
             frames: FramePool::new(config.max_inflight_bytes),
             strategy: Mutex::new(config.strategy),
+            stats: Mutex::new(HashMap::new()),
             transport,
             peers,
             config,
@@ -275,6 +311,23 @@ impl<T: Transport> Session<T> {
             .entry((s, root))
             .or_insert_with(|| Arc::new(s.resolve(&self.inner.peers, root, bytes)))
             .clone()
+    }
+
+    /// Completed ops so far, by the strategy they ran on (`AUTO` resolved
+    /// to its choice), ordered by strategy name: the rate of each strategy
+    /// for monitors and policies.
+    pub fn op_stats(&self) -> Vec<(Strategy, OpStats)> {
+        let mut v: Vec<(Strategy, OpStats)> = lock(&self.inner.stats)
+            .iter()
+            .map(|(s, o)| (*s, *o))
+            .collect();
+        v.sort_by_key(|(s, _)| s.name());
+        v
+    }
+
+    /// Forgets the statistics (to measure a new window).
+    pub fn reset_op_stats(&self) {
+        lock(&self.inner.stats).clear();
     }
 
     /// The strategy ops started now use.
@@ -540,7 +593,14 @@ impl<T: Transport> Session<T> {
             Ok(mut op) => {
                 let inner = self.inner.clone();
                 self.inner.runtime.spawn(async move {
+                    let started = std::time::Instant::now();
                     let r = op.run(&inner).await;
+                    if r.is_ok() {
+                        lock(&inner.stats)
+                            .entry(op.strategy)
+                            .or_default()
+                            .add(op.spec.block_bytes().unwrap_or(0), started.elapsed());
+                    }
                     inner.transport.retire(op.tag);
                     lock(&inner.tombstones).insert(op.tag, op.digest, op.spec);
                     lock(&inner.names).end(op.tag.op);
@@ -606,6 +666,7 @@ impl<T: Transport> Session<T> {
             work,
             plan,
             remote_abort: false,
+            strategy: topo.strategy(),
         })
     }
 
@@ -631,6 +692,8 @@ struct RunningOp {
     plan: Plan,
     /// The op failed because a peer said so (not to be echoed back).
     remote_abort: bool,
+    /// The strategy it runs on (`AUTO` resolved).
+    strategy: Strategy,
 }
 
 type SendResult = Result<usize, (Rank, TransportError)>;

@@ -641,3 +641,48 @@ fn allreduce_of_more_than_four_gib() {
         }
     });
 }
+
+/// Completed ops are counted by the strategy they ran on (AUTO resolved),
+/// so monitors can compare the rates of strategies.
+#[test]
+fn op_stats_count_ops_by_strategy() {
+    rt().block_on(async {
+        let n = 3;
+        let ss = sessions(n, Strategy::Auto, 11, LONG);
+        let run = |name: &'static str, count: usize| {
+            let hs: Vec<_> = ss
+                .iter()
+                .map(|s| s.allreduce(name, &vec![1.0f32; count], ReduceOp::Sum))
+                .collect();
+            async move {
+                for h in hs {
+                    assert!(h.await.unwrap().iter().all(|&x| x == 3.0));
+                }
+            }
+        };
+        for _ in 0..5 {
+            run("small", 10).await; // 40 B: recursive doubling
+        }
+        for _ in 0..2 {
+            run("large", 1 << 15).await; // 128 KiB: ring
+        }
+        for s in &ss {
+            let st = s.op_stats();
+            let get = |x: Strategy| st.iter().find(|(k, _)| *k == x).map(|(_, o)| *o);
+            let rd = get(Strategy::RecursiveDoubling).expect("small ops");
+            let ring = get(Strategy::Ring).expect("large ops");
+            assert_eq!((rd.ops, rd.bytes), (5, 5 * 40));
+            assert_eq!((ring.ops, ring.bytes), (2, 2 << 17));
+            assert!(ring.rate() > 0.0 && rd.mean_latency().is_some());
+            assert_eq!(st.len(), 2, "{st:?}");
+            s.reset_op_stats();
+            s.set_strategy(Strategy::Star);
+        }
+        run("after", 10).await;
+        for s in &ss {
+            let st = s.op_stats();
+            assert_eq!(st.len(), 1, "{st:?}");
+            assert_eq!((st[0].0, st[0].1.ops), (Strategy::Star, 1));
+        }
+    });
+}
