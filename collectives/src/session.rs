@@ -703,10 +703,11 @@ impl RunningOp {
         let t = &inner.transport;
         let (me, n) = (t.rank(), t.size());
         let needed = self.plan.peers().clone();
-        // A lost rank we must send to fails the op now; one we only receive
-        // from may have sent all we need before it left (a root that
-        // finished its broadcast and closed): the receive decides.
+        // A lost rank fails the op now, unless we only receive from it and
+        // some of its frames for this op are here (a broadcast root that
+        // sent everything and closed): then the receives decide.
         t.check_peers(self.plan.targets())
+            .and_then(|()| t.check_peers_for(self.tag, &needed))
             .map_err(|e| self.transport_error(e))?;
         // Aborts may come from any rank, so listen to all, and drop lost
         // ranks this op does not need as they are reported.

@@ -96,7 +96,10 @@ async fn lost_rank_fails_the_others_fast() {
                     .allreduce(&format!("step{i}"), &[1.0f32; 4096], ReduceOp::Sum)
                     .await
                 {
-                    return e;
+                    // keep the session (and its connections) until every
+                    // survivor has its error: a survivor that left at once
+                    // would be a second lost rank
+                    return (e, s);
                 }
             }
             unreachable!()
@@ -110,8 +113,11 @@ async fn lost_rank_fails_the_others_fast() {
     }
     let started = std::time::Instant::now();
     victim.transport().shutdown();
+    let mut kept = Vec::new();
     for t in tasks {
-        match t.await.unwrap() {
+        let (e, s) = t.await.unwrap();
+        kept.push(s);
+        match e {
             CollectiveError::PeerLost { peer, .. } => assert_eq!(peer, Rank(3)),
             other => panic!("{other}"),
         }

@@ -103,6 +103,10 @@ impl Transport for AnyTransport {
         each!(self, t => t.check_peers(peers))
     }
 
+    fn check_peers_for(&self, tag: OpTag, peers: &PeerSet) -> Result<(), TransportError> {
+        each!(self, t => t.check_peers_for(tag, peers))
+    }
+
     fn try_send_now(
         &self,
         to: Rank,

@@ -143,6 +143,10 @@ impl Transport for HybridTransport {
         self.mailbox.check_peers(peers)
     }
 
+    fn check_peers_for(&self, tag: OpTag, peers: &PeerSet) -> Result<(), TransportError> {
+        self.mailbox.check_peers_for(tag, peers)
+    }
+
     async fn close(&self, linger: Duration) {
         tokio::join!(self.tcp.close(linger), self.shm.close(linger));
     }

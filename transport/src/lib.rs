@@ -284,6 +284,14 @@ pub trait Transport: Send + Sync + 'static {
     /// The first lost rank in `peers`, with the reason, if any.
     fn check_peers(&self, peers: &PeerSet) -> Result<(), TransportError>;
 
+    /// Like [`Transport::check_peers`], for receiving op instance `tag`: a
+    /// lost rank from which frames of `tag` are still queued is no reason
+    /// to fail yet (a broadcast root may send everything and leave).
+    fn check_peers_for(&self, tag: OpTag, peers: &PeerSet) -> Result<(), TransportError> {
+        let _ = tag;
+        self.check_peers(peers)
+    }
+
     /// Sends a frame at once straight from the caller's bytes, if the
     /// backend can without waiting (shared memory with room in the ring):
     /// `Ok(true)` when sent, `Ok(false)` when the caller must use

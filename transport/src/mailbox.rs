@@ -369,6 +369,24 @@ impl Mailbox {
         }
     }
 
+    /// See [`crate::Transport::check_peers_for`].
+    pub fn check_peers_for(&self, tag: OpTag, peers: &PeerSet) -> Result<(), TransportError> {
+        let inner = self.lock();
+        if inner.closed {
+            return Err(TransportError::Closed);
+        }
+        let mut silent = peers.clone();
+        if let Some(slot) = inner.slots.get(&tag) {
+            for f in &slot.frames {
+                silent.remove(f.from);
+            }
+        }
+        match lost_in(&inner, &silent) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
     /// The reason `peer` was lost, if it was.
     pub fn lost_reason(&self, peer: Rank) -> Option<Arc<str>> {
         self.lock().lost.get(&peer).cloned()

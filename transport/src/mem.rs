@@ -235,6 +235,10 @@ impl Transport for MemTransport {
         self.mailbox().check_peers(peers)
     }
 
+    fn check_peers_for(&self, tag: OpTag, peers: &PeerSet) -> Result<(), TransportError> {
+        self.mailbox().check_peers_for(tag, peers)
+    }
+
     async fn close(&self, _linger: Duration) {
         // Sends are delivered synchronously: nothing is in flight.
         self.shutdown();

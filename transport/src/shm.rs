@@ -1276,6 +1276,10 @@ impl Transport for ShmTransport {
         self.mailbox.check_peers(peers)
     }
 
+    fn check_peers_for(&self, tag: OpTag, peers: &PeerSet) -> Result<(), TransportError> {
+        self.mailbox.check_peers_for(tag, peers)
+    }
+
     async fn close(&self, linger: Duration) {
         let deadline = Instant::now() + linger;
         let mut acks = Vec::new();
