@@ -275,7 +275,9 @@ impl<T: Transport> Adapter<T> {
         let decided = decide(&all);
         for a in &decided {
             if let Action::SetStrategy(s) = a {
-                self.session.set_strategy(*s);
+                if *s != self.session.strategy() {
+                    self.session.swap_strategy(*s).await?;
+                }
             }
             if let Action::SetBatchSize(b) = a {
                 self.progress.batch_size = *b;

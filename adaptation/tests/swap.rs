@@ -2,7 +2,8 @@
 //! few in flight at any time, while random workers propose random
 //! strategies every few ops. No wrong value, no deadlock (every op is
 //! bounded by the op timeout), and every worker goes through the same
-//! sequence of strategies.
+//! sequence of strategies, each swap at a consistency barrier that
+//! advances the epoch.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -54,7 +55,7 @@ fn random_strategy_swaps_keep_every_worker_consistent() {
             tasks.push(tokio::spawn(async move {
                 let mut rng = SeededRng::new(1000 + rank as u64);
                 let mut ad = Adapter::new(s.clone(), Vec::new());
-                let mut seen = vec![s.strategy()];
+                let mut seen = vec![(s.strategy(), s.epoch())];
                 let mut proposed = 0;
                 let mut inflight: VecDeque<(usize, OpHandle<Vec<f32>>)> = VecDeque::new();
                 let check = |i: usize, got: Vec<f32>| {
@@ -78,7 +79,7 @@ fn random_strategy_swaps_keep_every_worker_consistent() {
                         }
                         ad.progress.step = i as u64;
                         ad.agree().await.expect("agreement");
-                        seen.push(s.strategy());
+                        seen.push((s.strategy(), s.epoch()));
                     }
                 }
                 for (k, h) in inflight {
@@ -102,7 +103,12 @@ fn random_strategy_swaps_keep_every_worker_consistent() {
             assert_eq!(hist, hist0, "rank {r} agreed on other actions");
         }
         let proposals: usize = results.iter().map(|r| r.2).sum();
-        let distinct: std::collections::HashSet<_> = seq0.iter().collect();
+        let distinct: std::collections::HashSet<_> = seq0.iter().map(|(s, _)| s).collect();
+        // the epoch advances at every swap, and only then
+        for w in seq0.windows(2) {
+            let step = w[1].1 .0 - w[0].1 .0;
+            assert_eq!(step, u32::from(w[0].0 != w[1].0), "{w:?}");
+        }
         assert!(
             proposals > 20 && distinct.len() > 4,
             "the test must swap often: {proposals} proposals, {distinct:?}"

@@ -181,10 +181,29 @@ struct Inner<T> {
     strategy: Mutex<Strategy>,
     /// Completed ops by the strategy they ran on.
     stats: Mutex<HashMap<Strategy, OpStats>>,
+    /// Ops started and not yet completed; `drained` is told when it drops
+    /// to zero.
+    inflight: std::sync::atomic::AtomicUsize,
+    drained: tokio::sync::Notify,
+    /// While a swap is under way, the ops the caller starts wait here, in
+    /// order, to start at the new epoch.
+    gate: Mutex<Option<Vec<Deferred>>>,
+}
+
+/// An op started during a swap, with its input copied.
+struct Deferred {
+    name: Arc<str>,
+    spec: OpSpec,
+    input: Vec<u8>,
+    done: Callback,
+    internal: bool,
 }
 
 /// How many finished ops are remembered, to judge their late frames.
 const TOMBSTONES: usize = 4096;
+
+/// The name of a swap's consensus (internal names end in NUL).
+const SWAP_NAME: &str = "kf/swap\0";
 
 /// The digest and spec of recently finished ops. A frame that arrives for
 /// one of them with another digest comes from a rank that ran the op with
@@ -270,6 +289,9 @@ impl<T: Transport> Session<T> {
             topologies: Mutex::new(HashMap::new()),
             tombstones: Mutex::new(Tombstones::default()),
             runtime,
+            inflight: std::sync::atomic::AtomicUsize::new(0),
+            drained: tokio::sync::Notify::new(),
+            gate: Mutex::new(None),
         });
         inner.runtime.spawn(watch_strays(Arc::downgrade(&inner)));
         Ok(Session { inner })
@@ -342,6 +364,79 @@ impl<T: Transport> Session<T> {
     /// ABI's `kf_set_strategy` does.
     pub fn set_strategy(&self, s: Strategy) {
         *lock(&self.inner.strategy) = s;
+    }
+
+    /// Changes the strategy at a consistency barrier and advances the
+    /// epoch; a collective: every rank calls it at the same point of its
+    /// sequence of ops, with the same `s`.
+    ///
+    /// Ops started before the call finish on the old topology; ops started
+    /// while the swap runs wait for it (in order) and start at the new
+    /// epoch; then every rank checks that the others asked for the same
+    /// strategy (consensus on its digest) and the epoch advances, so a
+    /// late frame of the old epoch is refused. Returns the new epoch. If
+    /// the ranks disagree, nothing changes and every rank gets
+    /// [`CollectiveError::Mismatch`]; if the barrier fails (a lost peer, a
+    /// timeout), its error, and the session stays at the old epoch.
+    pub async fn swap_strategy(&self, s: Strategy) -> Result<Epoch, CollectiveError> {
+        {
+            let mut g = lock(&self.inner.gate);
+            if g.is_some() {
+                return Err(
+                    self.invalid_err("<swap>", "another swap is under way on this session".into())
+                );
+            }
+            *g = Some(Vec::new());
+        }
+        let r = self.swap_gated(s).await;
+        let mut g = lock(&self.inner.gate);
+        for d in g.take().unwrap_or_default() {
+            self.start_now(d.name, d.spec, &d.input, d.done, d.internal);
+        }
+        r
+    }
+
+    async fn swap_gated(&self, s: Strategy) -> Result<Epoch, CollectiveError> {
+        use std::sync::atomic::Ordering;
+        // Drain: every op in flight here ends (each within its own timeout).
+        loop {
+            let drained = self.inner.drained.notified();
+            if self.inner.inflight.load(Ordering::SeqCst) == 0 {
+                break;
+            }
+            drained.await;
+        }
+        let epoch = self.epoch();
+        let next = Epoch(
+            epoch
+                .0
+                .checked_add(1)
+                .ok_or_else(|| self.invalid_err("<swap>", format!("{epoch} is the last epoch")))?,
+        );
+        // The digest of what every rank must agree on: the strategy, the
+        // epoch it takes effect at, and the ranks it runs over.
+        let digest = kungfu_topology::Digest::EMPTY
+            .bytes(s.name().as_bytes())
+            .u64(u64::from(next.0))
+            .u64(self.inner.peers.digest().0)
+            .0
+            .to_le_bytes();
+        let (tx, h) = OpHandle::<bool>::pair();
+        self.consensus_with(SWAP_NAME, &digest, true, tx);
+        if !h.await? {
+            return Err(CollectiveError::Mismatch {
+                name: SWAP_NAME.into(),
+                epoch,
+                ranks: Vec::new(),
+                detail: format!(
+                    "ranks asked to swap to different strategies ({} here)",
+                    s.name()
+                ),
+            });
+        }
+        self.inner.transport.advance_epoch(next);
+        self.set_strategy(s);
+        Ok(next)
     }
 
     /// Starts an op on raw bytes; `input` must be `spec.input_len(size)`
@@ -514,6 +609,19 @@ impl<T: Transport> Session<T> {
             drop(tx.send(Err(self.invalid_err(name, reason))));
             return h;
         }
+        self.consensus_with(name, data, false, tx);
+        h
+    }
+
+    /// Runs a consensus; `gated`: the caller holds the swap gate (its ops
+    /// must not wait for it).
+    fn consensus_with(
+        &self,
+        name: &str,
+        data: &[u8],
+        gated: bool,
+        tx: oneshot::Sender<Result<bool, CollectiveError>>,
+    ) {
         // max(x) == min(x) across ranks, computed as one allreduce-max of
         // [x, !x]: the second half yields !min(x). First on the lengths,
         // then, if they agree, on the bytes. Internal names end in NUL so
@@ -532,6 +640,7 @@ impl<T: Transport> Session<T> {
                 let lens = [len, !len];
                 let out = session
                     .start_internal(
+                        gated,
                         &format!("{name}\0len"),
                         spec(2),
                         bytemuck::cast_slice(&lens),
@@ -549,7 +658,7 @@ impl<T: Transport> Session<T> {
                     count: both.len(),
                 };
                 let out = session
-                    .start_internal(&format!("{name}\0data"), spec, &both)
+                    .start_internal(gated, &format!("{name}\0data"), spec, &both)
                     .await?;
                 let b = out.bytes().unwrap_or_default();
                 let (max, notmin) = b.split_at(data.len());
@@ -558,11 +667,28 @@ impl<T: Transport> Session<T> {
             .await;
             drop(tx.send(r));
         });
-        h
     }
 
-    fn start_internal(&self, name: &str, spec: OpSpec, input: &[u8]) -> OpHandle<OpOutput> {
+    /// Starts an op under an internal name (not checked); `gated`: the
+    /// swap that holds the gate starts it, so it does not wait for it.
+    fn start_internal(
+        &self,
+        gated: bool,
+        name: &str,
+        spec: OpSpec,
+        input: &[u8],
+    ) -> OpHandle<OpOutput> {
         let (tx, h) = OpHandle::pair();
+        if gated {
+            self.start_now(
+                name.into(),
+                spec,
+                input,
+                Box::new(move |r| drop(tx.send(r))),
+                true,
+            );
+            return h;
+        }
         self.start(
             name.into(),
             spec,
@@ -587,11 +713,37 @@ impl<T: Transport> Session<T> {
     }
 
     /// Validates, plans and spawns one op. Errors before the spawn complete
-    /// the callback at once.
+    /// the callback at once. During a swap, the caller's ops wait for it.
     fn start(&self, name: Arc<str>, spec: OpSpec, input: &[u8], done: Callback, internal: bool) {
+        {
+            if let Some(q) = lock(&self.inner.gate).as_mut() {
+                q.push(Deferred {
+                    name,
+                    spec,
+                    input: input.to_vec(),
+                    done,
+                    internal,
+                });
+                return;
+            }
+        }
+        self.start_now(name, spec, input, done, internal);
+    }
+
+    fn start_now(
+        &self,
+        name: Arc<str>,
+        spec: OpSpec,
+        input: &[u8],
+        done: Callback,
+        internal: bool,
+    ) {
         match self.prepare(name.clone(), spec, input, internal) {
             Ok(mut op) => {
                 let inner = self.inner.clone();
+                inner
+                    .inflight
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 self.inner.runtime.spawn(async move {
                     let started = std::time::Instant::now();
                     let r = op.run(&inner).await;
@@ -608,6 +760,13 @@ impl<T: Transport> Session<T> {
                         op.notify_failure(&inner, e);
                     }
                     done(r);
+                    if inner
+                        .inflight
+                        .fetch_sub(1, std::sync::atomic::Ordering::SeqCst)
+                        == 1
+                    {
+                        inner.drained.notify_waiters();
+                    }
                 });
             }
             Err(e) => done(Err(e)),

@@ -686,3 +686,87 @@ fn op_stats_count_ops_by_strategy() {
         }
     });
 }
+
+#[test]
+fn swap_drains_defers_agrees_and_advances_the_epoch() {
+    rt().block_on(async {
+        let n = 3;
+        let ss = sessions(n, Strategy::Star, 11, LONG);
+        let ts: Vec<_> = ss.iter().map(|s| s.transport().clone()).collect();
+        let mut tasks = Vec::new();
+        for s in ss.clone() {
+            tasks.push(tokio::spawn(async move {
+                let me = s.rank().0 as f32;
+                // in flight when the swap starts: finishes on the old topology
+                let before = s.allreduce("g", &[me; 1000], ReduceOp::Sum);
+                let swap = {
+                    let s = s.clone();
+                    tokio::spawn(async move { s.swap_strategy(Strategy::Ring).await })
+                };
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                // started while the swap may be under way: waits, then runs
+                // on the new epoch, in the order started
+                let during: Vec<_> = (0..4)
+                    .map(|i| s.allreduce("g", &[me + i as f32; 100], ReduceOp::Sum))
+                    .collect();
+                let epoch = swap.await.unwrap().expect("swap");
+                assert_eq!(before.await.unwrap(), vec![3.0; 1000]);
+                for (i, h) in during.into_iter().enumerate() {
+                    assert_eq!(h.await.unwrap(), vec![3.0 + 3.0 * i as f32; 100]);
+                }
+                (epoch, s.epoch(), s.strategy())
+            }));
+        }
+        for t in tasks {
+            let (got, now, strategy) = t.await.unwrap();
+            assert_eq!(got, Epoch(1));
+            assert_eq!(now, Epoch(1));
+            assert_eq!(strategy, Strategy::Ring);
+        }
+        // a frame of the old epoch is refused now
+        let h = Header {
+            kind: FrameKind::Data,
+            tag: OpTag {
+                epoch: Epoch(0),
+                op: kungfu_collectives::names::op_id("g"),
+                seq: 9,
+            },
+            chunk: 0,
+            step: 0,
+            digest: 0,
+            len: 0,
+        };
+        let r = ts[0].inject(Rank(1), h, Bytes::new()).await;
+        assert!(
+            matches!(r, Err(kungfu_transport::TransportError::StaleEpoch { .. })),
+            "{r:?}"
+        );
+
+        // ranks that ask for different strategies: nobody swaps, all hear why
+        let mut tasks = Vec::new();
+        for s in ss.clone() {
+            tasks.push(tokio::spawn(async move {
+                let want = if s.rank().0 == 2 {
+                    Strategy::Clique
+                } else {
+                    Strategy::BinaryTree
+                };
+                let r = s.swap_strategy(want).await;
+                (r, s.epoch(), s.strategy())
+            }));
+        }
+        for t in tasks {
+            let (r, epoch, strategy) = t.await.unwrap();
+            assert!(matches!(r, Err(CollectiveError::Mismatch { .. })), "{r:?}");
+            assert_eq!((epoch, strategy), (Epoch(1), Strategy::Ring));
+        }
+        // and the session still works
+        let hs: Vec<_> = ss
+            .iter()
+            .map(|s| s.allreduce("after", &[1u32; 10], ReduceOp::Sum))
+            .collect();
+        for h in hs {
+            assert_eq!(h.await.unwrap(), vec![3u32; 10]);
+        }
+    });
+}

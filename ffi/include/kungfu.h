@@ -307,10 +307,12 @@ kf_status kf_test(kf_handle h, int *done);
 // callback runs, its output is written).
 kf_status kf_release(kf_handle h);
 
-// Switches the strategy of later ops on every rank. A collective: every
-// rank calls it at the same point of its sequence of ops, with the same
-// strategy (otherwise `KF_ERR_MISMATCH` and nothing changes); blocks until
-// all have. Ops in flight finish with the old strategy.
+// Switches the strategy of later ops on every rank, at a consistency
+// barrier that advances the epoch. A collective: every rank calls it at
+// the same point of its sequence of ops, with the same strategy
+// (otherwise `KF_ERR_MISMATCH` and nothing changes); blocks until all
+// have. Ops in flight finish with the old strategy first; ops started by
+// other threads meanwhile start after the swap.
 kf_status kf_set_strategy(kf_strategy s);
 
 // A static description of a status.

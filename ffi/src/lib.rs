@@ -1221,27 +1221,20 @@ pub extern "C" fn kf_release(h: kf_handle) -> kf_status {
     })
 }
 
-/// Switches the strategy of later ops on every rank. A collective: every
-/// rank calls it at the same point of its sequence of ops, with the same
-/// strategy (otherwise `KF_ERR_MISMATCH` and nothing changes); blocks until
-/// all have. Ops in flight finish with the old strategy.
+/// Switches the strategy of later ops on every rank, at a consistency
+/// barrier that advances the epoch. A collective: every rank calls it at
+/// the same point of its sequence of ops, with the same strategy
+/// (otherwise `KF_ERR_MISMATCH` and nothing changes); blocks until all
+/// have. Ops in flight finish with the old strategy first; ops started by
+/// other threads meanwhile start after the swap.
 #[no_mangle]
 pub extern "C" fn kf_set_strategy(s: kf_strategy) -> kf_status {
     guard(|| {
         let strategy = strategy_of(s)?;
         let ctx = ctx()?;
-        let agreed = ctx
-            .session
-            .consensus("kf/set_strategy", &s.to_le_bytes())
-            .wait()
+        ctx.rt
+            .block_on(ctx.session.swap_strategy(strategy))
             .map_err(|e| fail_of(&e))?;
-        if !agreed {
-            return Err(Fail(
-                KF_ERR_MISMATCH,
-                format!("the ranks asked for different strategies (this one {strategy})"),
-            ));
-        }
-        ctx.session.set_strategy(strategy);
         Ok(())
     })
 }

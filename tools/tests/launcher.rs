@@ -718,7 +718,7 @@ fn bench_measures_swaps_and_monitor_overhead() {
     let t = text(&out);
     assert!(out.status.success(), "{t}");
     assert!(
-        t.contains("[0] # swap latency (agreement + switch, slowest rank): mean"),
+        t.contains("[0] # swap latency (agreement, drain, consensus on the digest, epoch advance; slowest rank): mean"),
         "{t}"
     );
     let out = run_bounded(

@@ -48,6 +48,10 @@ impl Transport for AnyTransport {
         each!(self, t => t.epoch())
     }
 
+    fn advance_epoch(&self, epoch: Epoch) {
+        each!(self, t => t.advance_epoch(epoch))
+    }
+
     fn capabilities(&self) -> Capabilities {
         each!(self, t => t.capabilities())
     }

@@ -67,7 +67,11 @@ impl Transport for HybridTransport {
     }
 
     fn epoch(&self) -> Epoch {
-        self.tcp.epoch()
+        self.mailbox.epoch()
+    }
+
+    fn advance_epoch(&self, epoch: Epoch) {
+        self.mailbox.advance_epoch(epoch);
     }
 
     fn capabilities(&self) -> Capabilities {

@@ -219,8 +219,15 @@ pub trait Transport: Send + Sync + 'static {
     /// The number of ranks.
     fn size(&self) -> usize;
 
-    /// The epoch this endpoint was connected at.
+    /// The epoch of this endpoint: the one it was connected at, or the
+    /// last it advanced to.
     fn epoch(&self) -> Epoch;
+
+    /// Advances to `epoch` (a consistency barrier passed: no op of an
+    /// older epoch is in flight here). Frames of older epochs are refused
+    /// from now on and queued ones dropped; frames of `epoch` that arrived
+    /// early are kept. Never goes back.
+    fn advance_epoch(&self, epoch: Epoch);
 
     fn capabilities(&self) -> Capabilities;
 

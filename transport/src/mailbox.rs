@@ -104,6 +104,36 @@ impl Mailbox {
         }
     }
 
+    /// The epoch frames must be at (older ones are refused).
+    pub fn epoch(&self) -> Epoch {
+        self.lock().epoch
+    }
+
+    /// Moves to `epoch`: frames of older epochs are refused from now on,
+    /// and those still queued are dropped (their ops are over: the caller
+    /// advances only at a consistency barrier). An epoch never goes back;
+    /// an older or equal `epoch` is ignored.
+    pub fn advance_epoch(&self, epoch: Epoch) {
+        let mut inner = self.lock();
+        if epoch <= inner.epoch {
+            return;
+        }
+        inner.epoch = epoch;
+        let mut freed = 0;
+        inner.slots.retain(|tag, slot| {
+            let keep = tag.epoch >= epoch;
+            if !keep {
+                freed += slot.frames.iter().map(|f| f.payload.len()).sum::<usize>();
+            }
+            keep
+        });
+        inner.queued_bytes -= freed;
+        drop(inner);
+        if freed > 0 {
+            self.space.notify_waiters();
+        }
+    }
+
     /// Whether a payload of `len` bytes fits the budget now.
     pub fn has_room(&self, len: usize) -> bool {
         let inner = self.lock();
@@ -597,6 +627,31 @@ mod tests {
         assert!(matches!(r, Err(TransportError::StaleEpoch { .. })));
         assert_eq!(mb.refused(), 1);
         assert_eq!(mb.queued_bytes(), 0);
+    }
+
+    #[tokio::test]
+    async fn advancing_the_epoch_drops_old_frames_and_keeps_early_ones() {
+        let mb = Mailbox::new(Epoch(1), 1 << 20);
+        let next = OpTag {
+            epoch: Epoch(2),
+            ..tag(7)
+        };
+        mb.deliver(Rank(1), header(tag(5), 3), Bytes::from_static(b"old"))
+            .await
+            .unwrap();
+        mb.deliver(Rank(1), header(next, 5), Bytes::from_static(b"early"))
+            .await
+            .unwrap();
+        assert_eq!(mb.queued_bytes(), 8);
+        mb.advance_epoch(Epoch(2));
+        assert_eq!(mb.epoch(), Epoch(2));
+        assert_eq!(mb.queued_bytes(), 5, "the old frame is gone");
+        let f = mb.recv(next, &PeerSet::all(2), soon()).await.unwrap();
+        assert_eq!(&f.payload[..], b"early");
+        let r = mb.deliver(Rank(1), header(tag(5), 0), Bytes::new()).await;
+        assert!(matches!(r, Err(TransportError::StaleEpoch { .. })));
+        mb.advance_epoch(Epoch(1));
+        assert_eq!(mb.epoch(), Epoch(2), "an epoch never goes back");
     }
 
     #[tokio::test]

@@ -150,7 +150,11 @@ impl Transport for MemTransport {
     }
 
     fn epoch(&self) -> Epoch {
-        self.net.config.epoch
+        self.mailbox().epoch()
+    }
+
+    fn advance_epoch(&self, epoch: Epoch) {
+        self.mailbox().advance_epoch(epoch);
     }
 
     fn capabilities(&self) -> Capabilities {

@@ -682,7 +682,6 @@ enum WriterMsg {
 pub struct ShmTransport {
     rank: Rank,
     size: usize,
-    epoch: Epoch,
     max_frame: usize,
     mailbox: Arc<Mailbox>,
     writers: Vec<Option<std_mpsc::Sender<WriterMsg>>>,
@@ -809,7 +808,6 @@ impl ShmTransport {
         Ok(Arc::new(ShmTransport {
             rank: cfg.rank,
             size: n,
-            epoch: cfg.epoch,
             max_frame: cfg.max_frame,
             mailbox,
             writers,
@@ -1084,7 +1082,7 @@ impl ShmTransport {
     fn pump(&self) -> bool {
         let none = PeerSet::new();
         let tag = OpTag {
-            epoch: self.epoch,
+            epoch: self.mailbox.epoch(),
             op: crate::OpId(0),
             seq: 0,
         };
@@ -1144,7 +1142,11 @@ impl Transport for ShmTransport {
     }
 
     fn epoch(&self) -> Epoch {
-        self.epoch
+        self.mailbox.epoch()
+    }
+
+    fn advance_epoch(&self, epoch: Epoch) {
+        self.mailbox.advance_epoch(epoch);
     }
 
     fn capabilities(&self) -> Capabilities {

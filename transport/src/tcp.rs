@@ -255,7 +255,6 @@ fn refusal_text(status: Status, ack: &Ack, cfg: &TcpConfig) -> String {
 pub struct TcpTransport {
     rank: Rank,
     size: usize,
-    epoch: Epoch,
     max_frame: usize,
     mailbox: Arc<Mailbox>,
     writers: Vec<Option<mpsc::Sender<WriterMsg>>>,
@@ -337,7 +336,6 @@ impl TcpTransport {
         Ok(Arc::new(TcpTransport {
             rank: cfg.rank,
             size: n,
-            epoch: cfg.epoch,
             max_frame: cfg.max_frame,
             mailbox,
             writers,
@@ -651,7 +649,11 @@ impl Transport for TcpTransport {
     }
 
     fn epoch(&self) -> Epoch {
-        self.epoch
+        self.mailbox.epoch()
+    }
+
+    fn advance_epoch(&self, epoch: Epoch) {
+        self.mailbox.advance_epoch(epoch);
     }
 
     fn capabilities(&self) -> Capabilities {

@@ -394,7 +394,9 @@ async fn monitor_overhead(
 
 /// `kungfu-bench swap`: rank 0 proposes a strategy (alternately RING and
 /// STAR) at every agreement point; the time of an agreement point that
-/// switches, on the slowest rank, is the swap latency.
+/// swaps (agreement, then the consistency barrier: drain, consensus on the
+/// new strategy's digest, epoch advance), on the slowest rank, is the swap
+/// latency.
 async fn swap_bench(iters: usize, warmup: usize) -> anyhow::Result<bool> {
     let w = Worker::start(WorkerEnv::from_env()?).await?;
     let s = w.session();
@@ -437,7 +439,7 @@ async fn swap_bench(iters: usize, warmup: usize) -> anyhow::Result<bool> {
             w.env().transport
         );
         println!(
-            "# swap latency (agreement + switch, slowest rank): mean {:.1} us, median {:.1} us, max {:.1} us",
+            "# swap latency (agreement, drain, consensus on the digest, epoch advance; slowest rank): mean {:.1} us, median {:.1} us, max {:.1} us",
             mean * 1e6,
             sorted.get(sorted.len() / 2).copied().unwrap_or(0.0) * 1e6,
             sorted.last().copied().unwrap_or(0.0) * 1e6
