@@ -60,6 +60,9 @@ pub struct WorkerEnv {
     /// How long a receive polls before it sleeps (`KUNGFU_SPIN_US`; the
     /// transport's default when unset).
     pub spin: Option<Duration>,
+    /// The config server of an elastic job (`KUNGFU_CONFIG_SERVER`, set by
+    /// `kungfu-run -w`): `http://host:port/cluster`.
+    pub config_server: Option<String>,
 }
 
 fn parse<T: std::str::FromStr>(var: &str, v: &str) -> Result<T, BootstrapError> {
@@ -265,6 +268,7 @@ impl WorkerEnv {
             .transpose()?;
         Ok(WorkerEnv {
             spin,
+            config_server: get("KUNGFU_CONFIG_SERVER"),
             auto,
             launcher,
             rank,

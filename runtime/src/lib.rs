@@ -21,9 +21,10 @@
 //! ```
 
 use std::sync::Arc;
+use std::time::{Duration, SystemTime};
 
-use kungfu_collectives::{CollectiveError, Session, SessionConfig};
-use kungfu_topology::{PeerList, Rank};
+use kungfu_collectives::{CollectiveError, Element, ReduceOp, Session, SessionConfig};
+use kungfu_topology::{Peer, PeerList, Rank};
 use kungfu_transport::any::AnyTransport;
 use kungfu_transport::hybrid::HybridTransport;
 use kungfu_transport::shm::{ShmConfig, ShmTransport};
@@ -32,6 +33,7 @@ use kungfu_transport::{Epoch, TransportError};
 use tokio::net::TcpListener;
 use tokio::time::Instant;
 
+pub mod elastic;
 pub mod env;
 pub mod rendezvous;
 
@@ -56,6 +58,8 @@ pub enum BootstrapError {
     Transport(#[from] TransportError),
     #[error("starting the session: {0}")]
     Session(#[from] CollectiveError),
+    #[error("resizing: {0}")]
+    Elastic(String),
 }
 
 /// A started worker: its environment and its session.
@@ -63,12 +67,29 @@ pub struct Worker {
     env: WorkerEnv,
     peers: PeerList,
     session: Session<AnyTransport>,
+    cluster_id: u64,
+    /// When this worker began joining its current cluster version, and when
+    /// its session was ready.
+    joined: (SystemTime, SystemTime),
+    /// Joined an elastic job after it started, and has no state yet.
+    fresh: bool,
+    detached: bool,
+}
+
+/// What a resize did to this worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Resized {
+    /// The cluster changed (a new version).
+    pub changed: bool,
+    /// This worker is not in the new cluster: it should exit.
+    pub detached: bool,
 }
 
 impl Worker {
     /// Finds the peers as `env` says, connects to all of them and starts a
     /// session. Must run inside a multi-threaded tokio runtime.
     pub async fn start(env: WorkerEnv) -> Result<Worker, BootstrapError> {
+        let began = SystemTime::now();
         if !["tcp", "shm", "auto"].contains(&env.transport.as_str()) {
             return Err(BootstrapError::UnsupportedTransport(env.transport.clone()));
         }
@@ -76,11 +97,11 @@ impl Worker {
         let (listener, peers, cluster_id) = match &env.discovery {
             Discovery::Peers(peers) => {
                 let me = peers.peer(Rank(env.rank as u32)).expect("validated rank");
-                let addr = me.to_string();
-                let l = TcpListener::bind((me.host.as_str(), me.port))
-                    .await
-                    .map_err(|source| BootstrapError::Listen { addr, source })?;
-                (l, peers.clone(), env.cluster_id.unwrap_or(0))
+                (
+                    listen(me).await?,
+                    peers.clone(),
+                    env.cluster_id.unwrap_or(0),
+                )
             }
             Discovery::Rendezvous { host, port } => {
                 let server = if env.rank == 0 {
@@ -121,69 +142,16 @@ impl Worker {
                 got?
             }
         };
-        let connect_timeout = deadline.saturating_duration_since(Instant::now());
-        let one_host = peers.hosts().len() == 1;
-        let shm_cfg = || {
-            let mut c = ShmConfig::new(
-                cluster_id,
-                Epoch(env.cluster_version),
-                Rank(env.rank as u32),
-                env.size,
-            );
-            c.connect_timeout = connect_timeout;
-            if let Some(spin) = env.spin {
-                c.spin = spin;
-            }
-            c
-        };
-        let tcp_cfg = || {
-            let mut c = TcpConfig::new(
-                cluster_id,
-                Epoch(env.cluster_version),
-                Rank(env.rank as u32),
-                peers.clone(),
-            );
-            c.connect_timeout = connect_timeout;
-            if let Some(spin) = env.spin {
-                c.spin = spin;
-            }
-            c
-        };
-        let transport = match env.transport.as_str() {
-            "shm" if !one_host => {
-                return Err(BootstrapError::Env {
-                    var: "KUNGFU_TRANSPORT".into(),
-                    reason: format!(
-                        "shm needs every worker on one host; these are on {} hosts (use tcp or auto)",
-                        peers.hosts().len()
-                    ),
-                });
-            }
-            "shm" | "auto" if one_host => {
-                drop(listener);
-                AnyTransport::Shm(ShmTransport::connect(shm_cfg()).await?)
-            }
-            "auto" => AnyTransport::Hybrid(
-                HybridTransport::connect(tcp_cfg(), shm_cfg(), &peers, listener).await?,
-            ),
-            _ => AnyTransport::Tcp(TcpTransport::connect(tcp_cfg(), listener).await?),
-        };
-        let transport = Arc::new(transport);
-        let session = Session::new(
-            transport,
-            peers.clone(),
-            SessionConfig {
-                strategy: env.strategy,
-                chunk_bytes: env.chunk_bytes,
-                auto: env.auto,
-                op_timeout: env.op_timeout,
-                ..SessionConfig::default()
-            },
-        )?;
+        let session = connect(&env, &peers, cluster_id, listener, deadline).await?;
+        let fresh = env.config_server.is_some() && env.cluster_version > 0;
         Ok(Worker {
             env,
             peers,
             session,
+            cluster_id,
+            joined: (began, SystemTime::now()),
+            fresh,
+            detached: false,
         })
     }
 
@@ -193,6 +161,8 @@ impl Worker {
         self.session.close(linger).await;
     }
 
+    /// The session of the current cluster version. A resize replaces it:
+    /// take it anew after one (a clone of an old one fails its ops).
     pub fn session(&self) -> &Session<AnyTransport> {
         &self.session
     }
@@ -213,6 +183,11 @@ impl Worker {
         self.env.size
     }
 
+    /// The cluster version (the epoch of its transport).
+    pub fn version(&self) -> u32 {
+        self.env.cluster_version
+    }
+
     /// The position of this worker among the workers of its host.
     pub fn local_rank(&self) -> usize {
         self.peers.local_rank(Rank(self.env.rank as u32))
@@ -222,4 +197,269 @@ impl Worker {
     pub fn local_size(&self) -> usize {
         self.peers.local_size(Rank(self.env.rank as u32))
     }
+
+    /// When this worker began joining its current cluster version (at
+    /// start: after the process started; at a resize: when it was called)
+    /// and when its session was ready. The latency of a resize is the last
+    /// ready time minus the last begin time among the workers.
+    pub fn joined(&self) -> (SystemTime, SystemTime) {
+        self.joined
+    }
+
+    /// Whether this worker joined a running elastic job and has not yet
+    /// received the model state ([`Worker::sync_state`]).
+    pub fn is_fresh(&self) -> bool {
+        self.fresh
+    }
+
+    /// Whether a resize left this worker out.
+    pub fn is_detached(&self) -> bool {
+        self.detached
+    }
+
+    fn config_url(&self) -> Result<&str, BootstrapError> {
+        self.env.config_server.as_deref().ok_or_else(|| {
+            BootstrapError::Elastic(
+                "no config server (KUNGFU_CONFIG_SERVER; run with kungfu-run -w)".into(),
+            )
+        })
+    }
+
+    /// Asks the config server for a cluster of `n` workers (the first `n`
+    /// kept when shrinking; new ones started by `kungfu-run -w` when
+    /// growing). Workers switch at their next [`Worker::resize_from_config`].
+    pub async fn propose_new_size(
+        &self,
+        n: usize,
+    ) -> Result<elastic::ClusterConfig, BootstrapError> {
+        let url = self.config_url()?;
+        elastic::put_config(
+            url,
+            &format!("size {n}"),
+            Instant::now() + self.env.connect_timeout,
+        )
+        .await
+        .map_err(BootstrapError::Elastic)
+    }
+
+    /// Resizes the cluster to `n` workers: rank 0 proposes, then every
+    /// worker switches (see [`Worker::resize_from_config`]). A collective:
+    /// every worker calls it at the same step with the same `n`.
+    pub async fn resize(&mut self, n: usize) -> Result<Resized, BootstrapError> {
+        let mut failed = None;
+        if self.rank() == 0 && n != self.size() {
+            if let Err(e) = self.propose_new_size(n).await {
+                failed = Some(e.to_string());
+            }
+        }
+        self.follow(failed).await
+    }
+
+    /// Switches to the config server's current cluster, if it is newer: a
+    /// collective (every worker calls it at the same step). Rank 0 reads
+    /// the config and broadcasts it, so every worker takes the same one.
+    /// Workers in the new cluster connect at the new version (its epoch:
+    /// frames of the old one are refused) and get a new session; the
+    /// others are detached, their connections closed.
+    pub async fn resize_from_config(&mut self) -> Result<Resized, BootstrapError> {
+        self.follow(None).await
+    }
+
+    async fn follow(&mut self, failed: Option<String>) -> Result<Resized, BootstrapError> {
+        let began = SystemTime::now();
+        if self.detached {
+            return Err(BootstrapError::Elastic("this worker is detached".into()));
+        }
+        let url = self.config_url()?.to_string();
+        let deadline = Instant::now() + self.env.connect_timeout;
+        // rank 0 reads; its text (or its error) goes to everyone
+        let mut text = Vec::new();
+        if self.rank() == 0 {
+            let got = match failed {
+                Some(e) => Err(e),
+                None => elastic::get_config(&url, deadline).await,
+            };
+            text = match got {
+                Ok(c) => [b"+".as_slice(), c.encode().as_bytes()].concat(),
+                Err(e) => [b"-".as_slice(), e.as_bytes()].concat(),
+            };
+        }
+        let s = &self.session;
+        let len = s
+            .broadcast("kf/resize/len", &[text.len() as u64], Rank(0))
+            .await
+            .map_err(op_failed)?[0];
+        let len = usize::try_from(len)
+            .ok()
+            .filter(|&l| l <= 1 << 24)
+            .ok_or_else(|| BootstrapError::Elastic(format!("config of {len} bytes")))?;
+        text.resize(len, 0);
+        let text = s
+            .broadcast("kf/resize/config", &text, Rank(0))
+            .await
+            .map_err(op_failed)?;
+        let text = String::from_utf8_lossy(&text);
+        let cfg = match text.split_at_checked(1) {
+            Some(("+", c)) => elastic::ClusterConfig::parse(c).map_err(BootstrapError::Elastic)?,
+            Some((_, why)) => return Err(BootstrapError::Elastic(format!("rank 0: {why}"))),
+            None => return Err(BootstrapError::Elastic("empty config".into())),
+        };
+        if cfg.version <= self.env.cluster_version {
+            return Ok(Resized {
+                changed: false,
+                detached: false,
+            });
+        }
+        let me = self
+            .peers
+            .peer(Rank(self.env.rank as u32))
+            .expect("own rank")
+            .clone();
+        let linger = Duration::from_secs(2);
+        let Some(rank) = cfg.peers.rank_of(&me).map(Rank::idx) else {
+            self.detached = true;
+            self.session.close(linger).await;
+            return Ok(Resized {
+                changed: true,
+                detached: true,
+            });
+        };
+        let mut env = self.env.clone();
+        env.rank = rank;
+        env.size = cfg.peers.len();
+        env.cluster_version = cfg.version;
+        env.discovery = Discovery::Peers(cfg.peers.clone());
+        let listener = listen(&me).await?;
+        let old = self.session.clone();
+        let (new, ()) = tokio::join!(
+            connect(&env, &cfg.peers, self.cluster_id, listener, deadline),
+            old.close(linger)
+        );
+        self.session = new?;
+        self.env = env;
+        self.peers = cfg.peers;
+        self.joined = (began, SystemTime::now());
+        Ok(Resized {
+            changed: true,
+            detached: false,
+        })
+    }
+
+    /// Brings every worker to the same training state: the step counter
+    /// and the named buffers are broadcast from the lowest-ranked worker
+    /// that has state (not [fresh](Worker::is_fresh)); returns the step.
+    /// A collective: every worker passes the same names and lengths. Call
+    /// it at start (new workers learn where training is) and after every
+    /// resize that changed the cluster.
+    pub async fn sync_state<E: Element>(
+        &mut self,
+        step: u64,
+        buffers: &mut [(&str, &mut [E])],
+    ) -> Result<u64, BootstrapError> {
+        let s = &self.session;
+        let mine = if self.fresh { u32::MAX } else { s.rank().0 };
+        let root = s
+            .allreduce("kf/state/root", &[mine], ReduceOp::Min)
+            .await
+            .map_err(op_failed)?[0];
+        if root == u32::MAX {
+            return Err(BootstrapError::Elastic(
+                "no worker has state to share (every one joined late)".into(),
+            ));
+        }
+        let root = Rank(root);
+        let step = s
+            .broadcast("kf/state/step", &[step], root)
+            .await
+            .map_err(op_failed)?[0];
+        for (name, buf) in buffers.iter_mut() {
+            s.broadcast_in_place(&format!("kf/state/{name}"), buf, root)
+                .await
+                .map_err(op_failed)?;
+        }
+        self.fresh = false;
+        Ok(step)
+    }
+}
+
+fn op_failed(e: CollectiveError) -> BootstrapError {
+    BootstrapError::Elastic(e.to_string())
+}
+
+/// Listens on `me` (a worker's own address).
+async fn listen(me: &Peer) -> Result<TcpListener, BootstrapError> {
+    TcpListener::bind((me.host.as_str(), me.port))
+        .await
+        .map_err(|source| BootstrapError::Listen {
+            addr: me.to_string(),
+            source,
+        })
+}
+
+/// Connects the transport `env` asks for and starts a session on it.
+async fn connect(
+    env: &WorkerEnv,
+    peers: &PeerList,
+    cluster_id: u64,
+    listener: TcpListener,
+    deadline: Instant,
+) -> Result<Session<AnyTransport>, BootstrapError> {
+    let connect_timeout = deadline.saturating_duration_since(Instant::now());
+    let one_host = peers.hosts().len() == 1;
+    let shm_cfg = || {
+        let mut c = ShmConfig::new(
+            cluster_id,
+            Epoch(env.cluster_version),
+            Rank(env.rank as u32),
+            env.size,
+        );
+        c.connect_timeout = connect_timeout;
+        if let Some(spin) = env.spin {
+            c.spin = spin;
+        }
+        c
+    };
+    let tcp_cfg = || {
+        let mut c = TcpConfig::new(
+            cluster_id,
+            Epoch(env.cluster_version),
+            Rank(env.rank as u32),
+            peers.clone(),
+        );
+        c.connect_timeout = connect_timeout;
+        if let Some(spin) = env.spin {
+            c.spin = spin;
+        }
+        c
+    };
+    let transport = match env.transport.as_str() {
+        "shm" if !one_host => {
+            return Err(BootstrapError::Env {
+                var: "KUNGFU_TRANSPORT".into(),
+                reason: format!(
+                    "shm needs every worker on one host; these are on {} hosts (use tcp or auto)",
+                    peers.hosts().len()
+                ),
+            });
+        }
+        "shm" | "auto" if one_host => {
+            drop(listener);
+            AnyTransport::Shm(ShmTransport::connect(shm_cfg()).await?)
+        }
+        "auto" => AnyTransport::Hybrid(
+            HybridTransport::connect(tcp_cfg(), shm_cfg(), peers, listener).await?,
+        ),
+        _ => AnyTransport::Tcp(TcpTransport::connect(tcp_cfg(), listener).await?),
+    };
+    Ok(Session::new(
+        Arc::new(transport),
+        peers.clone(),
+        SessionConfig {
+            strategy: env.strategy,
+            chunk_bytes: env.chunk_bytes,
+            auto: env.auto,
+            op_timeout: env.op_timeout,
+            ..SessionConfig::default()
+        },
+    )?)
 }

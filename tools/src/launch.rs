@@ -22,7 +22,9 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use crate::{assign_ranks, is_local_host, peer_list, HostSlots};
+use crate::{assign_ranks, free_port, is_local_host, peer_list, HostSlots};
+use kungfu::elastic::{ClusterConfig, ConfigServer, ServerRules};
+use kungfu_topology::{Peer, PeerList, Rank};
 
 /// What `kungfu-run` was asked to do.
 #[derive(Clone, Debug)]
@@ -45,6 +47,11 @@ pub struct LaunchOptions {
     pub env: Vec<(String, String)>,
     /// Pin each local worker to one CPU.
     pub bind: Bind,
+    /// Watch mode (`-w`): serve the cluster config over HTTP and start the
+    /// workers of new versions.
+    pub watch: bool,
+    /// The largest cluster a watched job may grow to.
+    pub max_np: usize,
     pub program: Vec<String>,
 }
 
@@ -126,6 +133,135 @@ struct Proc {
     label: String,
     pid: Option<i32>,
     alive: bool,
+    /// The worker's address (watch mode tracks workers by it).
+    addr: Option<String>,
+}
+
+/// The processes of a job and the tasks that wait for them and relay
+/// their output.
+#[derive(Default)]
+struct Job {
+    procs: Vec<Proc>,
+    waits: JoinSet<(usize, std::io::Result<ExitStatus>)>,
+    relays: JoinSet<()>,
+}
+
+impl Job {
+    fn spawn(
+        &mut self,
+        mut cmd: Command,
+        label: String,
+        prefix: String,
+        addr: Option<String>,
+    ) -> anyhow::Result<()> {
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().with_context(|| format!("starting {label}"))?;
+        let out = child.stdout.take().expect("piped");
+        let err = child.stderr.take().expect("piped");
+        self.relays.spawn(relay(out, prefix.clone(), false));
+        self.relays.spawn(relay(err, prefix, true));
+        let idx = self.procs.len();
+        self.procs.push(Proc {
+            label,
+            pid: child.id().map(|p| p as i32),
+            alive: true,
+            addr,
+        });
+        self.waits.spawn(async move { (idx, child.wait().await) });
+        Ok(())
+    }
+
+    fn running(&self, addr: &str) -> bool {
+        self.procs
+            .iter()
+            .any(|p| p.alive && p.addr.as_deref() == Some(addr))
+    }
+}
+
+/// The identity of one worker of one cluster version.
+struct WorkerSpec<'a> {
+    rank: usize,
+    size: usize,
+    local_rank: usize,
+    local_size: usize,
+    peers: &'a PeerList,
+    version: u32,
+}
+
+fn worker_cmd(
+    opts: &LaunchOptions,
+    allowed: &[usize],
+    w: &WorkerSpec<'_>,
+    cluster_id: u64,
+    config_url: Option<&str>,
+) -> anyhow::Result<Command> {
+    let mut cmd = Command::new(&opts.program[0]);
+    if let Some(cpu) = cpu_for(opts.bind, allowed, w.local_rank, w.local_size) {
+        pin(&mut cmd, cpu)?;
+    }
+    cmd.args(&opts.program[1..])
+        .env("KUNGFU_RANK", w.rank.to_string())
+        .env("KUNGFU_SIZE", w.size.to_string())
+        .env("KUNGFU_LOCAL_RANK", w.local_rank.to_string())
+        .env("KUNGFU_LOCAL_SIZE", w.local_size.to_string())
+        .env("KUNGFU_PEERS", w.peers.to_string())
+        .env("KUNGFU_TRANSPORT", &opts.transport)
+        .env("KUNGFU_CLUSTER_VERSION", w.version.to_string())
+        .env("KUNGFU_CLUSTER_ID", format!("{cluster_id:x}"));
+    if let Some(url) = config_url {
+        cmd.env("KUNGFU_CONFIG_SERVER", url);
+    }
+    if let Some(st) = &opts.strategy {
+        cmd.env("KUNGFU_STRATEGY", st);
+    }
+    for (k, v) in &opts.env {
+        cmd.env(k, v);
+    }
+    Ok(cmd)
+}
+
+/// Starts the config server of a watched job on this host.
+async fn config_server(opts: &LaunchOptions, peers: &PeerList) -> anyhow::Result<ConfigServer> {
+    let host = peers.peers()[0].host.clone();
+    let listener = tokio::net::TcpListener::bind((host.as_str(), 0))
+        .await
+        .context("binding the config server")?;
+    let used = std::sync::Mutex::new(
+        peers
+            .peers()
+            .iter()
+            .map(|p| p.port)
+            .collect::<std::collections::HashSet<u16>>(),
+    );
+    let new_host = host.clone();
+    let rules = ServerRules {
+        max_size: opts.max_np,
+        only_host: Some(host),
+        // a port never used in this job: a detached worker may still hold
+        // its old one
+        new_peer: Box::new(move |_| {
+            let mut used = used.lock().unwrap_or_else(|e| e.into_inner());
+            for _ in 0..100 {
+                let port = free_port(&new_host).map_err(|e| e.to_string())?;
+                if used.insert(port) {
+                    return Ok(Peer {
+                        host: new_host.clone(),
+                        port,
+                    });
+                }
+            }
+            Err("no free port".into())
+        }),
+    };
+    let initial = ClusterConfig {
+        version: 0,
+        peers: peers.clone(),
+    };
+    Ok(ConfigServer::start(listener, initial, rules)?)
 }
 
 fn describe(status: &ExitStatus) -> (String, i32) {
@@ -212,56 +348,36 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
         None => is_local_host(host),
     };
 
-    let mut procs: Vec<Proc> = Vec::new();
-    let mut waits: JoinSet<(usize, std::io::Result<ExitStatus>)> = JoinSet::new();
-    let mut relays: JoinSet<()> = JoinSet::new();
-    let mut spawn = |mut cmd: Command, label: String, prefix: String| -> anyhow::Result<()> {
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true);
-        let mut child = cmd.spawn().with_context(|| format!("starting {label}"))?;
-        let out = child.stdout.take().expect("piped");
-        let err = child.stderr.take().expect("piped");
-        relays.spawn(relay(out, prefix.clone(), false));
-        relays.spawn(relay(err, prefix, true));
-        let idx = procs.len();
-        procs.push(Proc {
-            label,
-            pid: child.id().map(|p| p as i32),
-            alive: true,
-        });
-        waits.spawn(async move { (idx, child.wait().await) });
-        Ok(())
+    anyhow::ensure!(
+        !opts.watch || (all_local && opts.self_host.is_none()),
+        "watch mode (-w) starts workers on this host only; give local hosts"
+    );
+    let server = if opts.watch {
+        Some(config_server(&opts, &peers).await?)
+    } else {
+        None
     };
-
+    let mut config = server.as_ref().map(|s| s.subscribe());
+    let url = server.as_ref().map(|s| s.url());
+    let mut job = Job::default();
     let width = (opts.np - 1).to_string().len();
     let allowed = allowed_cpus();
     for s in slots.iter().filter(|s| mine(&s.host)) {
-        let mut cmd = Command::new(&opts.program[0]);
-        if let Some(cpu) = cpu_for(opts.bind, &allowed, s.local_rank, s.local_size) {
-            pin(&mut cmd, cpu)?;
-        }
-        cmd.args(&opts.program[1..])
-            .env("KUNGFU_RANK", s.rank.to_string())
-            .env("KUNGFU_SIZE", opts.np.to_string())
-            .env("KUNGFU_LOCAL_RANK", s.local_rank.to_string())
-            .env("KUNGFU_LOCAL_SIZE", s.local_size.to_string())
-            .env("KUNGFU_PEERS", peers.to_string())
-            .env("KUNGFU_TRANSPORT", &opts.transport)
-            .env("KUNGFU_CLUSTER_VERSION", "0")
-            .env("KUNGFU_CLUSTER_ID", format!("{cluster_id:x}"));
-        if let Some(st) = &opts.strategy {
-            cmd.env("KUNGFU_STRATEGY", st);
-        }
-        for (k, v) in &opts.env {
-            cmd.env(k, v);
-        }
-        spawn(
+        let w = WorkerSpec {
+            rank: s.rank,
+            size: opts.np,
+            local_rank: s.local_rank,
+            local_size: s.local_size,
+            peers: &peers,
+            version: 0,
+        };
+        let cmd = worker_cmd(&opts, &allowed, &w, cluster_id, url.as_deref())?;
+        let addr = peers.peer(Rank(s.rank as u32)).map(|p| p.to_string());
+        job.spawn(
             cmd,
             format!("rank {}", s.rank),
             format!("[{:>width$}] ", s.rank),
+            addr,
         )?;
     }
     if opts.self_host.is_none() {
@@ -308,7 +424,7 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
             let line: Vec<String> = remote.iter().map(|a| shell_quote(a)).collect();
             let mut cmd = Command::new("ssh");
             cmd.args(["-o", "BatchMode=yes", &h.host, &line.join(" ")]);
-            spawn(cmd, format!("ssh to {}", h.host), String::new())?;
+            job.spawn(cmd, format!("ssh to {}", h.host), String::new(), None)?;
         }
     }
 
@@ -320,22 +436,22 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
     // (when the next stop phase starts, the signal it sends)
     let mut next_phase: Option<(Instant, Signal)> = None;
     let mut exit_code: Option<i32> = None;
-    let mut remaining = procs.len();
+    let mut remaining = job.procs.len();
     let mut timed_out = false;
 
     while remaining > 0 {
         let phase_at = next_phase.map_or(far, |(t, _)| t);
         tokio::select! {
-            Some(joined) = waits.join_next() => {
+            Some(joined) = job.waits.join_next() => {
                 let Ok((idx, status)) = joined else { continue };
                 remaining -= 1;
-                procs[idx].alive = false;
+                job.procs[idx].alive = false;
                 let (what, code) = match status {
                     Ok(st) => describe(&st),
                     Err(e) => (format!("could not be waited for: {e}"), 1),
                 };
                 if code != 0 {
-                    let msg = format!("{} {what}", procs[idx].label);
+                    let msg = format!("{} {what}", job.procs[idx].label);
                     if exit_code.is_none() {
                         eprintln!("kungfu-run: {msg}; stopping the other workers");
                         exit_code = Some(code);
@@ -345,20 +461,50 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                     }
                 }
             }
+            Ok(()) = async { config.as_mut().expect("guarded").changed().await }, if config.is_some() && exit_code.is_none() => {
+                let c = config.as_mut().expect("guarded").borrow_and_update().clone();
+                eprintln!("kungfu-run: cluster version {}: {} workers", c.version, c.peers.len());
+                for (rank, p) in c.peers.peers().iter().enumerate() {
+                    let addr = p.to_string();
+                    if job.running(&addr) {
+                        continue;
+                    }
+                    let r = Rank(rank as u32);
+                    let w = WorkerSpec {
+                        rank,
+                        size: c.peers.len(),
+                        local_rank: c.peers.local_rank(r),
+                        local_size: c.peers.local_size(r),
+                        peers: &c.peers,
+                        version: c.version,
+                    };
+                    let started = worker_cmd(&opts, &allowed, &w, cluster_id, url.as_deref())
+                        .and_then(|cmd| job.spawn(cmd, format!("worker {addr}"), format!("[{rank:>width$}] "), Some(addr)));
+                    match started {
+                        Ok(()) => remaining += 1,
+                        Err(e) => {
+                            eprintln!("kungfu-run: {e:#}; stopping the workers");
+                            exit_code = Some(1);
+                            signal_all(&job.procs, Signal::SIGTERM);
+                            next_phase = Some((Instant::now() + TERM_TO_KILL, Signal::SIGKILL));
+                        }
+                    }
+                }
+            }
             _ = sigint.recv() => {
                 eprintln!("kungfu-run: interrupted; forwarding SIGINT to the workers");
-                signal_all(&procs, Signal::SIGINT);
+                signal_all(&job.procs, Signal::SIGINT);
                 exit_code.get_or_insert(130);
                 next_phase = Some((Instant::now() + TERM_TO_KILL, Signal::SIGKILL));
             }
             _ = sigterm.recv() => {
                 eprintln!("kungfu-run: terminated; forwarding SIGTERM to the workers");
-                signal_all(&procs, Signal::SIGTERM);
+                signal_all(&job.procs, Signal::SIGTERM);
                 exit_code.get_or_insert(143);
                 next_phase = Some((Instant::now() + TERM_TO_KILL, Signal::SIGKILL));
             }
             _ = sighup.recv() => {
-                signal_all(&procs, Signal::SIGHUP);
+                signal_all(&job.procs, Signal::SIGHUP);
                 exit_code.get_or_insert(129);
                 next_phase = Some((Instant::now() + TERM_TO_KILL, Signal::SIGKILL));
             }
@@ -369,12 +515,12 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                     opts.timeout.unwrap_or_default()
                 );
                 exit_code = Some(124);
-                signal_all(&procs, Signal::SIGTERM);
+                signal_all(&job.procs, Signal::SIGTERM);
                 next_phase = Some((Instant::now() + TERM_TO_KILL, Signal::SIGKILL));
             }
             _ = tokio::time::sleep_until(phase_at), if next_phase.is_some() => {
                 let (_, sig) = next_phase.take().expect("guarded");
-                signal_all(&procs, sig);
+                signal_all(&job.procs, sig);
                 if sig == Signal::SIGTERM {
                     next_phase = Some((Instant::now() + TERM_TO_KILL, Signal::SIGKILL));
                 }
@@ -383,7 +529,7 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
     }
     // Let the relays print what the workers wrote last.
     let _ = tokio::time::timeout(Duration::from_secs(2), async {
-        while relays.join_next().await.is_some() {}
+        while job.relays.join_next().await.is_some() {}
     })
     .await;
     Ok(exit_code.unwrap_or(0))

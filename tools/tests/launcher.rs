@@ -752,3 +752,36 @@ fn bench_measures_swaps_and_monitor_overhead() {
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     assert!(text(&out).contains("--monitor measures allreduces of float"));
 }
+
+/// `kungfu-run -w`: a training loop that resizes 2 -> 4 -> 3 -> 1 -> 3.
+/// New workers are started by the launcher and learn the step and the
+/// model; removed workers are told they are detached and exit cleanly;
+/// the model is checked on every worker at every step and after each
+/// change; the resize latency is printed.
+#[test]
+fn elastic_job_resizes_2_4_3_1_3_and_keeps_the_model() {
+    let out = run_bounded(
+        kungfu_run(&[
+            "-w", "-np", "2", BENCH, "resize", "--sizes", "4,3,1,3", "-n", "4", "-b", "64K",
+        ]),
+        Duration::from_secs(120),
+    );
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    for (from, to, v) in [(2, 4, 1), (4, 3, 2), (3, 1, 3), (1, 3, 4)] {
+        let line = format!("[0] # resize {from} -> {to} (version {v}): latency ");
+        assert!(t.contains(&line), "no {line:?} in\n{t}");
+        let launched = format!("kungfu-run: cluster version {v}: {to} workers");
+        assert!(t.contains(&launched), "{t}");
+    }
+    // 4 -> 3 detaches one worker, 3 -> 1 two more
+    assert_eq!(t.matches("# detached at step").count(), 3, "{t}");
+    assert!(
+        t.contains("steps, sizes [4, 3, 1, 3], model 65536 bytes, final size 3, version 4, model checked on every worker"),
+        "{t}"
+    );
+    assert!(
+        t.contains("# resize latency (process start excluded): mean"),
+        "{t}"
+    );
+}

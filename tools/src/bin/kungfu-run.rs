@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! kungfu-run -np N [-H host:slots,...] [--strategy S] [--transport T]
-//!            [--timeout DUR] [-x NAME=VALUE]... [--] PROGRAM ARGS...
+//!            [--timeout DUR] [-w [--max-np N]] [-x NAME=VALUE]... [--] PROGRAM ARGS...
 //! ```
 
 use std::time::Duration;
@@ -35,6 +35,11 @@ options:
   --bind-to B           auto (default: pin each worker to one CPU when a host has
                         at least as many CPUs as workers), core (always pin,
                         wrapping around), or none
+  -w, --watch           elastic job: serve the cluster config over HTTP (its URL
+                        in KUNGFU_CONFIG_SERVER; GET it, PUT 'size N' or a whole
+                        config) and start the workers each new version adds;
+                        removed workers are told by the library and exit
+  --max-np N            the largest size a watched job may grow to (64)
   -x NAME=VALUE         set an environment variable for every worker
   -h, --help            this text
 ";
@@ -54,8 +59,11 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
         grace: Duration::from_secs(2),
         env: Vec::new(),
         bind: Bind::Auto,
+        watch: false,
+        max_np: 0,
         program: Vec::new(),
     };
+    let mut max_np = None;
     let mut i = 0;
     let value = |i: &mut usize, flag: &str| -> anyhow::Result<String> {
         *i += 1;
@@ -93,6 +101,14 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
                     .context("--port-base needs a port")?
             }
             "--bind-to" => o.bind = value(&mut i, a)?.parse()?,
+            "-w" | "--watch" => o.watch = true,
+            "--max-np" => {
+                max_np = Some(
+                    value(&mut i, a)?
+                        .parse()
+                        .context("--max-np needs a number")?,
+                )
+            }
             "--self" => o.self_host = Some(value(&mut i, a)?),
             "--cluster-id" => {
                 o.cluster_id = Some(
@@ -119,6 +135,7 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
         i += 1;
     }
     o.np = np.context("-np is required")?;
+    o.max_np = max_np.unwrap_or(64).max(o.np);
     o.hosts = hosts.unwrap_or_else(|| {
         vec![HostSlots {
             host: "127.0.0.1".into(),
