@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use kungfu_adaptation::{Action, Adapter};
 use kungfu_collectives::{OpHandle, ReduceOp, Session, SessionConfig};
-use kungfu_topology::{PeerList, Strategy};
-use kungfu_transport::mem::{MemConfig, MemNetwork, SeededRng};
+use kungfu_topology::Strategy;
+use kungfu_transport::mem::{MemConfig, SeededRng};
 
 const OPS: usize = 1000;
 const EVERY: usize = 5;
@@ -39,19 +39,16 @@ fn random_strategy_swaps_keep_every_worker_consistent() {
             delay: Some((7, Duration::from_micros(200))),
             ..MemConfig::default()
         };
-        let ts = MemNetwork::new(n, cfg);
+        let config = SessionConfig {
+            chunk_bytes: 2048,
+            op_timeout: Duration::from_secs(30),
+            ..SessionConfig::default()
+        };
         let mut tasks = Vec::new();
-        for (rank, t) in ts.into_iter().enumerate() {
-            let s = Session::new(
-                t,
-                PeerList::local(n),
-                SessionConfig {
-                    chunk_bytes: 2048,
-                    op_timeout: Duration::from_secs(30),
-                    ..SessionConfig::default()
-                },
-            )
-            .unwrap();
+        for (rank, s) in Session::local_cluster(n, cfg, config)
+            .into_iter()
+            .enumerate()
+        {
             tasks.push(tokio::spawn(async move {
                 let mut rng = SeededRng::new(1000 + rank as u64);
                 let mut ad = Adapter::new(s.clone(), Vec::new());

@@ -300,7 +300,28 @@ impl<T: Transport> Session<T> {
     pub fn rank(&self) -> Rank {
         self.inner.transport.rank()
     }
+}
 
+impl Session<kungfu_transport::mem::MemTransport> {
+    /// `n` sessions over an in-memory network, rank `i` at index `i`: a
+    /// cluster inside one process, for tests and examples. Must be called
+    /// inside a tokio runtime.
+    pub fn local_cluster(
+        n: usize,
+        mem: kungfu_transport::mem::MemConfig,
+        config: SessionConfig,
+    ) -> Vec<Session<kungfu_transport::mem::MemTransport>> {
+        kungfu_transport::mem::MemNetwork::new(n, mem)
+            .into_iter()
+            .map(|t| {
+                Session::new(t, PeerList::local(n), config.clone())
+                    .expect("a local cluster inside a tokio runtime")
+            })
+            .collect()
+    }
+}
+
+impl<T: Transport> Session<T> {
     pub fn size(&self) -> usize {
         self.inner.transport.size()
     }

@@ -18,26 +18,17 @@ fn sessions(
     seed: u64,
     timeout: Duration,
 ) -> Vec<Session<MemTransport>> {
-    let cfg = MemConfig {
+    let mem = MemConfig {
         delay: Some((seed, Duration::from_micros(300))),
         ..MemConfig::default()
     };
-    MemNetwork::new(n, cfg)
-        .into_iter()
-        .map(|t| {
-            Session::new(
-                t,
-                PeerList::local(n),
-                SessionConfig {
-                    strategy,
-                    chunk_bytes: 256,
-                    op_timeout: timeout,
-                    ..SessionConfig::default()
-                },
-            )
-            .unwrap()
-        })
-        .collect()
+    let cfg = SessionConfig {
+        strategy,
+        chunk_bytes: 256,
+        op_timeout: timeout,
+        ..SessionConfig::default()
+    };
+    Session::local_cluster(n, mem, cfg)
 }
 
 fn rt() -> tokio::runtime::Runtime {
