@@ -28,5 +28,8 @@ pub mod policy;
 pub mod sync;
 
 pub use monitor::{gradient_variance, sq_norm, sq_norm_bytes, Ema, NoiseEstimate, NoiseScale};
-pub use policy::{Action, Adapter, AdaptiveBatchSize, Context, Metrics, Policy, Progress};
+pub use policy::{
+    Action, Adapter, AdaptiveBatchSize, Context, FastestStrategy, Metrics, Policy, Progress,
+    ScaleOnPlateau, ScaleSchedule,
+};
 pub use sync::{model_averaging, sync_sgd, PairAveraging};

@@ -13,7 +13,9 @@
 //! flight keep theirs, and every worker switches at the same point of its
 //! op sequence); the others are handed to the application.
 
-use kungfu_collectives::{CollectiveError, Session};
+use std::time::Duration;
+
+use kungfu_collectives::{CollectiveError, OpStats, PeerStats, Session};
 use kungfu_topology::{Rank, Strategy};
 use kungfu_transport::Transport;
 
@@ -59,6 +61,41 @@ pub struct Context<'a> {
     pub size: usize,
     pub strategy: Strategy,
     pub progress: &'a Progress,
+    /// Ops completed so far by the strategy they ran on (`AUTO` resolved),
+    /// cumulative: [`Session::op_stats`].
+    pub ops: &'a [(Strategy, OpStats)],
+    /// What completed ops received from each peer, by rank, cumulative:
+    /// [`Session::peer_stats`].
+    pub peers: &'a [PeerStats],
+}
+
+impl Context<'_> {
+    /// Bytes and busy time of every completed op so far.
+    pub fn op_totals(&self) -> (u64, Duration) {
+        self.ops.iter().fold((0, Duration::ZERO), |(b, t), (_, o)| {
+            (b + o.bytes, t + o.busy)
+        })
+    }
+
+    /// The peer whose last frames come latest, if its mean latency is more
+    /// than `factor` times the median of the others': a straggler or a
+    /// slow link, as seen from this worker.
+    pub fn straggler(&self, factor: f64) -> Option<Rank> {
+        let mut lat: Vec<(f64, Rank)> = self
+            .peers
+            .iter()
+            .enumerate()
+            .filter_map(|(r, p)| Some((p.mean_latency()?.as_secs_f64(), Rank(r as u32))))
+            .collect();
+        if lat.len() < 2 {
+            return None;
+        }
+        lat.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let (worst, who) = *lat.last().expect("two or more");
+        let others = &lat[..lat.len() - 1];
+        let median = others[others.len() / 2].0;
+        (worst > factor * median).then_some(who)
+    }
 }
 
 /// Hooks of the training loop; each returns the actions it proposes.
@@ -105,6 +142,156 @@ impl Policy for AdaptiveBatchSize {
         if (target - cur).abs() / cur > self.tolerance {
             vec![Action::SetBatchSize(target as u32)]
         } else {
+            Vec::new()
+        }
+    }
+}
+
+/// Switches to the fastest of `candidates`: every `window` steps it
+/// measures the rate of the strategy in use (bytes per second of op time
+/// over the window, from [`Context::ops`]), proposes each candidate not yet
+/// measured in turn, and then the fastest one when it beats the strategy
+/// in use by more than `margin` (a fraction). Rates are re-measured while a
+/// strategy is in use, so one that becomes slower (a slow link, a
+/// straggler) is left.
+#[derive(Clone, Debug)]
+pub struct FastestStrategy {
+    pub candidates: Vec<Strategy>,
+    pub window: u64,
+    pub margin: f64,
+    rates: Vec<Option<f64>>,
+    last: (u64, Duration),
+}
+
+impl FastestStrategy {
+    pub fn new(candidates: Vec<Strategy>, window: u64, margin: f64) -> FastestStrategy {
+        FastestStrategy {
+            rates: vec![None; candidates.len()],
+            candidates,
+            window,
+            margin,
+            last: (0, Duration::ZERO),
+        }
+    }
+
+    /// The rate measured for each candidate so far (bytes per second).
+    pub fn rates(&self) -> Vec<(Strategy, Option<f64>)> {
+        self.candidates
+            .iter()
+            .copied()
+            .zip(self.rates.iter().copied())
+            .collect()
+    }
+}
+
+impl Policy for FastestStrategy {
+    fn after_step(&mut self, cx: &Context<'_>) -> Vec<Action> {
+        if self.window == 0 || !cx.progress.step.is_multiple_of(self.window) {
+            return Vec::new();
+        }
+        let now = cx.op_totals();
+        let (bytes, busy) = (
+            now.0.saturating_sub(self.last.0),
+            now.1.saturating_sub(self.last.1),
+        );
+        self.last = now;
+        if busy.is_zero() || bytes == 0 {
+            return Vec::new();
+        }
+        let rate = bytes as f64 / busy.as_secs_f64();
+        let cur = self.candidates.iter().position(|&c| c == cx.strategy);
+        if let Some(i) = cur {
+            self.rates[i] = Some(rate);
+        }
+        if let Some(i) = self.rates.iter().position(Option::is_none) {
+            return vec![Action::SetStrategy(self.candidates[i])];
+        }
+        let (best, best_rate) = self
+            .rates
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| Some((i, (*r)?)))
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+            .expect("every candidate measured");
+        if Some(best) != cur && best_rate > rate * (1.0 + self.margin) {
+            vec![Action::SetStrategy(self.candidates[best])]
+        } else {
+            Vec::new()
+        }
+    }
+}
+
+/// Resizes the cluster at given steps: `(step, size)` pairs.
+#[derive(Clone, Debug)]
+pub struct ScaleSchedule {
+    pub at: Vec<(u64, u32)>,
+}
+
+impl Policy for ScaleSchedule {
+    fn after_step(&mut self, cx: &Context<'_>) -> Vec<Action> {
+        self.at
+            .iter()
+            .find(|(step, _)| *step == cx.progress.step)
+            .map(|&(_, n)| vec![Action::Resize(n)])
+            .unwrap_or_default()
+    }
+}
+
+/// Scales out while it pays: every `every` steps it records the cluster's
+/// throughput ([`Metrics::throughput`]) at the current size; it proposes
+/// `step_size` more workers (up to `max_size`) while each scale-out raised
+/// the throughput by at least `min_gain` (a fraction), and when one did
+/// not (a plateau), goes back to the previous size and stays.
+#[derive(Clone, Debug)]
+pub struct ScaleOnPlateau {
+    pub every: u64,
+    pub step_size: u32,
+    pub max_size: u32,
+    pub min_gain: f64,
+    seen: Vec<(u32, f64)>,
+    settled: bool,
+}
+
+impl ScaleOnPlateau {
+    pub fn new(every: u64, step_size: u32, max_size: u32, min_gain: f64) -> ScaleOnPlateau {
+        ScaleOnPlateau {
+            every,
+            step_size,
+            max_size,
+            min_gain,
+            seen: Vec::new(),
+            settled: false,
+        }
+    }
+
+    /// Whether a plateau was found (no more proposals).
+    pub fn settled(&self) -> bool {
+        self.settled
+    }
+}
+
+impl Policy for ScaleOnPlateau {
+    fn after_step(&mut self, cx: &Context<'_>) -> Vec<Action> {
+        let p = cx.progress;
+        let Some(t) = p.metrics.throughput.filter(|t| t.is_finite()) else {
+            return Vec::new();
+        };
+        if self.settled || self.every == 0 || !p.step.is_multiple_of(self.every) {
+            return Vec::new();
+        }
+        let n = cx.size as u32;
+        if let Some(&(prev_n, prev_t)) = self.seen.last() {
+            if prev_n < n && t < prev_t * (1.0 + self.min_gain) {
+                self.settled = true;
+                return vec![Action::Resize(prev_n)];
+            }
+        }
+        self.seen.push((n, t));
+        let next = n.saturating_add(self.step_size);
+        if next <= self.max_size && self.step_size > 0 {
+            vec![Action::Resize(next)]
+        } else {
+            self.settled = true;
             Vec::new()
         }
     }
@@ -177,12 +364,19 @@ fn decide(all: &[u64]) -> Vec<Action> {
 }
 
 /// What the policies see now.
-fn context<'a, T: Transport>(session: &Session<T>, progress: &'a Progress) -> Context<'a> {
+fn context<'a, T: Transport>(
+    session: &Session<T>,
+    progress: &'a Progress,
+    ops: &'a [(Strategy, OpStats)],
+    peers: &'a [PeerStats],
+) -> Context<'a> {
     Context {
         rank: session.rank(),
         size: session.size(),
         strategy: session.strategy(),
         progress,
+        ops,
+        peers,
     }
 }
 
@@ -225,8 +419,15 @@ impl<T: Transport> Adapter<T> {
         &self.history
     }
 
+    /// Moves to another session (after an elastic resize): agreement and
+    /// strategy swaps go through it from now on.
+    pub fn set_session(&mut self, session: Session<T>) {
+        self.session = session;
+    }
+
     fn run_hook(&mut self, hook: impl Fn(&mut dyn Policy, &Context<'_>) -> Vec<Action>) {
-        let cx = context(&self.session, &self.progress);
+        let (ops, peers) = (self.session.op_stats(), self.session.peer_stats());
+        let cx = context(&self.session, &self.progress, &ops, &peers);
         for p in &mut self.policies {
             let proposed = hook(p.as_mut(), &cx);
             self.pending.extend(proposed);
@@ -259,7 +460,8 @@ impl<T: Transport> Adapter<T> {
 
     /// After training: runs `after_train` (no agreement).
     pub fn after_train(&mut self) {
-        let cx = context(&self.session, &self.progress);
+        let (ops, peers) = (self.session.op_stats(), self.session.peer_stats());
+        let cx = context(&self.session, &self.progress, &ops, &peers);
         for p in &mut self.policies {
             p.after_train(&cx);
         }
@@ -348,6 +550,8 @@ mod tests {
                 size: 4,
                 strategy: Strategy::Auto,
                 progress: prog,
+                ops: &[],
+                peers: &[],
             };
             p.clone().after_step(&cx)
         };
@@ -360,5 +564,125 @@ mod tests {
         prog.metrics.noise_scale = Some(1e9);
         assert_eq!(cx(&prog), vec![Action::SetBatchSize(4096)]);
         let _ = &mut p;
+    }
+
+    fn cx<'a>(
+        size: usize,
+        strategy: Strategy,
+        progress: &'a Progress,
+        ops: &'a [(Strategy, OpStats)],
+        peers: &'a [PeerStats],
+    ) -> Context<'a> {
+        Context {
+            rank: Rank(0),
+            size,
+            strategy,
+            progress,
+            ops,
+            peers,
+        }
+    }
+
+    fn stats(bytes: u64, ms: u64) -> OpStats {
+        OpStats {
+            ops: 1,
+            bytes,
+            busy: Duration::from_millis(ms),
+        }
+    }
+
+    #[test]
+    fn fastest_strategy_explores_then_keeps_the_fastest() {
+        let mut p = FastestStrategy::new(vec![Strategy::Ring, Strategy::Star], 10, 0.1);
+        let prog = |step| Progress {
+            step,
+            ..Progress::default()
+        };
+        // window 1 on RING: 1000 B in 10 ms; STAR not measured yet
+        let ops = [(Strategy::Ring, stats(1000, 10))];
+        let got = p.after_step(&cx(4, Strategy::Ring, &prog(10), &ops, &[]));
+        assert_eq!(got, vec![Action::SetStrategy(Strategy::Star)]);
+        // not a window step
+        assert!(p
+            .after_step(&cx(4, Strategy::Star, &prog(11), &ops, &[]))
+            .is_empty());
+        // window 2 on STAR: 1000 B more in 40 ms: slower; back to RING
+        let ops = [
+            (Strategy::Ring, stats(1000, 10)),
+            (Strategy::Star, stats(1000, 40)),
+        ];
+        let got = p.after_step(&cx(4, Strategy::Star, &prog(20), &ops, &[]));
+        assert_eq!(got, vec![Action::SetStrategy(Strategy::Ring)]);
+        // window 3 on RING as fast as before: stay
+        let ops = [
+            (Strategy::Ring, stats(2000, 20)),
+            (Strategy::Star, stats(1000, 40)),
+        ];
+        assert!(p
+            .after_step(&cx(4, Strategy::Ring, &prog(30), &ops, &[]))
+            .is_empty());
+        // window 4: RING became 10x slower (a slow link): STAR wins again
+        let ops = [
+            (Strategy::Ring, stats(3000, 120)),
+            (Strategy::Star, stats(1000, 40)),
+        ];
+        let got = p.after_step(&cx(4, Strategy::Ring, &prog(40), &ops, &[]));
+        assert_eq!(got, vec![Action::SetStrategy(Strategy::Star)]);
+        assert_eq!(p.rates()[0].1, Some(1000.0 / 0.1));
+    }
+
+    #[test]
+    fn scale_policies_propose_resizes() {
+        let mut sched = ScaleSchedule {
+            at: vec![(5, 4), (9, 2)],
+        };
+        let at = |step| Progress {
+            step,
+            ..Progress::default()
+        };
+        assert_eq!(
+            sched.after_step(&cx(2, Strategy::Auto, &at(5), &[], &[])),
+            vec![Action::Resize(4)]
+        );
+        assert!(sched
+            .after_step(&cx(4, Strategy::Auto, &at(6), &[], &[]))
+            .is_empty());
+
+        let mut p = ScaleOnPlateau::new(10, 1, 8, 0.1);
+        let tp = |step, t| Progress {
+            step,
+            metrics: Metrics {
+                throughput: Some(t),
+                ..Metrics::default()
+            },
+            ..Progress::default()
+        };
+        let run = |p: &mut ScaleOnPlateau, n, step, t| {
+            p.after_step(&cx(n, Strategy::Auto, &tp(step, t), &[], &[]))
+        };
+        assert_eq!(run(&mut p, 2, 10, 100.0), vec![Action::Resize(3)]);
+        assert!(run(&mut p, 3, 15, 150.0).is_empty(), "only every 10 steps");
+        assert_eq!(run(&mut p, 3, 20, 150.0), vec![Action::Resize(4)]);
+        // 4 workers are barely faster than 3: back to 3, and stay
+        assert_eq!(run(&mut p, 4, 30, 155.0), vec![Action::Resize(3)]);
+        assert!(p.settled());
+        assert!(run(&mut p, 3, 40, 150.0).is_empty());
+    }
+
+    #[test]
+    fn a_straggler_stands_out() {
+        let peer = |ms: u64| PeerStats {
+            ops: 10,
+            frames: 10,
+            bytes: 1000,
+            last_frame: Duration::from_millis(ms * 10),
+        };
+        let prog = Progress::default();
+        let peers = [PeerStats::default(), peer(1), peer(2), peer(30)];
+        let c = cx(4, Strategy::Auto, &prog, &[], &peers);
+        assert_eq!(c.straggler(3.0), Some(Rank(3)));
+        let peers = [PeerStats::default(), peer(1), peer(2), peer(3)];
+        let c = cx(4, Strategy::Auto, &prog, &[], &peers);
+        assert_eq!(c.straggler(3.0), None);
     }
 }

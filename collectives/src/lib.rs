@@ -72,5 +72,5 @@ pub use dtype::{
     ReduceOp,
 };
 pub use error::CollectiveError;
-pub use session::{Callback, OpHandle, OpOutput, OpStats, Session, SessionConfig};
+pub use session::{Callback, OpHandle, OpOutput, OpStats, PeerStats, Session, SessionConfig};
 pub use spec::{OpKind, OpSpec};

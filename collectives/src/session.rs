@@ -99,6 +99,42 @@ impl OpStats {
     }
 }
 
+/// What this rank received from one peer in the ops that completed: a
+/// slow link shows as a low [`PeerStats::rate`], a straggler as a long
+/// [`PeerStats::mean_latency`].
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PeerStats {
+    /// Ops in which frames came from this peer.
+    pub ops: u64,
+    pub frames: u64,
+    pub bytes: u64,
+    /// Per op, the time from the op's start to the last frame from this
+    /// peer, summed.
+    pub last_frame: Duration,
+}
+
+impl PeerStats {
+    /// Bytes per second from this peer: bytes over the time, from each
+    /// op's start, until its last frame arrived (0 without frames).
+    pub fn rate(&self) -> f64 {
+        let s = self.last_frame.as_secs_f64();
+        if s > 0.0 {
+            self.bytes as f64 / s
+        } else {
+            0.0
+        }
+    }
+
+    /// Mean time from an op's start to the last frame from this peer.
+    pub fn mean_latency(&self) -> Option<Duration> {
+        (self.ops > 0)
+            .then(|| Duration::from_secs_f64(self.last_frame.as_secs_f64() / self.ops as f64))
+    }
+}
+
+/// One op's frames from one peer: (frames, bytes, time of the last).
+type Arrivals = (u64, u64, Duration);
+
 /// The result of an op: the working buffer and where this rank's output
 /// lies in it (`None` for non-roots of reduce and gather).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -181,6 +217,8 @@ struct Inner<T> {
     strategy: Mutex<Strategy>,
     /// Completed ops by the strategy they ran on.
     stats: Mutex<HashMap<Strategy, OpStats>>,
+    /// What completed ops received from each peer, by rank.
+    peer_stats: Mutex<Vec<PeerStats>>,
     /// Ops started and not yet completed; `drained` is told when it drops
     /// to zero.
     inflight: std::sync::atomic::AtomicUsize,
@@ -282,6 +320,7 @@ impl<T: Transport> Session<T> {
             frames: FramePool::new(config.max_inflight_bytes),
             strategy: Mutex::new(config.strategy),
             stats: Mutex::new(HashMap::new()),
+            peer_stats: Mutex::new(vec![PeerStats::default(); peers.len()]),
             transport,
             peers,
             config,
@@ -368,9 +407,17 @@ impl<T: Transport> Session<T> {
         v
     }
 
-    /// Forgets the statistics (to measure a new window).
+    /// What completed ops received from each peer, indexed by rank (this
+    /// rank's own entry stays empty): per-peer throughput and latency.
+    pub fn peer_stats(&self) -> Vec<PeerStats> {
+        lock(&self.inner.peer_stats).clone()
+    }
+
+    /// Forgets the statistics, per strategy and per peer (to measure a
+    /// new window).
     pub fn reset_op_stats(&self) {
         lock(&self.inner.stats).clear();
+        lock(&self.inner.peer_stats).fill(PeerStats::default());
     }
 
     /// The strategy ops started now use.
@@ -773,6 +820,15 @@ impl<T: Transport> Session<T> {
                             .entry(op.strategy)
                             .or_default()
                             .add(op.spec.block_bytes().unwrap_or(0), started.elapsed());
+                        let mut ps = lock(&inner.peer_stats);
+                        for (p, &(frames, bytes, last)) in ps.iter_mut().zip(&op.arrivals) {
+                            if frames > 0 {
+                                p.ops += 1;
+                                p.frames += frames;
+                                p.bytes += bytes;
+                                p.last_frame += last;
+                            }
+                        }
                     }
                     inner.transport.retire(op.tag);
                     lock(&inner.tombstones).insert(op.tag, op.digest, op.spec);
@@ -847,6 +903,8 @@ impl<T: Transport> Session<T> {
             plan,
             remote_abort: false,
             strategy: topo.strategy(),
+            started: std::time::Instant::now(),
+            arrivals: vec![(0, 0, Duration::ZERO); n],
         })
     }
 
@@ -874,6 +932,18 @@ struct RunningOp {
     remote_abort: bool,
     /// The strategy it runs on (`AUTO` resolved).
     strategy: Strategy,
+    started: std::time::Instant,
+    /// Data frames received, by sender.
+    arrivals: Vec<Arrivals>,
+}
+
+/// Counts a data frame from `from` of `len` bytes.
+fn arrived(arrivals: &mut [Arrivals], started: std::time::Instant, from: Rank, len: usize) {
+    if let Some(a) = arrivals.get_mut(from.idx()) {
+        a.0 += 1;
+        a.1 += len as u64;
+        a.2 = started.elapsed();
+    }
 }
 
 type SendResult = Result<usize, (Rank, TransportError)>;
@@ -968,10 +1038,15 @@ impl RunningOp {
                     // else (aborts, other digests, frames ahead of their
                     // dependencies) comes back owned and goes the long way.
                     let (plan, work, digest) = (&mut self.plan, &mut *self.work, self.digest);
+                    let (arrivals, started) = (&mut self.arrivals, self.started);
                     move |from: Rank, h: &Header, parts: &[&[u8]]| {
-                        h.kind == FrameKind::Data
+                        let taken = h.kind == FrameKind::Data
                             && h.digest == digest
-                            && matches!(plan.try_apply(from, h.chunk, h.step, parts, work), Ok(true))
+                            && matches!(plan.try_apply(from, h.chunk, h.step, parts, work), Ok(true));
+                        if taken {
+                            arrived(arrivals, started, from, parts.iter().map(|p| p.len()).sum());
+                        }
+                        taken
                     }
                 }) => match r {
                     Ok(None) => deadline = Instant::now() + timeout,
@@ -1084,6 +1159,9 @@ impl RunningOp {
         f: Frame,
     ) -> Result<(), CollectiveError> {
         let me = inner.transport.rank();
+        if f.header.kind == FrameKind::Data {
+            arrived(&mut self.arrivals, self.started, f.from, f.payload.len());
+        }
         match f.header.kind {
             FrameKind::Abort => Err(match Abort::decode(&f.payload) {
                 Ok(a) => {

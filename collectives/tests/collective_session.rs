@@ -761,3 +761,41 @@ fn swap_drains_defers_agrees_and_advances_the_epoch() {
         }
     });
 }
+
+/// Per-peer statistics show a straggler: rank 2 starts every op 30 ms
+/// late, and the root of a star sees its frames come last, by far.
+#[test]
+fn peer_stats_show_a_straggler() {
+    rt().block_on(async {
+        let ss = sessions(3, Strategy::Star, 5, LONG);
+        let mut tasks = Vec::new();
+        for s in ss.clone() {
+            tasks.push(tokio::spawn(async move {
+                for i in 0..4 {
+                    if s.rank() == Rank(2) {
+                        tokio::time::sleep(Duration::from_millis(30)).await;
+                    }
+                    s.allreduce(&format!("g{i}"), &[1.0f32; 4096], ReduceOp::Sum)
+                        .await
+                        .unwrap();
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let ps = ss[0].peer_stats();
+        assert_eq!(ps.len(), 3);
+        assert_eq!(ps[0].frames, 0, "nothing from itself");
+        for p in &ps[1..] {
+            assert_eq!(p.ops, 4);
+            assert_eq!(p.bytes, 4 * 4096 * 4);
+            assert!(p.rate() > 0.0);
+        }
+        let (l1, l2) = (ps[1].mean_latency().unwrap(), ps[2].mean_latency().unwrap());
+        assert!(l2 >= Duration::from_millis(25), "{l2:?}");
+        assert!(l2 > 3 * l1, "rank 1 {l1:?}, rank 2 {l2:?}");
+        ss[0].reset_op_stats();
+        assert_eq!(ss[0].peer_stats()[2], Default::default());
+    });
+}
