@@ -85,17 +85,12 @@ impl OpStats {
 
     /// Bytes per second of busy time (0 without ops).
     pub fn rate(&self) -> f64 {
-        let s = self.busy.as_secs_f64();
-        if s > 0.0 {
-            self.bytes as f64 / s
-        } else {
-            0.0
-        }
+        per_second(self.bytes, self.busy)
     }
 
     /// Mean time per op.
     pub fn mean_latency(&self) -> Option<Duration> {
-        (self.ops > 0).then(|| Duration::from_secs_f64(self.busy.as_secs_f64() / self.ops as f64))
+        mean(self.busy, self.ops)
     }
 }
 
@@ -117,19 +112,26 @@ impl PeerStats {
     /// Bytes per second from this peer: bytes over the time, from each
     /// op's start, until its last frame arrived (0 without frames).
     pub fn rate(&self) -> f64 {
-        let s = self.last_frame.as_secs_f64();
-        if s > 0.0 {
-            self.bytes as f64 / s
-        } else {
-            0.0
-        }
+        per_second(self.bytes, self.last_frame)
     }
 
     /// Mean time from an op's start to the last frame from this peer.
     pub fn mean_latency(&self) -> Option<Duration> {
-        (self.ops > 0)
-            .then(|| Duration::from_secs_f64(self.last_frame.as_secs_f64() / self.ops as f64))
+        mean(self.last_frame, self.ops)
     }
+}
+
+fn per_second(bytes: u64, t: Duration) -> f64 {
+    let s = t.as_secs_f64();
+    if s > 0.0 {
+        bytes as f64 / s
+    } else {
+        0.0
+    }
+}
+
+fn mean(total: Duration, n: u64) -> Option<Duration> {
+    (n > 0).then(|| Duration::from_secs_f64(total.as_secs_f64() / n as f64))
 }
 
 /// One op's frames from one peer: (frames, bytes, time of the last).
