@@ -367,6 +367,11 @@ impl<T: Transport> Session<T> {
         self.inner.transport.size()
     }
 
+    /// Whether `other` is a clone of this session.
+    pub fn same(&self, other: &Session<T>) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
     pub fn epoch(&self) -> Epoch {
         self.inner.transport.epoch()
     }

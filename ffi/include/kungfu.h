@@ -29,6 +29,39 @@ typedef void (*kf_callback)(kf_handle handle, kf_status status, void *user);
 // Communication strategies (see the README's table).
 typedef int32_t kf_strategy;
 
+// The kind of an adaptation action.
+typedef int32_t kf_action_kind;
+
+// An action proposed by a worker or agreed by all.
+typedef struct {
+  kf_action_kind kind;
+  uint32_t custom_kind;
+  uint64_t value;
+} kf_action;
+
+// What completed ops received from one peer (see `kf_get_peer_stats`).
+typedef struct {
+  uint64_t ops;
+  uint64_t frames;
+  uint64_t bytes;
+  // Bytes per second until each op's last frame from the peer.
+  double rate;
+  // Mean seconds from an op's start to the peer's last frame (0 without
+  // ops).
+  double mean_latency;
+} kf_peer_stats;
+
+// What completed ops did on one strategy (see `kf_get_strategy_stats`).
+typedef struct {
+  kf_strategy strategy;
+  uint64_t ops;
+  uint64_t bytes;
+  // Seconds from start to completion, summed.
+  double busy;
+  // Bytes per second of busy time.
+  double rate;
+} kf_strategy_stats;
+
 #define KF_OK 0
 
 // A NULL pointer, an unknown enum value, a bad count or root, a name that
@@ -122,6 +155,18 @@ typedef int32_t kf_strategy;
 #define KF_STRATEGY_CLIQUE 7
 
 #define KF_STRATEGY_RECURSIVE_DOUBLING 8
+
+// `value` is a `kf_strategy`.
+#define KF_ACTION_SET_STRATEGY 1
+
+// `value` is the new number of workers.
+#define KF_ACTION_RESIZE 2
+
+// `value` is the new global batch size.
+#define KF_ACTION_SET_BATCH_SIZE 3
+
+// The application's own: `custom_kind` (0..65535) and `value`.
+#define KF_ACTION_CUSTOM 4
 
 #ifdef __cplusplus
 extern "C" {
@@ -321,6 +366,110 @@ const char *kf_status_string(kf_status s);
 // The detail of the last error on this thread ("" if none). Valid until
 // the next call on this thread.
 const char *kf_last_error(void);
+
+// Proposes an action for the next `kf_agree`. Proposals are local; the
+// agreement decides.
+//
+// # Safety
+// `action` points to a `kf_action`.
+kf_status kf_propose(const kf_action *action);
+
+// An agreement point at training step `step`: a collective (every worker
+// calls it at the same step). Gathers every worker's proposals; per kind
+// the lowest-ranked proposer wins, so every worker gets the same actions.
+// Strategy changes are applied here (a swap at a consistency barrier);
+// the others are for the caller (resize with `kf_resize`). Writes up to
+// `cap` actions to `out` and their number (at most 4) to `*n`.
+//
+// # Safety
+// `out` has room for `cap` actions; `n` points to an int32.
+kf_status kf_agree(uint64_t step, kf_action *out, int32_t cap, int32_t *n);
+
+// Per-peer statistics of the ops completed so far, indexed by rank (this
+// worker's own entry is zero): a slow link shows as a low rate, a
+// straggler as a long mean latency. Writes up to `cap` entries and the
+// cluster size to `*n`.
+//
+// # Safety
+// `out` has room for `cap` entries; `n` points to an int32.
+kf_status kf_get_peer_stats(kf_peer_stats *out, int32_t cap, int32_t *n);
+
+// The ops completed so far by the strategy they ran on (`AUTO`
+// resolved): the rate of each strategy. Writes up to `cap` entries and
+// their number to `*n`.
+//
+// # Safety
+// `out` has room for `cap` entries; `n` points to an int32.
+kf_status kf_get_strategy_stats(kf_strategy_stats *out, int32_t cap, int32_t *n);
+
+// Forgets the per-strategy and per-peer statistics (a new window).
+kf_status kf_reset_stats(void);
+
+// The squared L2 norm of `count` floats, in `*out`.
+//
+// # Safety
+// `x` points to `count` floats; `out` to a double.
+kf_status kf_sq_norm(const float *x, uint64_t count, double *out);
+
+// Feeds the gradient noise scale monitor `name` (made on first use with
+// EMA weight `alpha`) one step: `small_sq`, the squared norm of a worker's
+// gradient over `b_small` examples (best averaged over the workers), and
+// `big_sq`, that of the allreduced gradient over `b_big > b_small`.
+// Writes the smoothed `B_simple` to `*b_simple` (NaN while there is no
+// estimate).
+//
+// # Safety
+// `name` is a NUL-terminated string; `b_simple` points to a double.
+kf_status kf_noise_scale(const char *name,
+                         double alpha,
+                         double small_sq,
+                         double big_sq,
+                         double b_small,
+                         double b_big,
+                         double *b_simple);
+
+// The variance of the workers' gradients around their mean, from the
+// mean of their squared norms and the squared norm of the mean gradient.
+double kf_gradient_variance(double mean_local_sq, double mean_grad_sq);
+
+// Asks the config server (`kungfu-run -w`) for a cluster of `size`
+// workers; every worker switches at its next `kf_resize_from_config`.
+kf_status kf_propose_new_size(int32_t size);
+
+// Resizes an elastic job to `size` workers: a collective (every worker
+// calls it at the same step with the same size). `*changed` is 1 if the
+// cluster changed (then call `kf_sync_state`); `*detached` is 1 if this
+// worker is no longer part of it (it should finalize and exit). Rank,
+// size and later ops follow the new cluster. No other call may run
+// meanwhile. Either pointer may be NULL.
+//
+// # Safety
+// `changed` and `detached` are NULL or point to int32s.
+kf_status kf_resize(int32_t size, int32_t *changed, int32_t *detached);
+
+// Like `kf_resize`, to whatever cluster the config server holds now.
+//
+// # Safety
+// `changed` and `detached` are NULL or point to int32s.
+kf_status kf_resize_from_config(int32_t *changed, int32_t *detached);
+
+// The cluster version (0 at start, +1 per resize), or -1 before `kf_init`.
+int64_t kf_version(void);
+
+// Brings every worker to the same state: the step `*step` and `n` named
+// byte buffers are broadcast from the lowest-ranked worker that has state
+// (workers that joined a running job have none); `*step` is overwritten.
+// A collective: call it at start and after every resize that changed the
+// cluster, with the same names and sizes everywhere.
+//
+// # Safety
+// `step` points to a uint64; `names`, `bufs` and `bytes` to `n` entries;
+// each `bufs[i]` to `bytes[i]` writable bytes.
+kf_status kf_sync_state(uint64_t *step,
+                        const char *const *names,
+                        void *const *bufs,
+                        const uint64_t *bytes,
+                        int32_t n);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -30,6 +30,9 @@
 // unsafe block still says why it is sound.
 #![allow(unsafe_code)]
 
+mod adapt;
+pub use adapt::*;
+
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};

@@ -179,6 +179,44 @@ fn c_trainer_linked_dynamically() {
     run_job(4, &exe, "all C checks passed", &[]);
 }
 
+/// Adaptation from C under `kungfu-run -w`: monitors, proposals and
+/// agreement (a strategy swap, a custom action, resizes 2 -> 3 -> 2 with
+/// the state synced), the model checked at every step.
+#[test]
+fn c_elastic_trainer_adapts_and_resizes() {
+    let dir = Scratch::new("c-elastic");
+    install(&dir.0);
+    let src = Path::new(FFI).join("tests/c/elastic.c");
+    let mut link = pkg_config(&dir.0, &["--libs"]);
+    link.push(format!("-Wl,-rpath,{}", dir.0.join("lib").display()));
+    link.push("-lm".into());
+    let exe = compile(&dir.0, "cc", C_FLAGS, &src, Some(link), "elastic");
+    let mut c = Command::new(target_dir().join("kungfu-run"));
+    c.args(["-w", "-np", "2", "--timeout", "120s"]).arg(&exe);
+    let out = ok(c, Duration::from_secs(150));
+    let t = text(&out);
+    // the first two, and the one that joined at version 1, end together;
+    // the worker that left at step 20 was told so
+    assert!(
+        t.contains("kungfu-run: cluster version 1: 3 workers"),
+        "{t}"
+    );
+    assert!(
+        t.contains("kungfu-run: cluster version 2: 2 workers"),
+        "{t}"
+    );
+    assert!(
+        t.contains("rank 2: detached at step 20; all C checks passed"),
+        "{t}"
+    );
+    for r in 0..2 {
+        let line = format!(
+            "rank {r}: joined at version 0, 2 workers at step 30, version 2; all C checks passed"
+        );
+        assert!(t.contains(&line), "rank {r}:\n{t}");
+    }
+}
+
 #[test]
 fn c_trainer_linked_statically() {
     let dir = Scratch::new("c-static");

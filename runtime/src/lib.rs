@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use kungfu_collectives::{CollectiveError, Element, ReduceOp, Session, SessionConfig};
-use kungfu_topology::{Peer, PeerList, Rank};
+use kungfu_topology::{Peer, PeerList, Rank, Strategy};
 use kungfu_transport::any::AnyTransport;
 use kungfu_transport::hybrid::HybridTransport;
 use kungfu_transport::shm::{ShmConfig, ShmTransport};
@@ -74,6 +74,9 @@ pub struct Worker {
     /// Joined an elastic job after it started, and has no state yet.
     fresh: bool,
     detached: bool,
+    /// The strategy in use before the last resize, until sync_state hands
+    /// it to every worker.
+    carry: Option<Strategy>,
 }
 
 /// What a resize did to this worker.
@@ -152,6 +155,7 @@ impl Worker {
             joined: (began, SystemTime::now()),
             fresh,
             detached: false,
+            carry: None,
         })
     }
 
@@ -325,6 +329,10 @@ impl Worker {
             });
         };
         let mut env = self.env.clone();
+        // Every session of the new version starts on the launcher's
+        // strategy (new workers know no other); the one in use here is
+        // handed on by sync_state.
+        self.carry = Some(self.session.strategy());
         env.rank = rank;
         env.size = cfg.peers.len();
         env.cluster_version = cfg.version;
@@ -345,9 +353,9 @@ impl Worker {
         })
     }
 
-    /// Brings every worker to the same training state: the step counter
-    /// and the named buffers are broadcast from the lowest-ranked worker
-    /// that has state (not [fresh](Worker::is_fresh)); returns the step.
+    /// Brings every worker to the same training state: the step counter,
+    /// the strategy in use and the named buffers are broadcast from the
+    /// lowest-ranked worker that has state (not [fresh](Worker::is_fresh)); returns the step.
     /// A collective: every worker passes the same names and lengths. Call
     /// it at start (new workers learn where training is) and after every
     /// resize that changed the cluster.
@@ -368,10 +376,22 @@ impl Worker {
             ));
         }
         let root = Rank(root);
-        let step = s
-            .broadcast("kf/state/step", &[step], root)
+        let code = Strategy::ALL
+            .iter()
+            .position(|&x| x == self.carry.unwrap_or(s.strategy()))
+            .expect("every strategy is in ALL") as u64;
+        let got = s
+            .broadcast("kf/state/step", &[step, code], root)
             .await
-            .map_err(op_failed)?[0];
+            .map_err(op_failed)?;
+        let step = got[0];
+        // new workers start with the launcher's strategy: take the root's
+        let strategy = usize::try_from(got[1])
+            .ok()
+            .and_then(|i| Strategy::ALL.get(i).copied())
+            .ok_or_else(|| BootstrapError::Elastic(format!("strategy code {}", got[1])))?;
+        s.set_strategy(strategy);
+        self.carry = None;
         for (name, buf) in buffers.iter_mut() {
             s.broadcast_in_place(&format!("kf/state/{name}"), buf, root)
                 .await
