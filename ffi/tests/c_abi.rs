@@ -9,21 +9,13 @@
 //! Every process is bounded by kungfu-run's `--timeout` and a kill here.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc;
 use std::time::Duration;
 
-const FFI: &str = env!("CARGO_MANIFEST_DIR");
+use kungfu_tests::{output_text as text, run_bounded as run, target_dir};
 
-/// target/debug (or whichever profile built this test).
-fn target_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    exe.parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps/<test>")
-        .to_path_buf()
-}
+const FFI: &str = env!("CARGO_MANIFEST_DIR");
 
 /// A scratch directory, removed when dropped.
 struct Scratch(PathBuf);
@@ -45,37 +37,6 @@ impl Scratch {
 impl Drop for Scratch {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "--- stdout\n{}--- stderr\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-/// Runs `cmd` to completion within `limit`, killing it if it takes longer.
-fn run(mut cmd: Command, limit: Duration) -> Output {
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let child = cmd
-        .spawn()
-        .unwrap_or_else(|e| panic!("starting {cmd:?}: {e}"));
-    let pid = child.id();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || drop(tx.send(child.wait_with_output())));
-    match rx.recv_timeout(limit) {
-        Ok(out) => out.expect("wait"),
-        Err(_) => {
-            // kungfu-run forwards SIGTERM to its workers
-            let _ = Command::new("kill").arg(pid.to_string()).status();
-            std::thread::sleep(Duration::from_secs(3));
-            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-            panic!("{cmd:?} did not finish within {limit:?}");
-        }
     }
 }
 

@@ -82,3 +82,49 @@ pub async fn shm_cluster(n: usize, ring_bytes: usize) -> Vec<Arc<ShmTransport>> 
     }
     out
 }
+
+/// Runs `cmd` to completion within `limit`, capturing its output; past the
+/// limit it is sent SIGTERM (kungfu-run forwards it to its workers), then
+/// SIGKILL, and the caller panics.
+pub fn run_bounded(mut cmd: std::process::Command, limit: Duration) -> std::process::Output {
+    use std::process::Stdio;
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {cmd:?}: {e}"));
+    let pid = child.id().to_string();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || drop(tx.send(child.wait_with_output())));
+    match rx.recv_timeout(limit) {
+        Ok(out) => out.expect("wait"),
+        Err(_) => {
+            let _ = std::process::Command::new("kill").arg(&pid).status();
+            std::thread::sleep(Duration::from_secs(3));
+            let _ = std::process::Command::new("kill")
+                .args(["-9", &pid])
+                .status();
+            panic!("{cmd:?} did not finish within {limit:?}");
+        }
+    }
+}
+
+/// A process's stdout and stderr, for assertion messages.
+pub fn output_text(o: &std::process::Output) -> String {
+    format!(
+        "--- stdout\n{}--- stderr\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// The directory of the workspace's binaries (target/<profile>), from the
+/// running test binary's path (target/<profile>/deps/<test>).
+pub fn target_dir() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    exe.parent()
+        .and_then(std::path::Path::parent)
+        .expect("target/<profile>/deps/<test>")
+        .to_path_buf()
+}
