@@ -27,7 +27,9 @@ pub mod monitor;
 pub mod policy;
 pub mod sync;
 
-pub use monitor::{gradient_variance, sq_norm, sq_norm_bytes, Ema, NoiseEstimate, NoiseScale};
+pub use monitor::{
+    gradient_variance, sq_norm, sq_norm_bytes, Ema, GradientMonitor, NoiseEstimate, NoiseScale,
+};
 pub use policy::{
     Action, Adapter, AdaptiveBatchSize, Context, FastestStrategy, Metrics, Policy, Progress,
     ScaleOnPlateau, ScaleSchedule,

@@ -2,6 +2,9 @@
 //! that monitoring costs little (a couple of scalars per step, reduced
 //! together with the gradients or in one small allreduce).
 
+use kungfu_collectives::{CollectiveError, ReduceOp, Session};
+use kungfu_transport::Transport;
+
 /// An exponential moving average: `v <- v + alpha (x - v)`; the first
 /// sample is taken as is.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -118,19 +121,10 @@ pub fn gradient_variance(mean_local_sq: f64, mean_grad_sq: f64) -> f64 {
     (mean_local_sq - mean_grad_sq).max(0.0)
 }
 
-/// `sum x^2` of a gradient, accumulated in f64 over 8 independent lanes
-/// (so the loop vectorises; about memory speed).
+/// `sum x^2` of a gradient, vectorised for this CPU (32 f32 lanes per
+/// block of 4096, blocks summed in f64: about memory speed).
 pub fn sq_norm(g: &[f32]) -> f64 {
-    let mut acc = [0f64; 8];
-    let chunks = g.chunks_exact(8);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for (a, &x) in acc.iter_mut().zip(c) {
-            *a += f64::from(x) * f64::from(x);
-        }
-    }
-    let tail: f64 = rest.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
-    acc.iter().sum::<f64>() + tail
+    kungfu_collectives::sq_norm_f32(g)
 }
 
 /// [`sq_norm`] of f32 values in bytes (any alignment; a partial trailing
@@ -145,6 +139,75 @@ pub fn sq_norm_bytes(b: &[u8]) -> f64 {
                 x * x
             })
             .sum(),
+    }
+}
+
+/// The gradient monitors of a data-parallel step, riding on its gradient
+/// allreduce: no collective of their own. The caller's buffer holds the
+/// gradient plus one spare element at the end; on a monitored step the
+/// spare carries this worker's squared gradient norm through the same
+/// allreduce, so every worker gets the mean of the local norms for free
+/// and, after the op, the norm of the summed gradient: the inputs of the
+/// noise scale and of the gradient variance. Monitoring every `every`-th
+/// step bounds the cost of the two norm passes (`kungfu-bench --monitor`
+/// reports it).
+#[derive(Clone, Debug)]
+pub struct GradientMonitor {
+    noise: NoiseScale,
+    every: u64,
+    step: u64,
+    /// The latest noise estimate.
+    pub noise_estimate: Option<NoiseEstimate>,
+    /// The latest variance of the workers' gradients around their mean.
+    pub variance: Option<f64>,
+}
+
+impl GradientMonitor {
+    /// EMA weight `alpha`; monitor every `every`-th step (0: never).
+    pub fn new(alpha: f64, every: u64) -> GradientMonitor {
+        GradientMonitor {
+            noise: NoiseScale::new(alpha),
+            every,
+            step: 0,
+            noise_estimate: None,
+            variance: None,
+        }
+    }
+
+    /// Sums `buf[..len - 1]` (each worker's gradient over `b_small`
+    /// examples) across workers in place, under `name`; the last element
+    /// is the monitors' (its value on return is unspecified). Returns
+    /// whether this step was monitored (then `noise_estimate` and
+    /// `variance` are fresh). A collective, like the allreduce it is.
+    pub async fn allreduce_sum<T: Transport>(
+        &mut self,
+        session: &Session<T>,
+        name: &str,
+        buf: &mut [f32],
+        b_small: f64,
+    ) -> Result<bool, CollectiveError> {
+        let Some((slot, grad)) = buf.split_last_mut() else {
+            return Err(CollectiveError::InvalidArgument {
+                name: name.into(),
+                reason: "the buffer needs the gradient and one spare element".into(),
+            });
+        };
+        let monitored = self.every > 0 && self.step.is_multiple_of(self.every);
+        self.step += 1;
+        *slot = if monitored { sq_norm(grad) as f32 } else { 0.0 };
+        session.allreduce_in_place(name, buf, ReduceOp::Sum).await?;
+        if !monitored {
+            return Ok(false);
+        }
+        let n = session.size() as f64;
+        let (slot, grad) = buf.split_last().expect("checked above");
+        let mean_small = f64::from(*slot) / n;
+        let big = sq_norm(grad) / (n * n);
+        self.variance = Some(gradient_variance(mean_small, big));
+        if let Some(e) = self.noise.update(mean_small, big, b_small, b_small * n) {
+            self.noise_estimate = Some(e);
+        }
+        Ok(true)
     }
 }
 

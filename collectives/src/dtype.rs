@@ -518,6 +518,27 @@ mod isa {
         reduce_any(dtype, op, d, s, o)
     }
 
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    fn sq_norm_avx512(x: &[f32]) -> f64 {
+        sq_norm_any(x)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn sq_norm_avx2(x: &[f32]) -> f64 {
+        sq_norm_any(x)
+    }
+
+    pub(super) fn sq_norm(isa: KernelIsa, x: &[f32]) -> f64 {
+        match isa {
+            // SAFETY: `kernel_isa` returns Avx512 only when the CPU has
+            // every feature the function is compiled for.
+            KernelIsa::Avx512 => unsafe { sq_norm_avx512(x) },
+            // SAFETY: as above, for avx2, fma and f16c.
+            KernelIsa::Avx2 => unsafe { sq_norm_avx2(x) },
+            KernelIsa::Baseline => sq_norm_any(x),
+        }
+    }
+
     /// Sums or multiplies 16-bit floats 8 at a time in f32 registers
     /// (F16C for f16, shifts for bf16; both round to nearest even once),
     /// then the tail through the block path. Min and max keep the block
@@ -644,6 +665,36 @@ pub fn reduce_into_ordered(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8
     reduce_any(dtype, op, dst, src, order);
 }
 
+/// `sum x^2` in blocks: 32 f32 lanes within a block of 4096 elements
+/// (vectorised by the compiler for the ISA it is compiled for), block sums
+/// added in f64, so the relative error stays near f32's epsilon.
+#[inline(always)]
+fn sq_norm_any(x: &[f32]) -> f64 {
+    let mut total = 0f64;
+    for block in x.chunks(4096) {
+        let mut acc = [0f32; 32];
+        let chunks = block.chunks_exact(32);
+        let rest = chunks.remainder();
+        for c in chunks {
+            for (a, &v) in acc.iter_mut().zip(c) {
+                *a += v * v;
+            }
+        }
+        let tail: f32 = rest.iter().map(|v| v * v).sum();
+        total += f64::from(acc.iter().sum::<f32>() + tail);
+    }
+    total
+}
+
+/// The squared L2 norm of `x` (a gradient monitor's kernel), with the
+/// widest vector instructions the CPU has.
+pub fn sq_norm_f32(x: &[f32]) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    return isa::sq_norm(kernel_isa(), x);
+    #[cfg(not(target_arch = "x86_64"))]
+    sq_norm_any(x)
+}
+
 /// Divides every element by `n` (the last step of [`ReduceOp::Avg`]).
 /// Integers are left unchanged (`Avg` is refused for them up front).
 pub fn scale_down(dtype: DType, buf: &mut [u8], n: usize) {
@@ -654,6 +705,22 @@ pub fn scale_down(dtype: DType, buf: &mut [u8], n: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sq_norm_matches_an_f64_reference() {
+        for n in [0usize, 1, 31, 32, 33, 4095, 4096, 4097, 100_003] {
+            let x: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
+                .collect();
+            let want: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+            for got in [sq_norm_f32(&x), sq_norm_any(&x)] {
+                assert!(
+                    (got - want).abs() <= 1e-5 * want.max(1e-30),
+                    "{n}: {got} vs {want}"
+                );
+            }
+        }
+    }
 
     fn bytes<T: bytemuck::Pod>(v: &[T]) -> Vec<u8> {
         bytemuck::cast_slice(v).to_vec()

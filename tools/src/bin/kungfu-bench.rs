@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use kungfu::{Worker, WorkerEnv};
-use kungfu_adaptation::{sq_norm_bytes, Action, Adapter, NoiseScale};
+use kungfu_adaptation::{Action, Adapter, GradientMonitor};
 use kungfu_collectives::{reference, DType, OpKind, OpOutput, OpSpec, ReduceOp, Session};
 use kungfu_tools::plot::{svg, Series};
 use kungfu_tools::{fmt_size, parse_size};
@@ -94,9 +94,10 @@ OP: allreduce | broadcast | allgather | reduce-scatter | reduce | alltoall
   -r ROOT        root of broadcast and reduce (default 0)
   --in-place 0|1 also measure in place (default 1)
   --monitor K    allreduce of floats: also time each size with the gradient
-                 monitors beside the loop every K-th op (norms, one small
-                 allreduce overlapped with the op, noise scale) and print
-                 their overhead (default 0: off)
+                 monitors on every K-th op (the local norm rides in a spare
+                 element of the gradient allreduce; the summed gradient's
+                 norm after it; noise scale and variance) and print their
+                 overhead (default 0: off)
   --strategy S   override KUNGFU_STRATEGY
   --json FILE    write the results as JSON (rank 0)
   --plot FILE    draw busbw against size as SVG (rank 0)
@@ -380,31 +381,57 @@ async fn monitor_overhead(
     iters: usize,
     every: usize,
 ) -> anyhow::Result<(f64, f64, Option<f64>)> {
-    let n = s.size() as f64;
     let name = "bench/monitored";
-    let (plain, _, _) = time_ops(s, name, spec, input, iters, false).await?;
-    let mut ns = NoiseScale::new(0.1);
-    let mut b_simple = None;
-    let t0 = Instant::now();
-    for i in 0..iters {
-        if i % every != 0 {
-            s.submit(name, spec, input).await?;
-            continue;
-        }
-        let local = sq_norm_bytes(input);
-        let small = s.allreduce("bench/monitor", &[local], ReduceOp::Avg);
-        let out = s.submit(name, spec, input).await?;
-        let big = sq_norm_bytes(out.bytes().unwrap_or_default()) / (n * n);
-        let small = small.await?[0];
-        if let Some(e) = ns.update(small, big, 1.0, n) {
-            b_simple = e.b_simple;
-        }
+    let _ = spec;
+    // the trainer's buffer: the gradient and the monitors' spare element
+    let mut grad: Vec<f32> = input
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    grad.push(0.0);
+    let fresh = grad.clone();
+    // the same loop twice: monitors off (every 0), then on every K-th op;
+    // each op starts from the same input (the allreduce is in place)
+    // Alternate rounds without and with the monitors (the machine's noise
+    // hits both alike) and compare medians; a round is a whole number of
+    // monitoring periods.
+    const ROUNDS: usize = 9;
+    let per_round = iters.div_ceil(ROUNDS).div_ceil(every) * every;
+    let (mut plain, mut monitored) = (Vec::new(), Vec::new());
+    let mut mon = GradientMonitor::new(0.1, every as u64);
+    let mut off = GradientMonitor::new(0.1, 0);
+    for _ in 0..ROUNDS {
+        plain.push(monitored_loop(s, name, &mut grad, &fresh, per_round, &mut off).await?);
+        monitored.push(monitored_loop(s, name, &mut grad, &fresh, per_round, &mut mon).await?);
     }
-    let monitored = t0.elapsed().as_secs_f64() / iters as f64;
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (plain, monitored) = (median(&mut plain), median(&mut monitored));
     let times = s
         .allreduce("bench/monitor-times", &[plain, monitored], ReduceOp::Max)
         .await?;
+    let b_simple = mon.noise_estimate.and_then(|e| e.b_simple);
     Ok((times[0], times[1], b_simple))
+}
+
+/// `iters` allreduces of `grad` (reset to `fresh` before each, as the
+/// op is in place) through `mon`; seconds per op.
+async fn monitored_loop(
+    s: &Session<AnyTransport>,
+    name: &str,
+    grad: &mut [f32],
+    fresh: &[f32],
+    iters: usize,
+    mon: &mut GradientMonitor,
+) -> anyhow::Result<f64> {
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        grad.copy_from_slice(fresh);
+        mon.allreduce_sum(s, name, grad, 1.0).await?;
+    }
+    Ok(t0.elapsed().as_secs_f64() / iters as f64)
 }
 
 /// The model's value at `step`: every step adds the average of the ranks'
