@@ -558,17 +558,7 @@ fn map_file(file: &std::fs::File, len: usize) -> std::io::Result<MmapMut> {
     // SAFETY: the file is a ring of this job, mapped shared by exactly two
     // processes that access it only through atomics and the SPSC protocol
     // (see `Ring`); nobody truncates it while mapped.
-    let map = unsafe {
-        memmap2::MmapOptions::new()
-            .len(len)
-            .populate()
-            .map_mut(file)
-    }?;
-    // Fault every page in now, writably: a fresh ring's pages are otherwise
-    // allocated and zeroed one fault at a time during the first lap of
-    // real traffic (measured: the first ~50 allreduces of 64 KiB on 2 ranks
-    // took 90-180 us instead of 15).
-    let _ = map.advise(memmap2::Advice::PopulateWrite);
+    let map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(file) }?;
     Ok(map)
 }
 
@@ -611,7 +601,7 @@ fn open_outbound(
     deadline: std::time::Instant,
 ) -> Result<Ring, String> {
     let path = ring_path(&cfg.dir, cfg.cluster_id, cfg.epoch, cfg.rank, to);
-    let mut nap = Duration::from_millis(1);
+    let mut nap = Duration::from_micros(250);
     loop {
         if let Ok(file) = OpenOptions::new().read(true).write(true).open(&path) {
             let len = file.metadata().map(|m| m.len()).unwrap_or(0);
@@ -665,7 +655,9 @@ fn open_outbound(
             ));
         }
         std::thread::sleep(nap);
-        nap = (nap * 2).min(Duration::from_millis(50));
+        // Short naps: a job that resizes waits here for its new peers, and
+        // each nap is latency (an open that fails costs a few us).
+        nap = (nap * 2).min(Duration::from_millis(2));
     }
 }
 
@@ -871,7 +863,24 @@ fn setup(cfg: &ShmConfig, cap: usize) -> Result<(Rings, Rings), TransportError> 
     }
     // Every ring is mapped by both sides: the names are no longer needed.
     drop(created);
+    populate_in_background(inbound.iter().chain(&outbound).flatten().cloned().collect());
     Ok((inbound, outbound))
+}
+
+/// Faults every page of the rings in, writably, on a thread of its own:
+/// a fresh ring's pages are otherwise allocated and zeroed one fault at a
+/// time during the first lap of traffic (measured: the first ~50
+/// allreduces of 64 KiB on 2 ranks took 90-180 us instead of 15), while
+/// doing it before returning made connecting slow (4 ranks on 2 cores:
+/// 15-20 ms to zero their 4 MiB rings, most of an elastic resize).
+fn populate_in_background(rings: Vec<Arc<Ring>>) {
+    let _ = std::thread::Builder::new()
+        .name("kungfu-shm-populate".into())
+        .spawn(move || {
+            for r in rings {
+                let _ = r.map.advise(memmap2::Advice::PopulateWrite);
+            }
+        });
 }
 
 /// Runs a future to completion on this (non-runtime) thread.
