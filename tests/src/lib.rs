@@ -119,8 +119,8 @@ pub fn output_text(o: &std::process::Output) -> String {
     )
 }
 
-/// The directory of the workspace's binaries (target/<profile>), from the
-/// running test binary's path (target/<profile>/deps/<test>).
+/// The directory of the workspace's binaries (`target/<profile>`), from the
+/// running test binary's path (`target/<profile>/deps/<test>`).
 pub fn target_dir() -> std::path::PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
     exe.parent()
