@@ -760,9 +760,29 @@ fn bench_measures_swaps_and_monitor_overhead() {
 /// change; the resize latency is printed.
 #[test]
 fn elastic_job_resizes_2_4_3_1_3_and_keeps_the_model() {
+    // shared memory (auto on one host) and TCP (workers listen again on
+    // their port at every version)
+    for transport in ["auto", "tcp"] {
+        elastic_job(transport);
+    }
+}
+
+fn elastic_job(transport: &str) {
     let out = run_bounded(
         kungfu_run(&[
-            "-w", "-np", "2", BENCH, "resize", "--sizes", "4,3,1,3", "-n", "4", "-b", "64K",
+            "-w",
+            "-np",
+            "2",
+            "--transport",
+            transport,
+            BENCH,
+            "resize",
+            "--sizes",
+            "4,3,1,3",
+            "-n",
+            "4",
+            "-b",
+            "64K",
         ]),
         Duration::from_secs(120),
     );

@@ -332,7 +332,7 @@ struct Row {
     oop: Cell,
     ip: Cell,
     /// With --monitor: (time per op without, with the monitors, B_simple).
-    monitor: Option<(f64, f64, Option<f64>)>,
+    monitor: Option<MonitorCost>,
 }
 
 /// Runs `iters` ops of `spec`, in place or not; returns the mean time per
@@ -380,7 +380,7 @@ async fn monitor_overhead(
     input: &[u8],
     iters: usize,
     every: usize,
-) -> anyhow::Result<(f64, f64, Option<f64>)> {
+) -> anyhow::Result<MonitorCost> {
     let name = "bench/monitored";
     let _ = spec;
     // the trainer's buffer: the gradient and the monitors' spare element
@@ -395,7 +395,6 @@ async fn monitor_overhead(
     // Alternate rounds without and with the monitors (the machine's noise
     // hits both alike) and compare medians; a round is a whole number of
     // monitoring periods.
-    const ROUNDS: usize = 9;
     let per_round = iters.div_ceil(ROUNDS).div_ceil(every) * every;
     let (mut plain, mut monitored) = (Vec::new(), Vec::new());
     let mut mon = GradientMonitor::new(0.1, every as u64);
@@ -404,16 +403,50 @@ async fn monitor_overhead(
         plain.push(monitored_loop(s, name, &mut grad, &fresh, per_round, &mut off).await?);
         monitored.push(monitored_loop(s, name, &mut grad, &fresh, per_round, &mut mon).await?);
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let (plain, monitored) = (median(&mut plain), median(&mut monitored));
+    // the slowest rank's time of each round
     let times = s
-        .allreduce("bench/monitor-times", &[plain, monitored], ReduceOp::Max)
+        .allreduce(
+            "bench/monitor-times",
+            &[plain.as_slice(), monitored.as_slice()].concat(),
+            ReduceOp::Max,
+        )
         .await?;
+    let (plain, monitored) = times.split_at(ROUNDS);
+    let sorted = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        v
+    };
+    // overhead of each round against the plain round before it
+    let ratios = sorted(
+        &plain
+            .iter()
+            .zip(monitored)
+            .map(|(p, m)| m / p - 1.0)
+            .collect::<Vec<_>>(),
+    );
+    let q = |f: f64| ratios[((ratios.len() - 1) as f64 * f).round() as usize];
     let b_simple = mon.noise_estimate.and_then(|e| e.b_simple);
-    Ok((times[0], times[1], b_simple))
+    Ok(MonitorCost {
+        plain: sorted(plain)[ROUNDS / 2],
+        monitored: sorted(monitored)[ROUNDS / 2],
+        overhead: (q(0.25), q(0.5), q(0.75)),
+        b_simple,
+    })
+}
+
+/// Rounds of ops without and with the monitors, each round timed on the
+/// slowest rank.
+const ROUNDS: usize = 15;
+
+/// What the monitors cost at one size.
+struct MonitorCost {
+    /// Median seconds per op without and with them.
+    plain: f64,
+    monitored: f64,
+    /// Quartiles of the per-round overhead (fractions).
+    overhead: (f64, f64, f64),
+    b_simple: Option<f64>,
 }
 
 /// `iters` allreduces of `grad` (reset to `fresh` before each, as the
@@ -831,14 +864,16 @@ async fn bench(args: Args) -> anyhow::Result<bool> {
         );
         println!("# Avg bus bandwidth    : {avg:.4}");
         for r in rows.iter() {
-            if let Some((plain, monitored, b)) = r.monitor {
+            if let Some(m) = &r.monitor {
                 println!(
-                    "# Monitors at {:>9}  : {:.2} us -> {:.2} us per op ({:+.1}%), noise scale {}",
+                    "# Monitors at {:>9}  : {:.2} us -> {:.2} us per op ({:+.1}%; quartiles of {ROUNDS} rounds {:+.1}% {:+.1}%), noise scale {}",
                     fmt_size(r.size),
-                    plain * 1e6,
-                    monitored * 1e6,
-                    (monitored / plain - 1.0) * 100.0,
-                    b.map_or("-".to_string(), |b| format!("{b:.3}"))
+                    m.plain * 1e6,
+                    m.monitored * 1e6,
+                    m.overhead.1 * 100.0,
+                    m.overhead.0 * 100.0,
+                    m.overhead.2 * 100.0,
+                    m.b_simple.map_or("-".to_string(), |b| format!("{b:.3}"))
                 );
             }
         }
