@@ -463,12 +463,21 @@ impl<T: Transport> Session<T> {
             }
             *g = Some(Vec::new());
         }
-        let r = self.swap_gated(s).await;
-        let mut g = lock(&self.inner.gate);
-        for d in g.take().unwrap_or_default() {
-            self.start_now(d.name, d.spec, &d.input, d.done, d.internal);
+        // Reopens the gate even if this future is dropped half-way (the
+        // ranks may then disagree on the epoch, and later ops fail on
+        // their timeout, but none waits here for ever).
+        struct Reopen<'a, T: Transport>(&'a Session<T>);
+        impl<T: Transport> Drop for Reopen<'_, T> {
+            fn drop(&mut self) {
+                let s = self.0;
+                let mut g = lock(&s.inner.gate);
+                for d in g.take().unwrap_or_default() {
+                    s.start_now(d.name, d.spec, &d.input, d.done, d.internal);
+                }
+            }
         }
-        r
+        let _reopen = Reopen(self);
+        self.swap_gated(s).await
     }
 
     async fn swap_gated(&self, s: Strategy) -> Result<Epoch, CollectiveError> {

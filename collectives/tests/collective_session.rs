@@ -799,3 +799,28 @@ fn peer_stats_show_a_straggler() {
         assert_eq!(ss[0].peer_stats()[2], Default::default());
     });
 }
+
+/// A swap whose future is dropped half-way (here: only rank 0 swaps, and
+/// gives up) does not leave later ops waiting for it.
+#[test]
+fn a_cancelled_swap_does_not_hold_later_ops() {
+    rt().block_on(async {
+        let ss = sessions(3, Strategy::Star, 13, LONG);
+        let r = tokio::time::timeout(
+            Duration::from_millis(20),
+            ss[0].swap_strategy(Strategy::Ring),
+        )
+        .await;
+        assert!(r.is_err(), "the others never join: {r:?}");
+        let hs: Vec<_> = ss
+            .iter()
+            .map(|s| s.allreduce("after", &[1u32; 8], ReduceOp::Sum))
+            .collect();
+        for h in hs {
+            let got = tokio::time::timeout(Duration::from_secs(10), h)
+                .await
+                .expect("not held by the cancelled swap");
+            assert_eq!(got.unwrap(), vec![3u32; 8]);
+        }
+    });
+}
