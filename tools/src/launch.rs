@@ -349,8 +349,8 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
     };
 
     anyhow::ensure!(
-        !opts.watch || (all_local && opts.self_host.is_none()),
-        "watch mode (-w) starts workers on this host only; give local hosts"
+        !opts.watch || (opts.hosts.len() == 1 && all_local && opts.self_host.is_none()),
+        "watch mode (-w) starts workers on this host only: give one local host"
     );
     let server = if opts.watch {
         Some(config_server(&opts, &peers).await?)
