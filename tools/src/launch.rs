@@ -52,6 +52,10 @@ pub struct LaunchOptions {
     pub watch: bool,
     /// The largest cluster a watched job may grow to.
     pub max_np: usize,
+    /// How long a worker a new version left out may take to exit by
+    /// itself (it learns it is detached at its next resize) before it is
+    /// stopped.
+    pub detach_timeout: Duration,
     pub program: Vec<String>,
 }
 
@@ -135,6 +139,11 @@ struct Proc {
     alive: bool,
     /// The worker's address (watch mode tracks workers by it).
     addr: Option<String>,
+    /// Left out of the cluster: when it is stopped if still running, and
+    /// the signal it gets then.
+    removed: Option<(Instant, Signal)>,
+    /// Stopped for not leaving when removed: its exit is no failure.
+    stopped: bool,
 }
 
 /// The processes of a job and the tasks that wait for them and relay
@@ -170,9 +179,20 @@ impl Job {
             pid: child.id().map(|p| p as i32),
             alive: true,
             addr,
+            removed: None,
+            stopped: false,
         });
         self.waits.spawn(async move { (idx, child.wait().await) });
         Ok(())
+    }
+
+    /// When the next removed worker is due to be signalled.
+    fn next_removal(&self) -> Option<Instant> {
+        self.procs
+            .iter()
+            .filter(|p| p.alive)
+            .filter_map(|p| p.removed.map(|(at, _)| at))
+            .min()
     }
 
     fn running(&self, addr: &str) -> bool {
@@ -441,6 +461,7 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
 
     while remaining > 0 {
         let phase_at = next_phase.map_or(far, |(t, _)| t);
+        let removal = job.next_removal();
         tokio::select! {
             Some(joined) = job.waits.join_next() => {
                 let Ok((idx, status)) = joined else { continue };
@@ -450,7 +471,9 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                     Ok(st) => describe(&st),
                     Err(e) => (format!("could not be waited for: {e}"), 1),
                 };
-                if code != 0 {
+                if job.procs[idx].stopped {
+                    eprintln!("kungfu-run: {} (removed from the cluster) {what}", job.procs[idx].label);
+                } else if code != 0 {
                     let msg = format!("{} {what}", job.procs[idx].label);
                     if exit_code.is_none() {
                         eprintln!("kungfu-run: {msg}; stopping the other workers");
@@ -464,6 +487,13 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
             Ok(()) = async { config.as_mut().expect("guarded").changed().await }, if config.is_some() && exit_code.is_none() => {
                 let c = config.as_mut().expect("guarded").borrow_and_update().clone();
                 eprintln!("kungfu-run: cluster version {}: {} workers", c.version, c.peers.len());
+                let members: std::collections::HashSet<String> =
+                    c.peers.peers().iter().map(|p| p.to_string()).collect();
+                for p in job.procs.iter_mut().filter(|p| p.alive && p.removed.is_none()) {
+                    if p.addr.as_ref().is_some_and(|a| !members.contains(a)) {
+                        p.removed = Some((Instant::now() + opts.detach_timeout, Signal::SIGTERM));
+                    }
+                }
                 for (rank, p) in c.peers.peers().iter().enumerate() {
                     let addr = p.to_string();
                     if job.running(&addr) {
@@ -489,6 +519,24 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                             next_phase = Some((Instant::now() + TERM_TO_KILL, Signal::SIGKILL));
                         }
                     }
+                }
+            }
+            _ = tokio::time::sleep_until(removal.unwrap_or(far)), if removal.is_some() => {
+                let now = Instant::now();
+                for p in job.procs.iter_mut().filter(|p| p.alive) {
+                    let Some((at, sig)) = p.removed else { continue };
+                    if at > now {
+                        continue;
+                    }
+                    if sig == Signal::SIGTERM {
+                        eprintln!(
+                            "kungfu-run: {} left the cluster {:?} ago and is still running; stopping it",
+                            p.label, opts.detach_timeout
+                        );
+                    }
+                    p.stopped = true;
+                    signal_all(std::slice::from_ref(p), sig);
+                    p.removed = (sig == Signal::SIGTERM).then(|| (now + TERM_TO_KILL, Signal::SIGKILL));
                 }
             }
             _ = sigint.recv() => {

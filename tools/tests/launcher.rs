@@ -805,3 +805,49 @@ fn elastic_job(transport: &str) {
         "{t}"
     );
 }
+
+/// Watch mode stops the workers a new version leaves out if they do not
+/// exit by themselves (here: shell workers that never resize), without
+/// failing the job; the config server takes a plain HTTP PUT.
+#[test]
+fn watch_mode_stops_removed_workers_that_stay() {
+    let script = r#"
+if [ "$KUNGFU_RANK" = 0 ] && [ "$KUNGFU_CLUSTER_VERSION" = 0 ]; then
+  a=${KUNGFU_CONFIG_SERVER#http://}; a=${a%%/*}
+  exec 3<>/dev/tcp/${a%:*}/${a#*:}
+  printf 'PUT /cluster HTTP/1.1\r\nContent-Length: 6\r\n\r\nsize 1' >&3
+  head -c 12 <&3; echo
+  sleep 2
+else
+  sleep 60
+fi
+"#;
+    let out = run_bounded(
+        kungfu_run(&[
+            "-w",
+            "-np",
+            "3",
+            "--detach-timeout",
+            "300ms",
+            "bash",
+            "-c",
+            script,
+        ]),
+        Duration::from_secs(60),
+    );
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert!(t.contains("[0] HTTP/1.1 200"), "{t}");
+    assert!(
+        t.contains("kungfu-run: cluster version 1: 1 workers"),
+        "{t}"
+    );
+    for r in [1, 2] {
+        assert!(
+            t.contains(&format!(
+                "rank {r} left the cluster 300ms ago and is still running; stopping it"
+            )),
+            "{t}"
+        );
+    }
+}

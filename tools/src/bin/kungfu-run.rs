@@ -40,6 +40,9 @@ options:
                         config) and start the workers each new version adds;
                         removed workers are told by the library and exit
   --max-np N            the largest size a watched job may grow to (64)
+  --detach-timeout DUR  how long a worker a new version leaves out may run on
+                        before it is stopped (60s; it exits by itself at its
+                        next resize, when the library tells it is detached)
   -x NAME=VALUE         set an environment variable for every worker
   -h, --help            this text
 ";
@@ -61,6 +64,7 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
         bind: Bind::Auto,
         watch: false,
         max_np: 0,
+        detach_timeout: Duration::from_secs(60),
         program: Vec::new(),
     };
     let mut max_np = None;
@@ -102,6 +106,7 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
             }
             "--bind-to" => o.bind = value(&mut i, a)?.parse()?,
             "-w" | "--watch" => o.watch = true,
+            "--detach-timeout" => o.detach_timeout = parse_duration(&value(&mut i, a)?)?,
             "--max-np" => {
                 max_np = Some(
                     value(&mut i, a)?
