@@ -527,8 +527,12 @@ mod tests {
         }
     }
 
+    /// One policy instance driven over 60 steps, its decisions applied
+    /// as an adapter would: it acts only at every 10th step, only when
+    /// the noise scale is off the batch in use by more than the
+    /// tolerance, on multiples of the cluster size, within its bounds.
     #[test]
-    fn adaptive_batch_size_proposes_multiples_of_the_cluster() {
+    fn adaptive_batch_size_follows_the_noise_scale() {
         let mut p = AdaptiveBatchSize {
             min: 32,
             max: 4096,
@@ -536,34 +540,48 @@ mod tests {
             tolerance: 0.1,
         };
         let mut prog = Progress {
-            step: 10,
             batch_size: 128,
-            metrics: Metrics {
-                noise_scale: Some(1001.0),
-                ..Metrics::default()
-            },
             ..Progress::default()
         };
-        let cx = |prog: &Progress| -> Vec<Action> {
-            let cx = Context {
-                rank: Rank(0),
-                size: 4,
-                strategy: Strategy::Auto,
-                progress: prog,
-                ops: &[],
-                peers: &[],
+        let mut decided = Vec::new();
+        for step in 1..=70 {
+            let (size, noise) = match step {
+                ..=25 => (4, Some(1001.0)),
+                26..=35 => (4, Some(1040.0)),
+                36..=45 => (4, Some(1e9)),
+                46..=55 => (4, Some(20.0)),
+                56..=60 => (4, Some(f64::NAN)),
+                _ => (3, Some(1001.0)),
             };
-            p.clone().after_step(&cx)
-        };
-        assert_eq!(cx(&prog), vec![Action::SetBatchSize(1000)]);
-        prog.step = 11;
-        assert!(cx(&prog).is_empty(), "only every 10 steps");
-        prog.step = 20;
-        prog.batch_size = 1000;
-        assert!(cx(&prog).is_empty(), "within tolerance");
-        prog.metrics.noise_scale = Some(1e9);
-        assert_eq!(cx(&prog), vec![Action::SetBatchSize(4096)]);
-        let _ = &mut p;
+            prog.step = step;
+            prog.metrics.noise_scale = noise;
+            let got = p.after_step(&cx(size, Strategy::Auto, &prog, &[], &[]));
+            for a in &got {
+                if let Action::SetBatchSize(b) = a {
+                    prog.batch_size = *b;
+                }
+            }
+            if !got.is_empty() {
+                decided.push((step, got));
+            }
+        }
+        assert_eq!(
+            decided,
+            vec![
+                // 1001 rounded to a multiple of 4
+                (10, vec![Action::SetBatchSize(1000)]),
+                // step 20: 1001 is within 10% of 1000; step 30: 1040 too
+                (40, vec![Action::SetBatchSize(4096)]),
+                (50, vec![Action::SetBatchSize(32)]),
+                // step 60: no finite estimate; step 70: 3 workers
+                (70, vec![Action::SetBatchSize(1002)]),
+            ]
+        );
+        prog.metrics.noise_scale = None;
+        prog.step = 80;
+        assert!(p
+            .after_step(&cx(3, Strategy::Auto, &prog, &[], &[]))
+            .is_empty());
     }
 
     fn cx<'a>(

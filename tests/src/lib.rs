@@ -1,6 +1,9 @@
 //! Helpers shared by the cross-crate tests in `tests/tests/`.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use kungfu_topology::{Peer, PeerList, Rank};
@@ -30,6 +33,15 @@ pub async fn bind_loopback(n: usize) -> (Vec<TcpListener>, PeerList) {
 
 /// `n` TCP endpoints in this process, fully connected over loopback.
 pub async fn tcp_cluster(n: usize, cluster_id: u64) -> (Vec<Arc<TcpTransport>>, PeerList) {
+    tcp_cluster_with(n, cluster_id, |_| {}).await
+}
+
+/// [`tcp_cluster`], with each endpoint's config adjusted by `tune`.
+pub async fn tcp_cluster_with(
+    n: usize,
+    cluster_id: u64,
+    tune: impl Fn(&mut TcpConfig),
+) -> (Vec<Arc<TcpTransport>>, PeerList) {
     let (listeners, peers) = bind_loopback(n).await;
     let tasks: Vec<_> = listeners
         .into_iter()
@@ -37,6 +49,7 @@ pub async fn tcp_cluster(n: usize, cluster_id: u64) -> (Vec<Arc<TcpTransport>>, 
         .map(|(i, l)| {
             let mut cfg = TcpConfig::new(cluster_id, Epoch(0), Rank(i as u32), peers.clone());
             cfg.connect_timeout = Duration::from_secs(20);
+            tune(&mut cfg);
             tokio::spawn(TcpTransport::connect(cfg, l))
         })
         .collect();
@@ -101,13 +114,27 @@ pub fn run_bounded(mut cmd: std::process::Command, limit: Duration) -> std::proc
         Ok(out) => out.expect("wait"),
         Err(_) => {
             let _ = std::process::Command::new("kill").arg(&pid).status();
-            std::thread::sleep(Duration::from_secs(3));
-            let _ = std::process::Command::new("kill")
-                .args(["-9", &pid])
-                .status();
-            panic!("{cmd:?} did not finish within {limit:?}");
+            // kungfu-run stops its workers on SIGTERM; it gets a few
+            // seconds for that, and SIGKILL if it is not done by then
+            let out = match rx.recv_timeout(Duration::from_secs(3)) {
+                Ok(Ok(out)) => output_text(&out),
+                _ => {
+                    let _ = std::process::Command::new("kill")
+                        .args(["-9", &pid])
+                        .status();
+                    "(killed)".into()
+                }
+            };
+            panic!("{cmd:?} did not finish within {limit:?}\n{out}");
         }
     }
+}
+
+/// Polls `f` once. A receive polled once is under way (with no spin, it
+/// is registered and asleep), so an event the test causes next happens
+/// while it waits, with no sleep to make it likely.
+pub async fn poll_once<F: Future + Unpin>(f: &mut F) -> Poll<F::Output> {
+    std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *f).poll(cx))).await
 }
 
 /// A process's stdout and stderr, for assertion messages.
@@ -127,4 +154,48 @@ pub fn target_dir() -> std::path::PathBuf {
         .and_then(std::path::Path::parent)
         .expect("target/<profile>/deps/<test>")
         .to_path_buf()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+    use std::time::Instant;
+
+    fn message(e: Box<dyn std::any::Any + Send>) -> String {
+        e.downcast_ref::<String>().cloned().unwrap_or_default()
+    }
+
+    /// Past its limit a process gets SIGTERM and, if it stops, the caller
+    /// panics at once with its output; one that ignores SIGTERM is killed.
+    #[test]
+    fn run_bounded_stops_what_runs_too_long() {
+        let started = Instant::now();
+        let mut c = Command::new("sleep");
+        c.arg("30");
+        let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            run_bounded(c, Duration::from_millis(200))
+        }));
+        let m = message(e.expect_err("sleep 30 outlives 200 ms"));
+        assert!(
+            m.contains("did not finish") && m.contains("--- stdout"),
+            "{m}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(3), "no grace wait");
+
+        let started = Instant::now();
+        let mut c = Command::new("sh");
+        // an ignored signal stays ignored across exec
+        c.args(["-c", "trap '' TERM; exec sleep 30"]);
+        let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            run_bounded(c, Duration::from_millis(200))
+        }));
+        let m = message(e.expect_err("sleep 30 outlives 200 ms"));
+        assert!(m.contains("(killed)"), "{m}");
+        let took = started.elapsed();
+        assert!(
+            took >= Duration::from_secs(3) && took < Duration::from_secs(20),
+            "{took:?}"
+        );
+    }
 }

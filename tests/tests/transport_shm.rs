@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use kungfu_tests::{shm_cluster, unique_cluster_id};
+use kungfu_tests::{poll_once, shm_cluster, unique_cluster_id};
 use kungfu_topology::Rank;
 use kungfu_transport::shm::{ShmConfig, ShmTransport};
 use kungfu_transport::{
@@ -92,6 +92,8 @@ async fn rings_leave_no_files_and_closing_is_seen() {
         .map(|i| {
             let mut cfg = ShmConfig::new(id, Epoch(0), Rank(i), 2);
             cfg.ring_bytes = 8192;
+            // no spin: a receive polled once is asleep, waiting for a wake-up
+            cfg.spin = Duration::ZERO;
             tokio::spawn(ShmTransport::connect(cfg))
         })
         .collect();
@@ -101,11 +103,11 @@ async fn rings_leave_no_files_and_closing_is_seen() {
     }
     assert!(leftover_files(id).is_empty(), "{:?}", leftover_files(id));
     let from1: PeerSet = [Rank(1)].into_iter().collect();
-    let t0 = ts[0].clone();
-    let waiter = tokio::spawn(async move { t0.recv(tag(9), &from1, soon()).await });
-    tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut waiter = Box::pin(ts[0].recv(tag(9), &from1, soon()));
+    let first = poll_once(&mut waiter).await;
+    assert!(first.is_pending(), "{first:?}");
     ts[1].shutdown();
-    match waiter.await.unwrap() {
+    match waiter.await {
         Err(TransportError::PeerLost { peer, reason }) => {
             assert_eq!(peer, Rank(1));
             assert!(reason.contains("closed"), "{reason}");

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use kungfu_tests::{bind_loopback, tcp_cluster};
+use kungfu_tests::{bind_loopback, poll_once, tcp_cluster, tcp_cluster_with};
 use kungfu_topology::Rank;
 use kungfu_transport::tcp::{TcpConfig, TcpTransport};
 use kungfu_transport::{
@@ -194,17 +194,15 @@ async fn stale_epoch_frames_are_refused_and_the_stream_goes_on() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_closed_endpoint_is_lost_to_the_others() {
-    let (ts, _) = tcp_cluster(3, 9).await;
+    // no spin: a receive polled once is asleep, waiting for a wake-up
+    let (ts, _) = tcp_cluster_with(3, 9, |c| c.spin = Duration::ZERO).await;
     let all = PeerSet::all(3);
-    let waiter = {
-        let t = ts[0].clone();
-        let all = all.clone();
-        tokio::spawn(async move { t.recv(tag(0, 5), &all, soon()).await })
-    };
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut waiter = Box::pin(ts[0].recv(tag(0, 5), &all, soon()));
+    let first = poll_once(&mut waiter).await;
+    assert!(first.is_pending(), "{first:?}");
     let started = std::time::Instant::now();
     ts[2].shutdown();
-    match waiter.await.unwrap() {
+    match waiter.await {
         Err(TransportError::PeerLost { peer, reason }) => {
             assert_eq!(peer, Rank(2));
             assert!(reason.contains("closed"), "{reason}");

@@ -15,13 +15,27 @@
 //!   are started by `kungfu-run -w` and receive the step, the strategy and
 //!   the model; a removed worker is told it is detached and exits.
 //!
+//! The task is meant to be hard enough that a lost, duplicated or
+//! misweighted update shows: ten overlapping classes, so accuracy still
+//! rises over the six epochs, and every worker starts from its own random
+//! parameters, so a worker that missed the model it should have received
+//! disagrees with the others.
+//!
 //! ```text
 //! kungfu-run -w -np 2 target/debug/kungfu-train [--epochs 6] [--train 8192]
-//! kungfu-train --baseline     # the same training in one process, no KungFu
+//! kungfu-train --baseline [--batch-schedule STEP:BATCH,...]
 //! ```
+//! The baseline is the same training in one process without KungFu,
+//! starting from rank 0's parameters; `--batch-schedule` replays the batch
+//! sizes a distributed run agreed on (`STEP:BATCH`: from the step after
+//! `STEP` on, batches of `BATCH`), so its parameters should match the
+//! distributed run's up to the rounding of the sums.
+//!
 //! Rank 0 prints per epoch: loss, accuracy, noise scale, batch size,
-//! cluster size, strategy. At the end every worker prints its accuracy
-//! and a digest of its parameters.
+//! cluster size, strategy. Every worker prints a `state` line with a
+//! digest of its parameters after each synchronisation of the state, at
+//! the end of each epoch and when it is detached, and at the end its
+//! accuracy.
 
 use std::time::Duration;
 
@@ -34,9 +48,17 @@ use kungfu_collectives::ReduceOp;
 use kungfu_topology::{fnv1a64, Strategy};
 use kungfu_transport::mem::SeededRng;
 
-const FEATURES: usize = 16;
-const CLASSES: usize = 4;
+const FEATURES: usize = 32;
+const CLASSES: usize = 10;
 const PARAMS: usize = CLASSES * FEATURES + CLASSES;
+/// Spread of the class means in units of the per-sample noise: small
+/// enough that the classes overlap (the best accuracy is far from 1), so
+/// the model keeps improving for several epochs.
+const SEPARATION: f32 = 0.32;
+/// The seed of the class means (train and test share them).
+const MEANS_SEED: u64 = 11;
+/// The seed of rank 0's initial parameters (the baseline starts there).
+const INIT_SEED: u64 = 100;
 
 struct Args {
     epochs: u64,
@@ -48,6 +70,8 @@ struct Args {
     swap_at: u64,
     shrink_at: u64,
     baseline: bool,
+    /// For the baseline: (step, batch size from the next step on).
+    batch_schedule: Vec<(u64, u64)>,
 }
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -56,11 +80,12 @@ fn parse_args() -> anyhow::Result<Args> {
         train: 8192,
         test: 2048,
         batch: 64,
-        lr: 0.2,
+        lr: 0.1,
         grow_at: 2,
         swap_at: 3,
         shrink_at: 4,
         baseline: false,
+        batch_schedule: Vec::new(),
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -86,6 +111,7 @@ fn parse_args() -> anyhow::Result<Args> {
             "--grow-at" => a.grow_at = num()?,
             "--swap-at" => a.swap_at = num()?,
             "--shrink-at" => a.shrink_at = num()?,
+            "--batch-schedule" => a.batch_schedule = parse_schedule(v)?,
             _ => bail!("unknown option {flag:?}"),
         }
         i += 2;
@@ -96,7 +122,26 @@ fn parse_args() -> anyhow::Result<Args> {
     Ok(a)
 }
 
-/// Samples of a 4-class problem: class means on a grid, unit noise.
+/// `STEP:BATCH,...` (empty: none).
+fn parse_schedule(v: &str) -> anyhow::Result<Vec<(u64, u64)>> {
+    let mut out = Vec::new();
+    for item in v.split(',').filter(|s| !s.is_empty()) {
+        let (s, b) = item
+            .split_once(':')
+            .with_context(|| format!("--batch-schedule: {item:?} is not STEP:BATCH"))?;
+        let (s, b): (u64, u64) = (
+            s.parse().context("--batch-schedule: bad step")?,
+            b.parse().context("--batch-schedule: bad batch size")?,
+        );
+        if b == 0 {
+            bail!("--batch-schedule: batch sizes must be positive");
+        }
+        out.push((s, b));
+    }
+    Ok(out)
+}
+
+/// Samples of a 10-class problem: Gaussian class means, unit noise.
 struct Data {
     x: Vec<f32>,
     y: Vec<u8>,
@@ -109,18 +154,28 @@ fn gaussian(rng: &mut SeededRng) -> f32 {
 }
 
 fn make_data(seed: u64, n: usize) -> Data {
+    let mut means_rng = SeededRng::new(MEANS_SEED);
+    let means: Vec<f32> = (0..CLASSES * FEATURES)
+        .map(|_| SEPARATION * gaussian(&mut means_rng))
+        .collect();
     let mut rng = SeededRng::new(seed);
     let mut x = Vec::with_capacity(n * FEATURES);
     let mut y = Vec::with_capacity(n);
     for _ in 0..n {
         let c = rng.below(CLASSES as u64) as usize;
         for d in 0..FEATURES {
-            let mean = (((c * 7 + d * 3) % 5) as f32 - 2.0) * 0.45;
-            x.push(mean + gaussian(&mut rng));
+            x.push(means[c * FEATURES + d] + gaussian(&mut rng));
         }
         y.push(c as u8);
     }
     Data { x, y }
+}
+
+/// Initial parameters, small and random: each worker draws its own (from
+/// `seed`), so only a working state synchronisation makes them agree.
+fn init_params(seed: u64) -> Vec<f32> {
+    let mut rng = SeededRng::new(seed);
+    (0..PARAMS).map(|_| 0.1 * gaussian(&mut rng)).collect()
 }
 
 /// Class probabilities of sample `i` under `params`.
@@ -239,14 +294,29 @@ impl Policy for Schedule {
 /// epoch, base size].
 type Progress4 = [u64; 4];
 
+/// Prints this worker's view of the state (the test checks that every
+/// worker alive at `step` prints the same digest).
+fn print_state(w: &Worker, why: &str, step: u64, params: &[f32]) {
+    println!(
+        "state {why} step {step}: rank {} of {} params {:016x}",
+        w.rank(),
+        w.size(),
+        digest(params)
+    );
+}
+
 async fn train(args: Args) -> anyhow::Result<()> {
     let mut w = Worker::start(WorkerEnv::from_env()?).await?;
     let train = make_data(1, args.train);
     let test = make_data(2, args.test);
     let order = shuffled(args.train, 3);
-    let mut params = vec![0f32; PARAMS];
+    // A worker that joins late draws yet other parameters: it must get
+    // the trained ones from sync_state.
+    let seed = INIT_SEED + w.rank() as u64 + if w.is_fresh() { 1000 } else { 0 };
+    let mut params = init_params(seed);
     let mut prog: Progress4 = [0, u64::from(args.batch), 0, w.size() as u64];
     let mut step = sync(&mut w, 0, &mut params, &mut prog).await?;
+    print_state(&w, "synced", step, &params);
     let policies: Vec<Box<dyn Policy>> = vec![
         Box::new(AdaptiveBatchSize {
             min: 32,
@@ -306,10 +376,11 @@ async fn train(args: Args) -> anyhow::Result<()> {
         let epoch = prog[0] / args.train as u64;
         if epoch > prog[2] {
             prog[2] = epoch;
+            print_state(&w, &format!("epoch {epoch}"), step, &params);
             if w.rank() == 0 {
                 let (l, acc) = evaluate(&params, &test);
                 println!(
-                    "epoch {epoch}: loss {l:.4} accuracy {acc:.4} noise scale {} batch {b} workers {n} strategy {}",
+                    "epoch {epoch}: loss {l:.6} accuracy {acc:.4} noise scale {} batch {b} workers {n} strategy {}",
                     b_simple.map_or("-".into(), |v| format!("{v:.1}")),
                     w.session().strategy()
                 );
@@ -347,11 +418,13 @@ async fn train(args: Args) -> anyhow::Result<()> {
                     let before = w.size();
                     let res = w.resize(size as usize).await?;
                     if res.detached {
+                        print_state(&w, "detached", step, &params);
                         println!("rank {r}: detached at step {step}; leaving");
                         return Ok(());
                     }
                     if res.changed {
                         step = sync(&mut w, step, &mut params, &mut prog).await?;
+                        print_state(&w, "synced", step, &params);
                         ad.set_session(w.session().clone());
                         if w.rank() == 0 {
                             println!("step {step}: workers {before} -> {}", w.size());
@@ -364,7 +437,7 @@ async fn train(args: Args) -> anyhow::Result<()> {
     }
     let (l, acc) = evaluate(&params, &test);
     println!(
-        "final: rank {} of {} loss {l:.4} accuracy {acc:.4} params {:016x} step {step}",
+        "final: rank {} of {} loss {l:.6} accuracy {acc:.4} params {:016x} step {step}",
         w.rank(),
         w.size(),
         digest(&params)
@@ -388,17 +461,17 @@ async fn sync(
     Ok(w.sync_state(step, &mut bufs).await?)
 }
 
-/// The same training in one process, with the initial batch size: the
-/// accuracy the distributed run should reach.
+/// The same training in one process, from rank 0's initial parameters,
+/// with the initial batch size or the batch sizes of `--batch-schedule`.
 fn baseline(args: &Args) {
     let train = make_data(1, args.train);
     let test = make_data(2, args.test);
     let order = shuffled(args.train, 3);
-    let mut params = vec![0f32; PARAMS];
+    let mut params = init_params(INIT_SEED);
     let mut g = vec![0f32; PARAMS];
-    let b = u64::from(args.batch);
-    let mut seen = 0u64;
-    while seen / (args.train as u64) < args.epochs {
+    let mut b = u64::from(args.batch);
+    let (mut seen, mut step, mut epoch) = (0u64, 0u64, 0u64);
+    while epoch < args.epochs {
         g.fill(0.0);
         grad_sum(
             &params,
@@ -410,9 +483,21 @@ fn baseline(args: &Args) {
             *p -= args.lr * gv / b as f32;
         }
         seen += b;
+        step += 1;
+        if seen / args.train as u64 > epoch {
+            epoch = seen / args.train as u64;
+            let (l, acc) = evaluate(&params, &test);
+            println!("baseline epoch {epoch}: loss {l:.6} accuracy {acc:.4} batch {b}");
+        }
+        if let Some(&(_, nb)) = args.batch_schedule.iter().find(|(s, _)| *s == step) {
+            b = nb;
+        }
     }
     let (l, acc) = evaluate(&params, &test);
-    println!("baseline: loss {l:.4} accuracy {acc:.4}");
+    println!(
+        "baseline: loss {l:.6} accuracy {acc:.4} params {:016x} step {step}",
+        digest(&params)
+    );
 }
 
 fn main() {
