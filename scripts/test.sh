@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh Debian machine with Rust installed:
 # installs the system packages the tests need, then checks formatting,
-# lints and docs, runs every test, and builds and smoke-runs the benches.
+# lints and docs, runs every test, builds and smoke-runs the benches, and
+# runs every command block of README.md and docs/ (scripts/doc-commands.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,6 +14,8 @@ command -v c++ >/dev/null 2>&1 || need+=(g++)
 command -v make >/dev/null 2>&1 || need+=(make)
 command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
+# scripts/doc-commands.py runs the docs' commands
+command -v python3 >/dev/null 2>&1 || need+=(python3)
 if ((${#need[@]})); then
   sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"
@@ -38,3 +41,5 @@ echo "== cargo test"
 cargo test --workspace --locked
 echo "== benches (one quick pass each, so they never rot)"
 cargo test --workspace --benches --locked
+echo "== the commands of README.md and docs/ (release builds, then each block)"
+python3 scripts/doc-commands.py
