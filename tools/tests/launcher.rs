@@ -44,7 +44,6 @@ fn run_bounded(mut cmd: Command, limit: Duration) -> Output {
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
     let child = cmd.spawn().expect("spawn");
     let (tx, rx) = mpsc::channel();
-    let mut guard = Guard(Vec::new());
     let pid = child.id();
     std::thread::spawn(move || {
         let _ = tx.send(child.wait_with_output());
@@ -52,11 +51,13 @@ fn run_bounded(mut cmd: Command, limit: Duration) -> Output {
     match rx.recv_timeout(limit) {
         Ok(out) => out.expect("wait"),
         Err(_) => {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid as i32),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-            guard.0.clear();
+            // SIGTERM first: kungfu-run passes it on to its workers (and
+            // kills them 3 s later), which SIGKILL would leave running
+            let pid = nix::unistd::Pid::from_raw(pid as i32);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+            if rx.recv_timeout(Duration::from_secs(10)).is_err() {
+                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            }
             panic!("command did not finish within {limit:?}: {cmd:?}");
         }
     }
@@ -811,17 +812,30 @@ fn elastic_job(transport: &str) {
 /// failing the job; the config server takes a plain HTTP PUT.
 #[test]
 fn watch_mode_stops_removed_workers_that_stay() {
+    let dir = TempDir::new("watch-stop");
+    // Rank 0 stays until the launcher has stopped the other two: had it
+    // exited first, version 1 (rank 0 alone) would be started afresh.
     let script = r#"
 if [ "$KUNGFU_RANK" = 0 ] && [ "$KUNGFU_CLUSTER_VERSION" = 0 ]; then
   a=${KUNGFU_CONFIG_SERVER#http://}; a=${a%%/*}
   exec 3<>/dev/tcp/${a%:*}/${a#*:}
   printf 'PUT /cluster HTTP/1.1\r\nContent-Length: 6\r\n\r\nsize 1' >&3
   head -c 12 <&3; echo
-  sleep 2
+  for i in $(seq 600); do
+    gone=0
+    for r in 1 2; do
+      [ -s "$DIR/$r.pid" ] && ! kill -0 "$(cat "$DIR/$r.pid")" 2>/dev/null && gone=$((gone + 1))
+    done
+    [ "$gone" = 2 ] && { echo "ranks 1 and 2 are gone"; exit 0; }
+    sleep 0.05
+  done
+  echo "ranks 1 and 2 are still running"; exit 1
 else
-  sleep 60
+  echo $$ > "$DIR/$KUNGFU_RANK.pid.tmp" && mv "$DIR/$KUNGFU_RANK.pid.tmp" "$DIR/$KUNGFU_RANK.pid"
+  exec sleep 60
 fi
 "#;
+    let dir_var = format!("DIR={}", dir.0.display());
     let out = run_bounded(
         kungfu_run(&[
             "-w",
@@ -829,6 +843,8 @@ fi
             "3",
             "--detach-timeout",
             "300ms",
+            "-x",
+            &dir_var,
             "bash",
             "-c",
             script,
@@ -838,6 +854,7 @@ fi
     let t = text(&out);
     assert!(out.status.success(), "{t}");
     assert!(t.contains("[0] HTTP/1.1 200"), "{t}");
+    assert!(t.contains("[0] ranks 1 and 2 are gone"), "{t}");
     assert!(
         t.contains("kungfu-run: cluster version 1: 1 workers"),
         "{t}"
@@ -850,6 +867,53 @@ fi
             "{t}"
         );
     }
+}
+
+/// A worker that watch mode starts for a new version gets its listening
+/// socket from the launcher, as the first ones do: an inherited socket
+/// listening at its own port (checked against /proc/net/tcp).
+#[test]
+fn watch_mode_passes_new_workers_their_sockets() {
+    let dir = TempDir::new("watch-grow");
+    let script = r#"
+if [ "$KUNGFU_CLUSTER_VERSION" = 0 ]; then
+  a=${KUNGFU_CONFIG_SERVER#http://}; a=${a%%/*}
+  exec 3<>/dev/tcp/${a%:*}/${a#*:}
+  printf 'PUT /cluster HTTP/1.1\r\nContent-Length: 6\r\n\r\nsize 2' >&3
+  head -c 12 <&3; echo
+  # stay until the new worker is done (else version 1 restarts rank 0)
+  for i in $(seq 1200); do
+    [ -e "$DIR/done" ] && exit 0
+    sleep 0.05
+  done
+  echo "the new worker never finished"; exit 1
+fi
+fd=${KUNGFU_LISTEN_FD:?no KUNGFU_LISTEN_FD}
+ino=$(readlink "/proc/self/fd/$fd"); ino=${ino#socket:[}; ino=${ino%]}
+port=$(printf '%04X' "${KUNGFU_PEERS##*:}")
+if awk -v p=":$port" -v i="$ino" '$2 ~ p"$" && $4 == "0A" && $10 == i { f = 1 } END { exit !f }' /proc/net/tcp; then
+  echo "version $KUNGFU_CLUSTER_VERSION: fd $fd listens at my port"
+else
+  echo "version $KUNGFU_CLUSTER_VERSION: fd $fd ($ino) is not the socket of port $port"
+fi
+touch "$DIR/done"
+"#;
+    let dir_var = format!("DIR={}", dir.0.display());
+    let out = run_bounded(
+        kungfu_run(&["-w", "-np", "1", "-x", &dir_var, "bash", "-c", script]),
+        Duration::from_secs(60),
+    );
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert!(t.contains("[0] HTTP/1.1 200"), "{t}");
+    assert!(
+        t.contains("kungfu-run: cluster version 1: 2 workers"),
+        "{t}"
+    );
+    assert!(
+        t.contains("] version 1: fd ") && t.contains(" listens at my port"),
+        "{t}"
+    );
 }
 
 /// Many jobs started at once on one machine never share a port, and no
