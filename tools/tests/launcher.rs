@@ -580,6 +580,21 @@ fn bad_command_lines_are_refused() {
     }
 }
 
+/// `kungfu-run --help` names every strategy the library accepts.
+#[test]
+fn help_lists_every_strategy() {
+    let out = run_bounded(kungfu_run(&["--help"]), Duration::from_secs(20));
+    assert!(out.status.success(), "{}", text(&out));
+    let help = String::from_utf8_lossy(&out.stdout);
+    // whole words: STAR is also part of BINARY_TREE_STAR
+    let words: std::collections::HashSet<&str> = help
+        .split(|c: char| !(c.is_ascii_uppercase() || c == '_'))
+        .collect();
+    for s in Strategy::ALL {
+        assert!(words.contains(s.name()), "--help omits {s}:\n{help}");
+    }
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
