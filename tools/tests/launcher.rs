@@ -219,6 +219,40 @@ fn bench_writes_json_and_a_plot() {
     );
 }
 
+/// The in-place column checks the in-place buffer itself: a result
+/// corrupted there (by a test-only switch of the bench) is counted in that
+/// column's #wrong, not in the out-of-place one, and fails the run. Both
+/// paths: allreduce (the session's in-place call) and allgather (the
+/// nccl-tests layout, this rank's block inside the output buffer).
+#[test]
+fn bench_checks_the_in_place_buffer() {
+    for op in ["allreduce", "allgather"] {
+        let mut c = kungfu_run(&[
+            "-np", "3", BENCH, op, "-b", "4K", "-e", "16K", "-f", "4", "-n", "2", "-w", "1",
+        ]);
+        c.env("KUNGFU_BENCH_CORRUPT_IN_PLACE", "1");
+        let out = run_bounded(c, Duration::from_secs(60));
+        let t = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{op}: {t}");
+        // one corrupt element per rank and size
+        assert!(t.contains("# Out of bounds values : 6 FAILED"), "{op}: {t}");
+        let rows: Vec<Vec<&str>> = t
+            .lines()
+            .filter_map(|l| l.strip_prefix("[0] "))
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .filter(|w| w.len() == 13 && w[0].parse::<usize>().is_ok())
+            .collect();
+        assert_eq!(rows.len(), 2, "{op}: {t}");
+        for w in rows {
+            assert_eq!(
+                (w[8], w[12]),
+                ("0", "3"),
+                "{op} (#wrong out of place, in place): {t}"
+            );
+        }
+    }
+}
+
 /// Ctrl-C reaches every worker, and the job ends promptly.
 #[test]
 fn sigint_reaches_every_worker() {
@@ -593,6 +627,23 @@ fn help_lists_every_strategy() {
     for s in Strategy::ALL {
         assert!(words.contains(s.name()), "--help omits {s}:\n{help}");
     }
+}
+
+/// `kungfu-bench --help` names `--in-place` and explains the footer's
+/// heap line.
+#[test]
+fn bench_help_explains_in_place_and_the_heap_line() {
+    let mut c = Command::new(BENCH);
+    c.arg("--help");
+    let out = run_bounded(c, Duration::from_secs(20));
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{help}");
+    assert!(help.contains("--in-place 0|1"), "{help}");
+    let flat = help.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        flat.contains("\"Heap per op (rank 0)\" line gives"),
+        "{help}"
+    );
 }
 
 fn free_port() -> u16 {
