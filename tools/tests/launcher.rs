@@ -77,6 +77,25 @@ fn kungfu_run(args: &[&str]) -> Command {
     c
 }
 
+/// kungfu-run for a job in which a worker fails and the others must notice
+/// by themselves (a closed socket, a gone pid). The launcher gives them
+/// 30 s to exit by themselves (`--grace`) and their op deadline is ten
+/// minutes, so a survivor that did not notice shows as stopped by SIGTERM
+/// whatever the load on the machine: no wall-clock bound is needed.
+fn kungfu_run_failing(args: &[&str]) -> Command {
+    let mut c = kungfu_run(&["--grace", "30s"]);
+    c.args(args).env("KUNGFU_OP_TIMEOUT_MS", "600000");
+    c
+}
+
+/// Every survivor of a job from `kungfu_run_failing` exited by itself.
+fn assert_noticed(t: &str) {
+    assert!(
+        !t.contains("was killed by signal 15 (SIGTERM)"),
+        "a survivor did not notice the failure and was stopped:\n{t}"
+    );
+}
+
 #[test]
 fn every_strategy_and_size_is_correct() {
     for (np, transport) in (1..=4).flat_map(|np| [(np, "tcp"), (np, "auto")]) {
@@ -282,8 +301,9 @@ fn sigint_reaches_every_worker() {
         if let Some(st) = guard.0[0].try_wait().unwrap() {
             break st;
         }
+        // (the job's own --timeout is 120 s)
         assert!(
-            sent.elapsed() < Duration::from_secs(20),
+            sent.elapsed() < Duration::from_secs(30),
             "kungfu-run ignored SIGINT"
         );
         std::thread::sleep(Duration::from_millis(50));
@@ -298,7 +318,6 @@ fn sigint_reaches_every_worker() {
         3,
         "{err}"
     );
-    assert!(sent.elapsed() < Duration::from_secs(5), "{err}");
 }
 
 /// The shared-memory transport under the launcher: every op correct, and a
@@ -332,9 +351,8 @@ fn shared_memory_transport() {
             assert!(out.status.success(), "{op} np={np} {s}:\n{}", text(&out));
         }
     }
-    let started = Instant::now();
     let out = run_bounded(
-        kungfu_run(&[
+        kungfu_run_failing(&[
             "-np",
             "3",
             "--transport",
@@ -347,16 +365,19 @@ fn shared_memory_transport() {
             "--exit",
             "1:30:9",
         ]),
-        Duration::from_secs(60),
+        Duration::from_secs(90),
     );
     let t = text(&out);
     assert!(!out.status.success(), "{t}");
+    assert_noticed(&t);
     assert!(t.contains("kungfu-run: rank 1 exited with status 9"), "{t}");
+    // a survivor saw the pid gone (the other may hear it from that one)
     assert!(
-        t.contains("sending process") || t.contains("receiving process") || t.contains("rank 1"),
+        t.lines().any(|l| !l.starts_with("[1]")
+            && l.contains("rank 1 is lost: ")
+            && (l.contains("sending process") || l.contains("receiving process"))),
         "{t}"
     );
-    assert!(started.elapsed() < Duration::from_secs(30), "{t}");
     // auto: shared memory inside each "host", TCP between them
     for s in ["BINARY_TREE_STAR", "RING", "CLIQUE"] {
         let cmd = kungfu_run(&[
@@ -450,19 +471,18 @@ fn two_hosts_on_loopback() {
 
 #[test]
 fn a_worker_that_exits_3_stops_the_job() {
-    let started = Instant::now();
     let out = run_bounded(
-        kungfu_run(&[
+        kungfu_run_failing(&[
             "-np", "4", SELFTEST, "--steps", "100000", "--size", "1024", "--exit", "2:20:3",
         ]),
-        Duration::from_secs(60),
+        Duration::from_secs(90),
     );
     let t = text(&out);
     // the survivors fail too (their allreduce needs rank 2), and which exit
     // the launcher reaps first is up to the kernel: any non-zero status
     assert!(!out.status.success(), "{t}");
+    assert_noticed(&t);
     assert!(t.contains("kungfu-run: rank 2 exited with status 3"), "{t}");
-    assert!(started.elapsed() < Duration::from_secs(30), "{t}");
     // every line of a worker is prefixed with its rank
     assert!(
         t.contains("[2] step 20: exiting with status 3 as asked"),
@@ -483,7 +503,7 @@ fn a_worker_killed_during_allreduce_is_named_and_nothing_hangs_shm() {
 }
 
 fn kill_rank_two_mid_allreduce(transport: &str) {
-    let mut c = kungfu_run(&[
+    let mut c = kungfu_run_failing(&[
         "-np",
         "4",
         "--transport",
@@ -541,8 +561,9 @@ fn kill_rank_two_mid_allreduce(transport: &str) {
         if let Some(st) = child.try_wait().unwrap() {
             break st;
         }
+        // past the 30 s grace: an unnoticed loss shows as a SIGTERM
         assert!(
-            killed_at.elapsed() < Duration::from_secs(30),
+            killed_at.elapsed() < Duration::from_secs(90),
             "kungfu-run still running"
         );
         std::thread::sleep(Duration::from_millis(50));
@@ -553,6 +574,7 @@ fn kill_rank_two_mid_allreduce(transport: &str) {
     }
     let all = lines.join("\n");
     assert!(!status.success(), "{all}");
+    assert_noticed(&all);
     assert!(
         all.contains("kungfu-run: rank 2 was killed by signal 9 (SIGKILL)"),
         "{all}"
@@ -563,7 +585,6 @@ fn kill_rank_two_mid_allreduce(transport: &str) {
         .filter(|l| !l.starts_with("[2]") && l.contains("error") && l.contains("rank 2"))
         .count();
     assert!(named >= 1, "no survivor named rank 2:\n{all}");
-    assert!(killed_at.elapsed() < Duration::from_secs(20));
 }
 
 #[test]
@@ -582,14 +603,16 @@ fn the_job_timeout_bounds_a_hung_worker() {
         "1:2",
     ])
     .env("KUNGFU_OP_TIMEOUT_MS", "600000");
-    let out = run_bounded(c, Duration::from_secs(30));
+    let out = run_bounded(c, Duration::from_secs(90));
     assert_eq!(out.status.code(), Some(124), "{}", text(&out));
     assert!(
         text(&out).contains("did not finish within"),
         "{}",
         text(&out)
     );
-    assert!(started.elapsed() < Duration::from_secs(15));
+    // 3 s, then SIGTERM and SIGKILL 3 s later; the hung op alone would
+    // wait ten minutes: only the order of magnitude matters
+    assert!(started.elapsed() < Duration::from_secs(60));
 }
 
 #[test]
@@ -827,8 +850,8 @@ fn bench_measures_swaps_and_monitor_overhead() {
 /// change; the resize latency is printed.
 #[test]
 fn elastic_job_resizes_2_4_3_1_3_and_keeps_the_model() {
-    // shared memory (auto on one host) and TCP (workers listen again on
-    // their port at every version)
+    // shared memory (auto on one host) and TCP (every version accepts on
+    // the socket the launcher passed down, which the worker keeps)
     for transport in ["auto", "tcp"] {
         elastic_job(transport);
     }
