@@ -8,6 +8,9 @@
 //! | Slurm `srun` | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID` | rendezvous on the first node of `SLURM_JOB_NODELIST` |
 //! | Open MPI `mpirun` | `OMPI_COMM_WORLD_RANK`, `_SIZE`, `_LOCAL_RANK` | rendezvous on 127.0.0.1 when all ranks share a host |
 //!
+//! On one machine, kungfu-run also passes each worker its listening socket,
+//! already bound (`KUNGFU_LISTEN_FD`; see [`crate::listen`]).
+//!
 //! `KUNGFU_RENDEZVOUS=host:port` overrides the rendezvous address for any
 //! launcher, and `KUNGFU_RENDEZVOUS_PORT` just the port. Where no port is
 //! given (Slurm, Open MPI), it is derived from the job id, so every rank of
@@ -63,6 +66,10 @@ pub struct WorkerEnv {
     /// The config server of an elastic job (`KUNGFU_CONFIG_SERVER`, set by
     /// `kungfu-run -w`): `http://host:port/cluster`.
     pub config_server: Option<String>,
+    /// The listening socket kungfu-run bound for this worker and passed
+    /// down (`KUNGFU_LISTEN_FD`; see [`crate::listen`]). Read only with
+    /// kungfu-run's variables: other launchers pass no socket.
+    pub listen_fd: Option<i32>,
 }
 
 fn parse<T: std::str::FromStr>(var: &str, v: &str) -> Result<T, BootstrapError> {
@@ -149,6 +156,7 @@ impl WorkerEnv {
             }
         };
 
+        let mut listen_fd = None;
         let (launcher, rank, size, discovery) = if get("KUNGFU_RANK").is_some() {
             let peers: PeerList =
                 need("KUNGFU_PEERS")?
@@ -164,6 +172,9 @@ impl WorkerEnv {
                     reason: format!("{size}, but KUNGFU_PEERS lists {} peers", peers.len()),
                 });
             }
+            listen_fd = get(crate::listen::LISTEN_FD_VAR)
+                .map(|v| parse::<i32>(crate::listen::LISTEN_FD_VAR, &v))
+                .transpose()?;
             (Launcher::KungfuRun, rank, size, Discovery::Peers(peers))
         } else if get("OMPI_COMM_WORLD_RANK").is_some() {
             let (rank, size) = (num("OMPI_COMM_WORLD_RANK")?, num("OMPI_COMM_WORLD_SIZE")?);
@@ -269,6 +280,7 @@ impl WorkerEnv {
         Ok(WorkerEnv {
             spin,
             config_server: get("KUNGFU_CONFIG_SERVER"),
+            listen_fd,
             auto,
             launcher,
             rank,
@@ -316,6 +328,7 @@ mod tests {
         assert_eq!(e.cluster_id, Some(0xabc));
         assert_eq!(e.auto, AutoThresholds::default());
         assert_eq!(e.spin, None);
+        assert_eq!(e.listen_fd, None);
         let base = [
             ("KUNGFU_RANK", "0"),
             ("KUNGFU_SIZE", "1"),
@@ -328,6 +341,10 @@ mod tests {
         .concat();
         let e = env(&tuned).unwrap();
         assert_eq!(e.auto.large_bytes, 4096);
+        let passed = [base.as_slice(), &[("KUNGFU_LISTEN_FD", "7")]].concat();
+        assert_eq!(env(&passed).unwrap().listen_fd, Some(7));
+        let bad = [base.as_slice(), &[("KUNGFU_LISTEN_FD", "seven")]].concat();
+        assert!(env(&bad).is_err());
         assert_eq!(e.spin, Some(Duration::from_micros(7)));
         let bad = [base.as_slice(), &[("KUNGFU_AUTO_LARGE_BYTES", "big")]].concat();
         let err = env(&bad).unwrap_err().to_string();

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use kungfu_collectives::{CollectiveError, Element, ReduceOp, Session, SessionConfig};
-use kungfu_topology::{Peer, PeerList, Rank, Strategy};
+use kungfu_topology::{PeerList, Rank, Strategy};
 use kungfu_transport::any::AnyTransport;
 use kungfu_transport::hybrid::HybridTransport;
 use kungfu_transport::shm::{ShmConfig, ShmTransport};
@@ -35,6 +35,7 @@ use tokio::time::Instant;
 
 pub mod elastic;
 pub mod env;
+pub mod listen;
 pub mod rendezvous;
 
 pub use env::{Discovery, Launcher, WorkerEnv};
@@ -101,7 +102,7 @@ impl Worker {
             Discovery::Peers(peers) => {
                 let me = peers.peer(Rank(env.rank as u32)).expect("validated rank");
                 (
-                    listen(me).await?,
+                    listen::listen(me, env.listen_fd).await?,
                     peers.clone(),
                     env.cluster_id.unwrap_or(0),
                 )
@@ -337,7 +338,8 @@ impl Worker {
         env.size = cfg.peers.len();
         env.cluster_version = cfg.version;
         env.discovery = Discovery::Peers(cfg.peers.clone());
-        let listener = listen(&me).await?;
+        // the same address: with an inherited socket, a duplicate of it
+        let listener = listen::listen(&me, self.env.listen_fd).await?;
         let old = self.session.clone();
         let (new, ()) = tokio::join!(
             connect(&env, &cfg.peers, self.cluster_id, listener, deadline),
@@ -404,16 +406,6 @@ impl Worker {
 
 fn op_failed(e: CollectiveError) -> BootstrapError {
     BootstrapError::Elastic(e.to_string())
-}
-
-/// Listens on `me` (a worker's own address).
-async fn listen(me: &Peer) -> Result<TcpListener, BootstrapError> {
-    TcpListener::bind((me.host.as_str(), me.port))
-        .await
-        .map_err(|source| BootstrapError::Listen {
-            addr: me.to_string(),
-            source,
-        })
 }
 
 /// Connects the transport `env` asks for and starts a session on it.

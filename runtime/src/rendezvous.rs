@@ -269,7 +269,9 @@ mod tests {
     async fn a_wrong_size_is_refused_and_the_server_times_out() {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = l.local_addr().unwrap().port();
-        let deadline = Instant::now() + Duration::from_millis(800);
+        // the refusal comes long before the server's deadline, however
+        // loaded the machine: only the order of magnitude matters
+        let deadline = Instant::now() + Duration::from_secs(3);
         let server = tokio::spawn(serve(l, 2, 0, deadline));
         let e = register("127.0.0.1", port, 1, 3, 0, deadline)
             .await

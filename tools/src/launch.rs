@@ -7,7 +7,9 @@
 //! fail with an error naming the lost rank, and that error is worth
 //! seeing), then SIGTERM, then SIGKILL three seconds later.
 
+use std::collections::{HashMap, HashSet};
 use std::io::Write;
+use std::os::fd::AsRawFd;
 use std::os::unix::process::ExitStatusExt;
 use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
@@ -22,7 +24,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use crate::{assign_ranks, free_port, is_local_host, peer_list, HostSlots};
+use crate::{assign_ranks, bind_listener, is_local_host, job_ports, HostSlots, JobPorts};
 use kungfu::elastic::{ClusterConfig, ConfigServer, ServerRules};
 use kungfu_topology::{Peer, PeerList, Rank};
 
@@ -129,6 +131,35 @@ fn pin(cmd: &mut Command, cpu: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Hands `l` to the child `cmd` starts, as an inherited descriptor named
+/// in `KUNGFU_LISTEN_FD` (the runtime adopts it; see `kungfu::listen`).
+/// Rust opens every descriptor close-on-exec, so a worker inherits its own
+/// socket and no other; the flag is cleared in the child alone, between
+/// fork and exec. The launcher's copy closes with `cmd`, after the spawn.
+fn pass_listener(cmd: &mut Command, l: std::net::TcpListener) -> anyhow::Result<()> {
+    use nix::fcntl::{fcntl, FcntlArg, FdFlag};
+    // 0-2 become the child's stdio: a duplicate lands at 3 or above
+    let l = if l.as_raw_fd() < 3 {
+        l.try_clone().context("duplicating a listening socket")?
+    } else {
+        l
+    };
+    cmd.env(kungfu::listen::LISTEN_FD_VAR, l.as_raw_fd().to_string());
+    #[allow(unsafe_code)]
+    // SAFETY: the closure runs in the child between fork and exec, where
+    // only async-signal-safe calls are allowed: it makes one fcntl on a
+    // descriptor the child inherited (the closure's `l` keeps it open in
+    // the parent until the spawn is over), and allocates nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            fcntl(&l, FcntlArg::F_SETFD(FdFlag::empty()))
+                .map(drop)
+                .map_err(std::io::Error::from)
+        });
+    }
+    Ok(())
+}
+
 const TERM_TO_KILL: Duration = Duration::from_secs(3);
 /// Longest line relayed at once; longer lines are split.
 const MAX_LINE: u64 = 64 * 1024;
@@ -218,10 +249,18 @@ fn worker_cmd(
     w: &WorkerSpec<'_>,
     cluster_id: u64,
     config_url: Option<&str>,
+    listener: Option<std::net::TcpListener>,
 ) -> anyhow::Result<Command> {
     let mut cmd = Command::new(&opts.program[0]);
     if let Some(cpu) = cpu_for(opts.bind, allowed, w.local_rank, w.local_size) {
         pin(&mut cmd, cpu)?;
+    }
+    match listener {
+        Some(l) => pass_listener(&mut cmd, l)?,
+        // one inherited from whoever started kungfu-run names nothing here
+        None => {
+            cmd.env_remove(kungfu::listen::LISTEN_FD_VAR);
+        }
     }
     cmd.args(&opts.program[1..])
         .env("KUNGFU_RANK", w.rank.to_string())
@@ -244,8 +283,32 @@ fn worker_cmd(
     Ok(cmd)
 }
 
-/// Starts the config server of a watched job on this host.
-async fn config_server(opts: &LaunchOptions, peers: &PeerList) -> anyhow::Result<ConfigServer> {
+/// Sockets bound for the workers a watched job has not started yet, by
+/// address.
+type Pending = std::sync::Arc<std::sync::Mutex<HashMap<String, std::net::TcpListener>>>;
+
+/// Takes the socket bound for a new worker at `addr`, or binds `addr` (a
+/// whole config PUT may name any address): either way the worker gets its
+/// socket from the launcher, as the first ones did.
+fn listener_for(pending: &Pending, p: &Peer) -> anyhow::Result<std::net::TcpListener> {
+    let bound = pending
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&p.to_string());
+    match bound {
+        Some(l) => Ok(l),
+        None => std::net::TcpListener::bind((p.host.as_str(), p.port))
+            .with_context(|| format!("cannot listen on {p} for a new worker")),
+    }
+}
+
+/// Starts the config server of a watched job on this host. A new peer gets
+/// a port bound here and held until its worker starts with it (see
+/// `pass_listener`).
+async fn config_server(
+    opts: &LaunchOptions,
+    peers: &PeerList,
+) -> anyhow::Result<(ConfigServer, Pending)> {
     let host = peers.peers()[0].host.clone();
     let listener = tokio::net::TcpListener::bind((host.as_str(), 0))
         .await
@@ -255,24 +318,37 @@ async fn config_server(opts: &LaunchOptions, peers: &PeerList) -> anyhow::Result
             .peers()
             .iter()
             .map(|p| p.port)
-            .collect::<std::collections::HashSet<u16>>(),
+            .collect::<HashSet<u16>>(),
     );
+    let pending = Pending::default();
+    let bound = pending.clone();
     let new_host = host.clone();
     let rules = ServerRules {
         max_size: opts.max_np,
         only_host: Some(host),
-        // a port never used in this job: a detached worker may still hold
-        // its old one
+        // A port never used in this job, so that an address names one
+        // worker only (the kernel may offer the port of one that exited).
+        // The refused sockets stay bound until one is found, so the
+        // kernel offers another port each time.
         new_peer: Box::new(move |_| {
             let mut used = used.lock().unwrap_or_else(|e| e.into_inner());
+            let mut refused = Vec::new();
             for _ in 0..100 {
-                let port = free_port(&new_host).map_err(|e| e.to_string())?;
-                if used.insert(port) {
-                    return Ok(Peer {
-                        host: new_host.clone(),
-                        port,
-                    });
+                let l = bind_listener(&new_host).map_err(|e| format!("{e:#}"))?;
+                let port = l.local_addr().map_err(|e| e.to_string())?.port();
+                if !used.insert(port) {
+                    refused.push(l);
+                    continue;
                 }
+                let p = Peer {
+                    host: new_host.clone(),
+                    port,
+                };
+                bound
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(p.to_string(), l);
+                return Ok(p);
             }
             Err("no free port".into())
         }),
@@ -281,7 +357,7 @@ async fn config_server(opts: &LaunchOptions, peers: &PeerList) -> anyhow::Result
         version: 0,
         peers: peers.clone(),
     };
-    Ok(ConfigServer::start(listener, initial, rules)?)
+    Ok((ConfigServer::start(listener, initial, rules)?, pending))
 }
 
 fn describe(status: &ExitStatus) -> (String, i32) {
@@ -361,7 +437,10 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
     anyhow::ensure!(!opts.program.is_empty(), "no program to run");
     let slots = assign_ranks(opts.np, &opts.hosts)?;
     let all_local = opts.hosts.iter().all(|h| is_local_host(&h.host));
-    let peers = peer_list(&slots, all_local, opts.port_base)?;
+    let JobPorts {
+        peers,
+        mut listeners,
+    } = job_ports(&slots, all_local, opts.port_base)?;
     let cluster_id = opts.cluster_id.unwrap_or_else(job_id);
     let mine = |host: &str| match &opts.self_host {
         Some(me) => host == me,
@@ -372,10 +451,11 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
         !opts.watch || (opts.hosts.len() == 1 && all_local && opts.self_host.is_none()),
         "watch mode (-w) starts workers on this host only: give one local host"
     );
-    let server = if opts.watch {
-        Some(config_server(&opts, &peers).await?)
+    let (server, pending) = if opts.watch {
+        let (s, p) = config_server(&opts, &peers).await?;
+        (Some(s), p)
     } else {
-        None
+        (None, Pending::default())
     };
     let mut config = server.as_ref().map(|s| s.subscribe());
     let url = server.as_ref().map(|s| s.url());
@@ -391,7 +471,8 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
             peers: &peers,
             version: 0,
         };
-        let cmd = worker_cmd(&opts, &allowed, &w, cluster_id, url.as_deref())?;
+        let listener = listeners[s.rank].take();
+        let cmd = worker_cmd(&opts, &allowed, &w, cluster_id, url.as_deref(), listener)?;
         let addr = peers.peer(Rank(s.rank as u32)).map(|p| p.to_string());
         job.spawn(
             cmd,
@@ -487,7 +568,7 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
             Ok(()) = async { config.as_mut().expect("guarded").changed().await }, if config.is_some() && exit_code.is_none() => {
                 let c = config.as_mut().expect("guarded").borrow_and_update().clone();
                 eprintln!("kungfu-run: cluster version {}: {} workers", c.version, c.peers.len());
-                let members: std::collections::HashSet<String> =
+                let members: HashSet<String> =
                     c.peers.peers().iter().map(|p| p.to_string()).collect();
                 for p in job.procs.iter_mut().filter(|p| p.alive && p.removed.is_none()) {
                     if p.addr.as_ref().is_some_and(|a| !members.contains(a)) {
@@ -508,7 +589,8 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                         peers: &c.peers,
                         version: c.version,
                     };
-                    let started = worker_cmd(&opts, &allowed, &w, cluster_id, url.as_deref())
+                    let started = listener_for(&pending, p)
+                        .and_then(|l| worker_cmd(&opts, &allowed, &w, cluster_id, url.as_deref(), Some(l)))
                         .and_then(|cmd| job.spawn(cmd, format!("worker {addr}"), format!("[{rank:>width$}] "), Some(addr)));
                     match started {
                         Ok(()) => remaining += 1,

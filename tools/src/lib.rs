@@ -6,7 +6,7 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use kungfu_topology::{fnv1a64, Peer, PeerList};
+use kungfu_topology::{Peer, PeerList};
 
 pub mod launch;
 pub mod plot;
@@ -150,71 +150,60 @@ pub fn assign_ranks(np: usize, hosts: &[HostSlots]) -> anyhow::Result<Vec<Worker
     Ok(slots)
 }
 
-/// The low end of the kernel's ephemeral port range (outgoing connections
-/// take their local ports from it), or Linux's default.
-fn ephemeral_low() -> u16 {
-    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse().ok())
-        .unwrap_or(32768)
+/// Binds a listening socket on `host` (a local address) at a port the
+/// kernel picks. The kernel never hands out a port that is bound, and the
+/// port stays bound from here on: the socket goes to the worker as an
+/// inherited descriptor (see `kungfu::listen`), so no other process, and
+/// no other worker, can take it in between. (Drawing a free port, releasing
+/// it and letting the worker bind it raced with both.) A bound port is not
+/// taken for outgoing connections either, though it comes from the
+/// ephemeral range.
+pub fn bind_listener(host: &str) -> anyhow::Result<std::net::TcpListener> {
+    std::net::TcpListener::bind((host, 0)).with_context(|| format!("binding a port on {host}"))
 }
 
-/// Picks a free TCP port on `host` (a local address) for a worker to listen
-/// on. Ports come from below the ephemeral range, at a random offset: a
-/// port from the ephemeral range could be taken by one of the job's own
-/// outgoing connections before the worker binds it. The port is released
-/// before the worker binds it; if another process takes it in between, the
-/// worker reports the bind error and the job fails cleanly.
-pub fn free_port(host: &str) -> anyhow::Result<u16> {
-    let hi = ephemeral_low().max(12_000);
-    let lo = 10_000u16;
-    let span = u64::from(hi - lo);
-    let mut x = fnv1a64(
-        0xcbf2_9ce4_8422_2325,
-        &[
-            std::process::id().to_le_bytes().as_slice(),
-            &std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos() as u64)
-                .to_le_bytes(),
-            host.as_bytes(),
-        ]
-        .concat(),
-    );
-    for _ in 0..200 {
-        x = fnv1a64(x, &x.to_le_bytes());
-        let port = lo + (x % span) as u16;
-        if std::net::TcpListener::bind((host, port)).is_ok() {
-            return Ok(port);
-        }
-    }
-    let l = std::net::TcpListener::bind((host, 0)).with_context(|| format!("bind {host}:0"))?;
-    Ok(l.local_addr()?.port())
+/// The addresses of a job's workers and, where kungfu-run binds them
+/// itself, their listening sockets.
+#[derive(Debug)]
+pub struct JobPorts {
+    pub peers: PeerList,
+    /// By rank: the socket bound for the worker (every worker of an
+    /// all-local job), to be passed down to it.
+    pub listeners: Vec<Option<std::net::TcpListener>>,
 }
 
-/// The peer list of a job: free ports when every host is this machine,
-/// otherwise `port_base + local rank` on each host (so that every host's
-/// launcher computes the same list without talking to the others).
-pub fn peer_list(
+/// The peer list of a job. When every host is this machine, each worker's
+/// socket is bound here (kernel-assigned ports, held until the worker has
+/// it); otherwise each worker listens on `port_base + local rank` of its
+/// host, so that every host's launcher computes the same list without
+/// talking to the others.
+pub fn job_ports(
     slots: &[WorkerSlot],
     all_local: bool,
     port_base: u16,
-) -> anyhow::Result<PeerList> {
+) -> anyhow::Result<JobPorts> {
     let mut peers = Vec::with_capacity(slots.len());
+    let mut listeners = Vec::with_capacity(slots.len());
     for s in slots {
-        let port = if all_local {
-            free_port(&s.host)?
+        let (port, listener) = if all_local {
+            let l = bind_listener(&s.host)?;
+            (l.local_addr()?.port(), Some(l))
         } else {
-            port_base
+            let port = port_base
                 .checked_add(s.local_rank as u16)
-                .context("port base + local rank overflows")?
+                .context("port base + local rank overflows")?;
+            (port, None)
         };
         peers.push(Peer {
             host: s.host.clone(),
             port,
         });
+        listeners.push(listener);
     }
-    Ok(PeerList::new(peers)?)
+    Ok(JobPorts {
+        peers: PeerList::new(peers)?,
+        listeners,
+    })
 }
 
 #[cfg(test)]
@@ -263,7 +252,33 @@ mod tests {
     fn remote_layouts_use_the_port_base() {
         let h = parse_hosts("n1:2,n2:2").unwrap();
         let s = assign_ranks(4, &h).unwrap();
-        let p = peer_list(&s, false, 38000).unwrap();
-        assert_eq!(p.to_string(), "n1:38000,n1:38001,n2:38000,n2:38001");
+        let p = job_ports(&s, false, 38000).unwrap();
+        assert_eq!(p.peers.to_string(), "n1:38000,n1:38001,n2:38000,n2:38001");
+        assert!(p.listeners.iter().all(Option::is_none));
+    }
+
+    /// Every port of a local job is bound before the job starts, and stays
+    /// bound until the worker has it: no other process can take it, and
+    /// no two workers, of this job or of another, get the same one.
+    #[test]
+    fn local_ports_are_held_from_the_start() {
+        let h = parse_hosts("127.0.0.1:4,127.0.0.2:4").unwrap();
+        let s = assign_ranks(8, &h).unwrap();
+        // several jobs at once, as on a shared machine
+        let jobs: Vec<JobPorts> = (0..8).map(|_| job_ports(&s, true, 0).unwrap()).collect();
+        let mut seen = std::collections::HashSet::new();
+        for job in &jobs {
+            for (rank, p) in job.peers.peers().iter().enumerate() {
+                let l = job.listeners[rank].as_ref().unwrap_or_else(|| {
+                    panic!("rank {rank} ({p}) has no socket: its port is not held")
+                });
+                assert_eq!(l.local_addr().unwrap().port(), p.port, "rank {rank}");
+                assert!(
+                    std::net::TcpListener::bind((p.host.as_str(), p.port)).is_err(),
+                    "{p} could be bound by another process before its worker starts"
+                );
+                assert!(seen.insert(p.to_string()), "{p} was handed out twice");
+            }
+        }
     }
 }

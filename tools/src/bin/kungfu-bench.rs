@@ -11,17 +11,36 @@
 //! it by the nccl-tests factor of the op (2(n-1)/n for allreduce, (n-1)/n
 //! for allgather, reduce-scatter and alltoall, 1 for broadcast and reduce),
 //! where `size` is the per-rank buffer for allreduce, broadcast and reduce
-//! and the whole (n-block) buffer for the others. `-c 1` checks every
-//! element of the last iteration exactly; any wrong value makes the exit
-//! status non-zero.
+//! and the whole (n-block) buffer for the others.
+//!
+//! Out of place, an op reads one buffer and its result is another. In
+//! place (`--in-place 1`, the default), as in nccl-tests, one buffer is
+//! both: allreduce and broadcast use the session's in-place calls;
+//! allgather reads this rank's block of its output buffer; reduce-scatter
+//! leaves its result in this rank's block of its input buffer; reduce and
+//! alltoall read and write the whole buffer. The timed in-place ops each
+//! work on the result of the one before.
+//!
+//! `-c 1` (the default) fills the buffers anew after the timed ops, runs
+//! one more op of each column and checks every element of its output
+//! exactly, in that column's own buffer; `#wrong` is the count of wrong
+//! elements over all ranks, and any makes the exit status non-zero.
+//!
+//! The footer's `Heap per op (rank 0)` line is what one timed
+//! out-of-place op allocated on the heap of rank 0's process (every
+//! thread: the caller, the library and the runtime), as allocations and
+//! bytes per op, at the largest size and, in parentheses, at the smallest.
+//! A buffer allocated per op would show as a byte count near the op's
+//! size.
 
 use std::fmt::Write as _;
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use kungfu::{Worker, WorkerEnv};
 use kungfu_adaptation::{Action, Adapter, GradientMonitor};
-use kungfu_collectives::{reference, DType, OpKind, OpOutput, OpSpec, ReduceOp, Session};
+use kungfu_collectives::{reference, DType, Element, OpKind, OpSpec, ReduceOp, Session};
 use kungfu_tools::plot::{svg, Series};
 use kungfu_tools::{fmt_size, parse_size};
 use kungfu_topology::{Rank, Strategy};
@@ -92,7 +111,8 @@ OP: allreduce | broadcast | allgather | reduce-scatter | reduce | alltoall
   -d TYPE        float, half, bfloat16, double, int8, uint8, int32, ... (float)
   -o OP          sum, prod, min, max, avg (default sum)
   -r ROOT        root of broadcast and reduce (default 0)
-  --in-place 0|1 also measure in place (default 1)
+  --in-place 0|1 also measure in place (default 1): one buffer is the op's
+                 input and its output, as in nccl-tests
   --monitor K    allreduce of floats: also time each size with the gradient
                  monitors on every K-th op (the local norm rides in a spare
                  element of the gradient allreduce; the summed gradient's
@@ -101,6 +121,13 @@ OP: allreduce | broadcast | allgather | reduce-scatter | reduce | alltoall
   --strategy S   override KUNGFU_STRATEGY
   --json FILE    write the results as JSON (rank 0)
   --plot FILE    draw busbw against size as SVG (rank 0)
+
+Output (rank 0): per size, time algbw busbw #wrong out of place and in
+place; #wrong counts the wrong elements of a checked op, in the column's
+own buffer, over all ranks (non-zero fails the run). The footer's \"Heap
+per op (rank 0)\" line gives the heap allocations and bytes of one timed
+out-of-place op on rank 0 (every thread), at the largest size and, in
+parentheses, at the smallest.
 ";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -176,6 +203,10 @@ struct Args {
     redop: ReduceOp,
     root: usize,
     in_place: bool,
+    /// Test only (`KUNGFU_BENCH_CORRUPT_IN_PLACE` set): flip a byte of the
+    /// in-place result before it is checked, so a test can see that the
+    /// in-place column checks its own buffer.
+    corrupt_in_place: bool,
     /// Run the monitors every this many ops (0: off).
     monitor: usize,
     strategy: Option<Strategy>,
@@ -208,6 +239,7 @@ fn parse_args(a: &[String]) -> anyhow::Result<Option<Args>> {
         redop: ReduceOp::Sum,
         root: 0,
         in_place: true,
+        corrupt_in_place: std::env::var_os("KUNGFU_BENCH_CORRUPT_IN_PLACE").is_some(),
         monitor: 0,
         strategy: None,
         json: None,
@@ -300,18 +332,18 @@ fn sizes(min: usize, max: usize, factor: usize, esize: usize) -> Vec<usize> {
     v
 }
 
-fn wrong_values(spec: &OpSpec, out: &OpOutput, want: &Option<Vec<u8>>) -> u64 {
-    let e = spec.dtype.size();
-    match (out.bytes(), want) {
+/// How many elements of `got` differ from `want` (bit for bit).
+fn count_wrong(esize: usize, got: Option<&[u8]>, want: &Option<Vec<u8>>) -> u64 {
+    match (got, want) {
         (Some(got), Some(want)) if got.len() == want.len() => got
-            .chunks_exact(e)
-            .zip(want.chunks_exact(e))
+            .chunks_exact(esize)
+            .zip(want.chunks_exact(esize))
             .filter(|(a, b)| a != b)
             .count() as u64,
         (None, None) => 0,
         // a missing or mis-sized output: every expected value is wrong
-        (_, Some(want)) => (want.len() / e).max(1) as u64,
-        (Some(got), None) => (got.len() / e).max(1) as u64,
+        (_, Some(want)) => (want.len() / esize).max(1) as u64,
+        (Some(got), None) => (got.len() / esize).max(1) as u64,
     }
 }
 
@@ -335,37 +367,164 @@ struct Row {
     monitor: Option<MonitorCost>,
 }
 
-/// Runs `iters` ops of `spec`, in place or not; returns the mean time per
-/// op on this rank and the output of the last one.
-async fn time_ops(
+/// Runs `iters` ops of `spec` out of place (the input is left as it is,
+/// the result is a new buffer); returns the mean time per op on this rank
+/// and the heap allocations and bytes per op.
+async fn time_out_of_place(
     s: &Session<AnyTransport>,
     name: &str,
     spec: OpSpec,
     input: &[u8],
     iters: usize,
-    in_place: bool,
-) -> anyhow::Result<(f64, OpOutput, (f64, f64))> {
-    let mut buf = input.to_vec();
-    let mut last = None;
+) -> anyhow::Result<(f64, (f64, f64))> {
     let h0 = heap::snapshot();
     let t0 = Instant::now();
     for _ in 0..iters {
-        let out = s.submit(name, spec, &buf).await?;
-        if in_place {
-            // the result lands in the caller's buffer where shapes allow
-            if let Some(o) = out.bytes() {
-                if o.len() == buf.len() {
-                    buf.copy_from_slice(o);
+        s.submit(name, spec, input).await?;
+    }
+    let dt = t0.elapsed().as_secs_f64() / iters.max(1) as f64;
+    Ok((dt, heap_per_op(h0, iters)))
+}
+
+/// Heap allocations and bytes per op since `h0`, over `iters` ops.
+fn heap_per_op(h0: (u64, u64), iters: usize) -> (f64, f64) {
+    let h1 = heap::snapshot();
+    let per = |a: u64, b: u64| (b - a) as f64 / iters.max(1) as f64;
+    (per(h0.0, h1.0), per(h0.1, h1.1))
+}
+
+/// Where an op reads and writes in its one in-place buffer, in elements,
+/// laid out as nccl-tests lays it out: allgather (and gather) read this
+/// rank's block of the output buffer, reduce-scatter writes this rank's
+/// block of the input buffer, the others read and write the whole buffer.
+/// Ranks without an output (reduce and gather off the root) write nothing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct InPlace {
+    len: usize,
+    input: Range<usize>,
+    output: Option<Range<usize>>,
+}
+
+fn in_place_layout(spec: &OpSpec, n: usize, me: usize) -> InPlace {
+    let c = spec.count;
+    let (all, mine) = (0..n * c, me * c..(me + 1) * c);
+    let (len, input, output) = match spec.kind {
+        OpKind::Allreduce(_) | OpKind::Broadcast { .. } => (c, 0..c, Some(0..c)),
+        OpKind::Reduce { root, .. } => (c, 0..c, (root.idx() == me).then_some(0..c)),
+        OpKind::Allgather => (n * c, mine, Some(all)),
+        OpKind::Gather { root } => (n * c, mine, (root.idx() == me).then_some(all)),
+        OpKind::ReduceScatter(_) => (n * c, all, Some(mine)),
+        OpKind::Alltoall => (n * c, all.clone(), Some(all)),
+    };
+    InPlace { len, input, output }
+}
+
+/// Runs one op in place on `buf`. Allreduce and broadcast use the
+/// session's in-place calls; the other ops have none, so the op is given
+/// its input slice of `buf` and its output is written back into `buf`.
+async fn op_in_place<E: Element>(
+    s: &Session<AnyTransport>,
+    name: &str,
+    spec: OpSpec,
+    lay: &InPlace,
+    buf: &mut [E],
+) -> anyhow::Result<()> {
+    match spec.kind {
+        OpKind::Allreduce(op) => s.allreduce_in_place(name, buf, op).await?,
+        OpKind::Broadcast { root } => s.broadcast_in_place(name, buf, root).await?,
+        _ => {
+            let out = s
+                .submit(name, spec, bytemuck::cast_slice(&buf[lay.input.clone()]))
+                .await?;
+            match (lay.output.clone(), out.bytes()) {
+                (Some(r), Some(o)) if o.len() == std::mem::size_of_val(&buf[r.clone()]) => {
+                    bytemuck::cast_slice_mut::<E, u8>(&mut buf[r]).copy_from_slice(o)
                 }
+                (None, None) => {}
+                (r, o) => bail!(
+                    "{name}: an output of {:?} bytes for an in-place output of {:?} elements",
+                    o.map(<[u8]>::len),
+                    r.map(|r| r.len())
+                ),
             }
         }
-        last = Some(out);
     }
-    let dt = t0.elapsed().as_secs_f64() / iters as f64;
-    let h1 = heap::snapshot();
-    let per = |a: u64, b: u64| (b - a) as f64 / iters as f64;
-    let heap = (per(h0.0, h1.0), per(h0.1, h1.1));
-    Ok((dt, last.expect("iters >= 1"), heap))
+    Ok(())
+}
+
+/// The in-place column: one buffer per rank (see [`InPlace`]), the timed
+/// ops each working on the result of the one before, as in nccl-tests;
+/// then, with `-c 1`, the buffer is filled anew, one op runs on it, and
+/// its output part is checked. Returns (seconds per op, wrong values,
+/// heap per op) for this rank.
+async fn measure_in_place<E: Element>(
+    s: &Session<AnyTransport>,
+    args: &Args,
+    spec: OpSpec,
+    inputs: &[Vec<u8>],
+    name: &str,
+) -> anyhow::Result<(f64, u64, (f64, f64))> {
+    let (n, me) = (s.size(), s.rank().idx());
+    let lay = in_place_layout(&spec, n, me);
+    let mut buf: Vec<E> = Vec::new();
+    let fill = |buf: &mut Vec<E>| {
+        buf.clear();
+        buf.resize(lay.len, bytemuck::Zeroable::zeroed());
+        bytemuck::cast_slice_mut::<E, u8>(&mut buf[lay.input.clone()]).copy_from_slice(&inputs[me]);
+    };
+    fill(&mut buf);
+    for _ in 0..args.warmup {
+        op_in_place(s, name, spec, &lay, &mut buf).await?;
+    }
+    fill(&mut buf);
+    let h0 = heap::snapshot();
+    let t0 = Instant::now();
+    for _ in 0..args.iters {
+        op_in_place(s, name, spec, &lay, &mut buf).await?;
+    }
+    let dt = t0.elapsed().as_secs_f64() / args.iters.max(1) as f64;
+    let heap = heap_per_op(h0, args.iters);
+    let mut wrong = 0;
+    if args.check {
+        fill(&mut buf);
+        op_in_place(s, name, spec, &lay, &mut buf).await?;
+        let out = lay.output.clone().map(|r| &mut buf[r]);
+        if args.corrupt_in_place {
+            if let Some(x) = out.and_then(|o| o.first_mut()) {
+                bytemuck::bytes_of_mut(x)[0] ^= 0x5a;
+            }
+        }
+        let got = lay
+            .output
+            .clone()
+            .map(|r| bytemuck::cast_slice::<E, u8>(&buf[r]));
+        wrong = count_wrong(
+            spec.dtype.size(),
+            got,
+            &reference::expected(&spec, me, inputs),
+        );
+    }
+    Ok((dt, wrong, heap))
+}
+
+/// Calls the generic `$f::<E>(args)` for the element type of `$dtype`.
+macro_rules! for_dtype {
+    ($dtype:expr, $f:ident($($arg:expr),*)) => {
+        match $dtype {
+            DType::U8 => $f::<u8>($($arg),*).await,
+            DType::I8 => $f::<i8>($($arg),*).await,
+            DType::U16 => $f::<u16>($($arg),*).await,
+            DType::I16 => $f::<i16>($($arg),*).await,
+            DType::U32 => $f::<u32>($($arg),*).await,
+            DType::I32 => $f::<i32>($($arg),*).await,
+            DType::U64 => $f::<u64>($($arg),*).await,
+            DType::I64 => $f::<i64>($($arg),*).await,
+            DType::F16 => $f::<half::f16>($($arg),*).await,
+            DType::BF16 => $f::<half::bf16>($($arg),*).await,
+            DType::F32 => $f::<f32>($($arg),*).await,
+            DType::F64 => $f::<f64>($($arg),*).await,
+        }
+    };
 }
 
 /// Times `iters` ops plain, then `iters` with the monitors a trainer runs
@@ -668,22 +827,28 @@ async fn measure(
         v[me] = reference::input(spec.dtype, spec.kind.reduce_op(), me, per);
         v
     };
-    let inp = &inputs[me];
     let name = format!(
         "bench/{}/{}",
         args.op.name(),
         if in_place { "ip" } else { "oop" }
     );
-    if args.warmup > 0 {
-        time_ops(s, &name, spec, inp, args.warmup, in_place).await?;
-    }
-    let (dt, _, heap) = time_ops(s, &name, spec, inp, args.iters, in_place).await?;
-    let mut wrong = 0;
-    if args.check {
-        // one fresh op from the pristine input, checked element by element
-        let out = s.submit(&name, spec, inp).await?;
-        wrong = wrong_values(&spec, &out, &reference::expected(&spec, me, &inputs));
-    }
+    let (dt, wrong, heap) = if in_place {
+        for_dtype!(spec.dtype, measure_in_place(s, args, spec, &inputs, &name))?
+    } else {
+        let inp = &inputs[me];
+        if args.warmup > 0 {
+            time_out_of_place(s, &name, spec, inp, args.warmup).await?;
+        }
+        let (dt, heap) = time_out_of_place(s, &name, spec, inp, args.iters).await?;
+        let mut wrong = 0;
+        if args.check {
+            // one more op, checked element by element
+            let out = s.submit(&name, spec, inp).await?;
+            let want = reference::expected(&spec, me, &inputs);
+            wrong = count_wrong(spec.dtype.size(), out.bytes(), &want);
+        }
+        (dt, wrong, heap)
+    };
     // the slowest rank's time, and the wrong values of all ranks
     let t = s.allreduce("bench/time", &[dt], ReduceOp::Max).await?[0];
     let w = s.allreduce("bench/wrong", &[wrong], ReduceOp::Sum).await?[0];
@@ -990,5 +1155,43 @@ fn main() {
             eprintln!("kungfu-bench: error: {e:#}");
             std::process::exit(1);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(kind: OpKind) -> OpSpec {
+        OpSpec {
+            kind,
+            dtype: DType::F32,
+            count: 4,
+        }
+    }
+
+    /// nccl-tests' in-place buffers: rank 1 of 3, 4 elements per block.
+    #[test]
+    fn in_place_layouts() {
+        let lay = |kind| {
+            let l = in_place_layout(&spec(kind), 3, 1);
+            (l.len, l.input, l.output)
+        };
+        assert_eq!(lay(OpKind::Allreduce(ReduceOp::Sum)), (4, 0..4, Some(0..4)));
+        assert_eq!(lay(OpKind::Allgather), (12, 4..8, Some(0..12)));
+        assert_eq!(
+            lay(OpKind::ReduceScatter(ReduceOp::Sum)),
+            (12, 0..12, Some(4..8))
+        );
+        assert_eq!(lay(OpKind::Alltoall), (12, 0..12, Some(0..12)));
+        let root = Rank(0);
+        assert_eq!(
+            lay(OpKind::Reduce {
+                op: ReduceOp::Sum,
+                root
+            }),
+            (4, 0..4, None)
+        );
+        assert_eq!(lay(OpKind::Gather { root }), (12, 4..8, None));
     }
 }

@@ -11,12 +11,15 @@ use anyhow::{bail, Context};
 use kungfu_tools::launch::{run, Bind, LaunchOptions};
 use kungfu_tools::{parse_duration, parse_hosts, HostSlots};
 
+/// The help text; `{strategies}` stands for the strategy names.
 const USAGE: &str = "\
 usage: kungfu-run -np N [options] [--] PROGRAM [ARGS...]
 
 Starts N workers of PROGRAM and gives each its identity in the environment
 (KUNGFU_RANK, KUNGFU_SIZE, KUNGFU_LOCAL_RANK, KUNGFU_LOCAL_SIZE, KUNGFU_PEERS,
 KUNGFU_STRATEGY, KUNGFU_TRANSPORT, KUNGFU_CLUSTER_VERSION, KUNGFU_CLUSTER_ID).
+When every host is this machine, each worker also inherits its listening
+socket, already bound at a port the kernel chose (KUNGFU_LISTEN_FD).
 Each output line is prefixed with the worker's rank. If a worker fails, the
 others are stopped and kungfu-run exits non-zero, naming it.
 
@@ -24,8 +27,7 @@ options:
   -np N                 number of workers (required)
   -H host:slots,...     hosts and their slots (default: 127.0.0.1:N); ranks fill
                         hosts in order; workers on other machines start via ssh
-  --strategy S          STAR, RING, TREE, BINARY_TREE, BINARY_TREE_STAR,
-                        MULTI_BINARY_TREE_STAR, CLIQUE or AUTO (default AUTO)
+  --strategy S          {strategies} (default AUTO)
   --transport T         auto (default: shared memory inside each host, tcp
                         across), tcp, or shm (every worker on one host)
   --timeout DUR         stop the job after DUR (e.g. 90s, 5m); exit status 124
@@ -46,6 +48,39 @@ options:
   -x NAME=VALUE         set an environment variable for every worker
   -h, --help            this text
 ";
+
+/// The help text, listing every strategy the library accepts (taken from
+/// the topology crate, so that a new one cannot be left out).
+fn usage() -> String {
+    const INDENT: usize = 24;
+    const WIDTH: usize = 80;
+    let names: Vec<&str> = kungfu_topology::Strategy::ALL
+        .iter()
+        .map(|s| s.name())
+        .collect();
+    let mut list = String::new();
+    let mut col = INDENT;
+    for (i, name) in names.iter().enumerate() {
+        let word = match names.len() - i {
+            1 => name.to_string(),
+            2 => format!("{name} or"),
+            _ => format!("{name},"),
+        };
+        if i > 0 {
+            if col + 1 + word.len() > WIDTH {
+                list.push('\n');
+                list.push_str(&" ".repeat(INDENT));
+                col = INDENT;
+            } else {
+                list.push(' ');
+                col += 1;
+            }
+        }
+        list.push_str(&word);
+        col += word.len();
+    }
+    USAGE.replace("{strategies}", &list)
+}
 
 fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
     let mut np: Option<usize> = None;
@@ -158,11 +193,11 @@ fn main() {
     let opts = match parse_args(&args) {
         Ok(Some(o)) => o,
         Ok(None) => {
-            print!("{USAGE}");
+            print!("{}", usage());
             return;
         }
         Err(e) => {
-            eprintln!("kungfu-run: {e:#}\n\n{USAGE}");
+            eprintln!("kungfu-run: {e:#}\n\n{}", usage());
             std::process::exit(2);
         }
     };

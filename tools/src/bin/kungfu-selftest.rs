@@ -4,21 +4,32 @@
 //! ```text
 //! kungfu-run -np 4 kungfu-selftest [--steps N] [--size ELEMS]
 //!            [--exit RANK:STEP:CODE] [--hang RANK:STEP]
+//!            [--check-port] [--wait-for PATH]
 //! ```
 //! Each step allreduces a gradient-sized buffer of exact values and checks
 //! the result. `--exit` makes one rank exit with CODE at STEP; `--hang`
 //! makes one rank stop taking part (the others must fail by their
 //! deadline). Every rank prints its pid first, so tests can kill one.
+//!
+//! For the launcher's port tests: `--check-port` fails unless this
+//! worker's address is already bound when it starts (kungfu-run binds it
+//! and passes the socket down; a port the launcher had released could be
+//! taken by any process). `--wait-for PATH` holds every worker, connected,
+//! until PATH exists (at most two minutes), so that many jobs can be
+//! alive at once.
 
 use anyhow::{bail, Context};
-use kungfu::{Worker, WorkerEnv};
+use kungfu::{Discovery, Worker, WorkerEnv};
 use kungfu_collectives::ReduceOp;
+use kungfu_topology::Rank;
 
 struct Args {
     steps: usize,
     size: usize,
     exit: Option<(usize, usize, i32)>,
     hang: Option<(usize, usize)>,
+    check_port: bool,
+    wait_for: Option<std::path::PathBuf>,
 }
 
 fn parse(a: &[String]) -> anyhow::Result<Args> {
@@ -27,9 +38,16 @@ fn parse(a: &[String]) -> anyhow::Result<Args> {
         size: 1 << 16,
         exit: None,
         hang: None,
+        check_port: false,
+        wait_for: None,
     };
     let mut i = 0;
     while i < a.len() {
+        if a[i] == "--check-port" {
+            r.check_port = true;
+            i += 1;
+            continue;
+        }
         let v = a
             .get(i + 1)
             .with_context(|| format!("{} needs a value", a[i]))?;
@@ -49,6 +67,7 @@ fn parse(a: &[String]) -> anyhow::Result<Args> {
                 [rank, step] => r.hang = Some((rank as usize, step as usize)),
                 _ => bail!("--hang RANK:STEP"),
             },
+            "--wait-for" => r.wait_for = Some(v.into()),
             f => bail!("unknown option {f:?}"),
         }
         i += 2;
@@ -56,8 +75,38 @@ fn parse(a: &[String]) -> anyhow::Result<Args> {
     Ok(r)
 }
 
+/// Fails if this worker's own address can be bound: nothing holds it yet.
+fn check_port_held(env: &WorkerEnv) -> anyhow::Result<()> {
+    let Discovery::Peers(peers) = &env.discovery else {
+        bail!("--check-port needs a peer list (kungfu-run)");
+    };
+    let me = peers.peer(Rank(env.rank as u32)).context("own rank")?;
+    match std::net::TcpListener::bind((me.host.as_str(), me.port)) {
+        Ok(_) => bail!("{me} was free before this worker listened on it: nothing held the port"),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Ok(()),
+        Err(e) => bail!("probing {me}: {e}"),
+    }
+}
+
+/// Waits until `path` exists, polling (bounded: a test that never creates
+/// it must not leave workers behind).
+async fn wait_for(path: &std::path::Path) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !path.exists() {
+        if tokio::time::Instant::now() > deadline {
+            bail!("{} did not appear within two minutes", path.display());
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
 async fn run(args: Args) -> anyhow::Result<()> {
-    let w = Worker::start(WorkerEnv::from_env()?).await?;
+    let env = WorkerEnv::from_env()?;
+    if args.check_port {
+        check_port_held(&env)?;
+    }
+    let w = Worker::start(env).await?;
     let s = w.session();
     let (rank, n) = (w.rank(), w.size());
     println!(
@@ -67,6 +116,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
         w.local_size(),
         w.env().launcher
     );
+    if let Some(path) = &args.wait_for {
+        let me = w.peers().peer(Rank(rank as u32)).context("own rank")?;
+        println!("address {me}: waiting for {}", path.display());
+        wait_for(path).await?;
+    }
     for step in 0..args.steps {
         if args.exit.is_some_and(|(r, st, _)| r == rank && st == step) {
             let code = args.exit.expect("checked").2;
