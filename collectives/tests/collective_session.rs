@@ -743,8 +743,8 @@ fn swap_drains_defers_agrees_and_advances_the_epoch() {
                     async move { s.swap_strategy(Strategy::Ring).await }
                 });
                 assert!(!s.swapping());
-                assert!(poll_once(&mut swap).await.is_pending(), "rank {r}");
-                assert!(s.swapping(), "rank {r}: the swap is under way");
+                assert!(poll_once(&mut swap).await.is_pending(), "{r}");
+                assert!(s.swapping(), "{r}: the swap is under way");
                 // started while the swap is under way: they wait, then run
                 // on the new epoch and strategy, in the order started
                 let during: Vec<_> = (0..4)
@@ -761,7 +761,7 @@ fn swap_drains_defers_agrees_and_advances_the_epoch() {
                 assert_eq!(
                     (before.epoch(), before.strategy()),
                     (Epoch(0), Strategy::Star),
-                    "rank {r}: `before` ran on the old topology"
+                    "{r}: `before` ran on the old topology"
                 );
                 for (i, h) in during.into_iter().enumerate() {
                     let out = h.await.unwrap();
@@ -769,7 +769,7 @@ fn swap_drains_defers_agrees_and_advances_the_epoch() {
                     assert_eq!(
                         (out.epoch(), out.strategy()),
                         (Epoch(1), Strategy::Ring),
-                        "rank {r}: op {i} started during the swap ran on"
+                        "{r}: op {i} started during the swap ran on"
                     );
                 }
                 (epoch, s.epoch(), s.strategy())
