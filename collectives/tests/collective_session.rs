@@ -829,37 +829,37 @@ fn swap_drains_defers_agrees_and_advances_the_epoch() {
     });
 }
 
-/// Per-peer statistics show a straggler: rank 2 starts every op 30 ms
-/// after rank 0 has started it (told by a channel, not guessed by a timer),
-/// so the root of a star sees its frames come at least 30 ms late, and
-/// after rank 1's.
+/// Per-peer statistics show a straggler: rank 2 starts every op `LATE`
+/// after rank 0 has started it (rank 0 says when, through a channel), so
+/// rank 0 cannot see rank 2's last frame sooner than `LATE` into the op,
+/// while rank 1's arrive as soon as the two are scheduled: a gap of an
+/// order of magnitude or more, which load on the machine does not close.
 #[test]
 fn peer_stats_show_a_straggler() {
-    const LATE: Duration = Duration::from_millis(30);
+    const LATE: Duration = Duration::from_millis(300);
     rt().block_on(async {
         let ss = sessions(3, Strategy::Star, 5, LONG);
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<u32>();
-        let mut rx = Some(rx);
-        let mut tx = Some(tx);
+        let (started, start) = tokio::sync::mpsc::unbounded_channel();
+        let mut start = Some(start);
         let mut tasks = Vec::new();
         for s in ss.clone() {
-            let (tx, mut rx) = match s.rank().0 {
-                0 => (tx.take(), None),
-                2 => (None, rx.take()),
-                _ => (None, None),
+            let started = started.clone();
+            let mut start = if s.rank() == Rank(2) {
+                start.take()
+            } else {
+                None
             };
             tasks.push(tokio::spawn(async move {
                 for i in 0..4 {
-                    let name = format!("g{i}");
-                    if let Some(rx) = rx.as_mut() {
-                        let started = tokio::time::timeout(LONG, rx.recv()).await;
-                        assert_eq!(started.expect("rank 0 starts"), Some(i));
+                    if let Some(start) = start.as_mut() {
+                        let op = tokio::time::timeout(LONG, start.recv()).await;
+                        assert_eq!(op, Ok(Some(i)), "rank 0 started op {i}");
                         tokio::time::sleep(LATE).await;
                     }
-                    // the op starts (and its clock with it) at this call
-                    let h = s.allreduce(&name, &[1.0f32; 4096], ReduceOp::Sum);
-                    if let Some(tx) = &tx {
-                        tx.send(i).unwrap();
+                    // the op starts (and its clock runs) at the call
+                    let h = s.allreduce(&format!("g{i}"), &[1.0f32; 4096], ReduceOp::Sum);
+                    if s.rank() == Rank(0) {
+                        started.send(i).unwrap();
                     }
                     h.await.unwrap();
                 }
@@ -877,11 +877,8 @@ fn peer_stats_show_a_straggler() {
             assert!(p.rate() > 0.0);
         }
         let (l1, l2) = (ps[1].mean_latency().unwrap(), ps[2].mean_latency().unwrap());
-        // rank 2 sent nothing before LATE after each start: a sure bound
-        assert!(l2 >= LATE, "{l2:?}");
-        // rank 1's frames were waiting; only the order is claimed, not a
-        // ratio that load on the machine could upset
-        assert!(l2 > l1, "rank 1 {l1:?}, rank 2 {l2:?}");
+        assert!(l2 >= LATE, "rank 2 {l2:?}");
+        assert!(l2 > 3 * l1, "rank 1 {l1:?}, rank 2 {l2:?}");
         ss[0].reset_op_stats();
         assert_eq!(ss[0].peer_stats()[2], Default::default());
     });
