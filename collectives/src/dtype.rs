@@ -472,12 +472,13 @@ pub enum KernelIsa {
     Baseline,
 }
 
-/// Detected once. `KUNGFU_KERNEL_ISA=baseline|avx2` caps it (to compare,
-/// or to rule the vector paths out when debugging).
-pub fn kernel_isa() -> KernelIsa {
-    static ISA: std::sync::OnceLock<KernelIsa> = std::sync::OnceLock::new();
-    *ISA.get_or_init(|| {
-        let cap = std::env::var("KUNGFU_KERNEL_ISA").unwrap_or_default();
+/// Every instruction set this CPU can run the kernels with, widest first
+/// (always ending with [`KernelIsa::Baseline`]), whatever
+/// `KUNGFU_KERNEL_ISA` says: the set tests compare with each other.
+pub fn runnable_isas() -> &'static [KernelIsa] {
+    static ISAS: std::sync::OnceLock<Vec<KernelIsa>> = std::sync::OnceLock::new();
+    ISAS.get_or_init(|| {
+        let mut v = Vec::new();
         #[cfg(target_arch = "x86_64")]
         {
             let avx2 = std::arch::is_x86_feature_detected!("avx2")
@@ -487,19 +488,46 @@ pub fn kernel_isa() -> KernelIsa {
                 && std::arch::is_x86_feature_detected!("avx512f")
                 && std::arch::is_x86_feature_detected!("avx512bw")
                 && std::arch::is_x86_feature_detected!("avx512vl");
-            match cap.as_str() {
-                "baseline" => KernelIsa::Baseline,
-                "avx2" if avx2 => KernelIsa::Avx2,
-                _ if avx512 => KernelIsa::Avx512,
-                _ if avx2 => KernelIsa::Avx2,
-                _ => KernelIsa::Baseline,
+            if avx512 {
+                v.push(KernelIsa::Avx512);
+            }
+            if avx2 {
+                v.push(KernelIsa::Avx2);
             }
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            let _ = cap;
-            KernelIsa::Baseline
-        }
+        v.push(KernelIsa::Baseline);
+        v
+    })
+}
+
+/// The instruction set `cap` (a `KUNGFU_KERNEL_ISA` value) picks from
+/// `runnable` (widest first): `baseline`, `avx2` if runnable, else the
+/// widest.
+fn pick_isa(cap: &str, runnable: &[KernelIsa]) -> KernelIsa {
+    let widest = runnable.first().copied().unwrap_or(KernelIsa::Baseline);
+    match cap {
+        "baseline" => KernelIsa::Baseline,
+        "avx2" if runnable.contains(&KernelIsa::Avx2) => KernelIsa::Avx2,
+        _ => widest,
+    }
+}
+
+/// Panics unless the CPU can run `isa`: the vector kernels' safety rests
+/// on it (a cheap check next to a reduction).
+fn assert_runnable(isa: KernelIsa) {
+    assert!(
+        runnable_isas().contains(&isa),
+        "this CPU cannot run the {isa:?} kernels"
+    );
+}
+
+/// Detected once. `KUNGFU_KERNEL_ISA=baseline|avx2` caps it (to compare,
+/// or to rule the vector paths out when debugging).
+pub fn kernel_isa() -> KernelIsa {
+    static ISA: std::sync::OnceLock<KernelIsa> = std::sync::OnceLock::new();
+    *ISA.get_or_init(|| {
+        let cap = std::env::var("KUNGFU_KERNEL_ISA").unwrap_or_default();
+        pick_isa(&cap, runnable_isas())
     })
 }
 
@@ -528,10 +556,12 @@ mod isa {
         sq_norm_any(x)
     }
 
+    /// Panics if the CPU cannot run `isa`.
     pub(super) fn sq_norm(isa: KernelIsa, x: &[f32]) -> f64 {
+        assert_runnable(isa);
         match isa {
-            // SAFETY: `kernel_isa` returns Avx512 only when the CPU has
-            // every feature the function is compiled for.
+            // SAFETY: checked above: the CPU has every feature the
+            // function is compiled for.
             KernelIsa::Avx512 => unsafe { sq_norm_avx512(x) },
             // SAFETY: as above, for avx2, fma and f16c.
             KernelIsa::Avx2 => unsafe { sq_norm_avx2(x) },
@@ -609,6 +639,7 @@ mod isa {
         }
     }
 
+    /// Panics if the CPU cannot run `isa`.
     pub(super) fn reduce(
         isa: KernelIsa,
         dtype: DType,
@@ -617,16 +648,17 @@ mod isa {
         s: &[u8],
         o: Order,
     ) {
+        assert_runnable(isa);
         if let (KernelIsa::Avx512 | KernelIsa::Avx2, Some((bf, prod))) = (isa, half_fast(dtype, op))
         {
-            // SAFETY: `kernel_isa` returns these only when the CPU has
-            // avx2, fma and f16c. Sum and product are symmetric, so the
+            // SAFETY: checked above: the CPU runs these, so it has avx2,
+            // fma and f16c. Sum and product are symmetric, so the
             // operand order only matters for NaN payloads (either is NaN).
             return unsafe { half_sum_prod(bf, prod, d, s) };
         }
         match isa {
-            // SAFETY: `kernel_isa` returns Avx512 only when the CPU has
-            // every feature the function is compiled for.
+            // SAFETY: checked above: the CPU has every feature the
+            // function is compiled for.
             KernelIsa::Avx512 => unsafe { reduce_avx512(dtype, op, d, s, o) },
             // SAFETY: as above, for avx2, fma and f16c.
             KernelIsa::Avx2 => unsafe { reduce_avx2(dtype, op, d, s, o) },
@@ -657,12 +689,29 @@ pub fn reduce_into(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
 
 /// [`reduce_into`] with the operands in `order`.
 pub fn reduce_into_ordered(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8], order: Order) {
+    reduce_with_isa(kernel_isa(), dtype, op, dst, src, order)
+}
+
+/// [`reduce_into_ordered`] with the kernels compiled for `isa`, so that
+/// tests and benchmarks can compare every instruction set the CPU runs in
+/// one process. Panics if `isa` is not in [`runnable_isas`].
+pub fn reduce_with_isa(
+    isa: KernelIsa,
+    dtype: DType,
+    op: ReduceOp,
+    dst: &mut [u8],
+    src: &[u8],
+    order: Order,
+) {
     assert_eq!(dst.len(), src.len(), "reduce of unequal ranges");
     assert_eq!(dst.len() % dtype.size(), 0, "range not element-aligned");
     #[cfg(target_arch = "x86_64")]
-    isa::reduce(kernel_isa(), dtype, op, dst, src, order);
+    isa::reduce(isa, dtype, op, dst, src, order);
     #[cfg(not(target_arch = "x86_64"))]
-    reduce_any(dtype, op, dst, src, order);
+    {
+        assert_runnable(isa);
+        reduce_any(dtype, op, dst, src, order);
+    }
 }
 
 /// `sum x^2` in blocks: 32 f32 lanes within a block of 4096 elements
@@ -689,10 +738,19 @@ fn sq_norm_any(x: &[f32]) -> f64 {
 /// The squared L2 norm of `x` (a gradient monitor's kernel), with the
 /// widest vector instructions the CPU has.
 pub fn sq_norm_f32(x: &[f32]) -> f64 {
+    sq_norm_with_isa(kernel_isa(), x)
+}
+
+/// [`sq_norm_f32`] with the kernel compiled for `isa`. Panics if `isa` is
+/// not in [`runnable_isas`].
+pub fn sq_norm_with_isa(isa: KernelIsa, x: &[f32]) -> f64 {
     #[cfg(target_arch = "x86_64")]
-    return isa::sq_norm(kernel_isa(), x);
+    return isa::sq_norm(isa, x);
     #[cfg(not(target_arch = "x86_64"))]
-    sq_norm_any(x)
+    {
+        assert_runnable(isa);
+        sq_norm_any(x)
+    }
 }
 
 /// Divides every element by `n` (the last step of [`ReduceOp::Avg`]).
@@ -713,10 +771,13 @@ mod tests {
                 .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
                 .collect();
             let want: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
-            for got in [sq_norm_f32(&x), sq_norm_any(&x)] {
+            let by_isa = runnable_isas()
+                .iter()
+                .map(|&isa| (format!("{isa:?}"), sq_norm_with_isa(isa, &x)));
+            for (isa, got) in by_isa.chain([("dispatched".to_string(), sq_norm_f32(&x))]) {
                 assert!(
                     (got - want).abs() <= 1e-5 * want.max(1e-30),
-                    "{n}: {got} vs {want}"
+                    "{isa} {n}: {got} vs {want}"
                 );
             }
         }
@@ -726,55 +787,52 @@ mod tests {
         bytemuck::cast_slice(v).to_vec()
     }
 
+    /// Small exact values, every dtype and op, at every ISA this CPU runs:
+    /// `op(4, 2)` against values worked out by hand.
     #[test]
     fn every_dtype_and_op() {
-        for d in DType::ALL {
-            for op in ReduceOp::ALL {
-                if !op.supports(d) {
-                    continue;
-                }
-                // values 2 and 3 are exact in every type
-                let two: Vec<u8> = match d {
-                    DType::F16 => bytes(&[f16::from_f32(2.0); 3]),
-                    DType::BF16 => bytes(&[bf16::from_f32(2.0); 3]),
-                    DType::F32 => bytes(&[2.0f32; 3]),
-                    DType::F64 => bytes(&[2.0f64; 3]),
+        let elem = |d: DType, v: f64| -> Vec<u8> {
+            let mut out = Vec::new();
+            for _ in 0..3 {
+                match d {
+                    DType::F16 => out.extend_from_slice(&f16::from_f64(v).to_le_bytes()),
+                    DType::BF16 => out.extend_from_slice(&bf16::from_f64(v).to_le_bytes()),
+                    DType::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
+                    DType::F64 => out.extend_from_slice(&v.to_le_bytes()),
                     _ => {
-                        let mut v = vec![0u8; 3 * d.size()];
-                        for c in v.chunks_exact_mut(d.size()) {
-                            c[0] = 2;
-                        }
-                        v
+                        let mut e = vec![0u8; d.size()];
+                        e[0] = v as u8;
+                        out.extend_from_slice(&e);
                     }
-                };
-                let mut three = two.clone();
-                reduce_into(d, ReduceOp::Sum, &mut three, &two[..]);
-                // three now holds 4; reduce 2 into it
-                let mut acc = three.clone();
-                reduce_into(d, op, &mut acc, &two);
-                let expect_val = match op {
-                    ReduceOp::Sum | ReduceOp::Avg => 6.0,
-                    ReduceOp::Prod => 8.0,
-                    ReduceOp::Min => 2.0,
-                    ReduceOp::Max => 4.0,
-                };
-                let got: f64 = match d {
-                    DType::F16 => f16::from_le_bytes([acc[0], acc[1]]).to_f64(),
-                    DType::BF16 => bf16::from_le_bytes([acc[0], acc[1]]).to_f64(),
-                    DType::F32 => f64::from(f32::from_le_bytes(acc[0..4].try_into().unwrap())),
-                    DType::F64 => f64::from_le_bytes(acc[0..8].try_into().unwrap()),
-                    _ => f64::from(acc[0]),
-                };
-                assert_eq!(got, expect_val, "{d} {op}");
+                }
+            }
+            out
+        };
+        for &isa in runnable_isas() {
+            for d in DType::ALL {
+                for op in ReduceOp::ALL.into_iter().filter(|op| op.supports(d)) {
+                    let mut acc = elem(d, 4.0);
+                    reduce_with_isa(isa, d, op, &mut acc, &elem(d, 2.0), Order::DstFirst);
+                    let want = match op {
+                        ReduceOp::Sum | ReduceOp::Avg => 6.0,
+                        ReduceOp::Prod => 8.0,
+                        ReduceOp::Min => 2.0,
+                        ReduceOp::Max => 4.0,
+                    };
+                    assert_eq!(acc, elem(d, want), "{isa:?} {d} {op}");
+                }
             }
         }
     }
 
-    /// Random bit patterns of every dtype, reduced by the vector paths and
-    /// by a scalar element-by-element reference: identical bits (NaNs
-    /// compared as NaN), both operand orders, aligned and not.
+    /// Random bit patterns of every dtype, reduced by the kernels of every
+    /// instruction set this CPU runs (the baseline f16/bf16 block path, and
+    /// the AVX2 and AVX-512 builds with their 16-bit vector path) and by
+    /// the scalar oracle of [`crate::reference`], which shares no code with
+    /// the kernels: identical bits (NaNs compared as NaN), both operand
+    /// orders, aligned and not, lengths around the vector widths.
     #[test]
-    fn vector_paths_match_the_scalar_reference() {
+    fn every_isa_matches_the_scalar_oracle() {
         let mut rng = 0x9e3779b97f4a7c15u64;
         let mut next = || {
             rng ^= rng << 13;
@@ -782,20 +840,6 @@ mod tests {
             rng ^= rng << 17;
             rng
         };
-        fn scalar<T: Num>(op: ReduceOp, d: &mut [u8], s: &[u8], o: Order) {
-            let w = std::mem::size_of::<T>();
-            for (d, s) in d.chunks_exact_mut(w).zip(s.chunks_exact(w)) {
-                let (a, b) = (T::from_le(d), T::from_le(s));
-                let (a, b) = if o == Order::DstFirst { (a, b) } else { (b, a) };
-                let r = match op {
-                    ReduceOp::Sum | ReduceOp::Avg => a.add(b),
-                    ReduceOp::Prod => a.mul(b),
-                    ReduceOp::Min => a.min(b),
-                    ReduceOp::Max => a.max(b),
-                };
-                r.store_le(d);
-            }
-        }
         let same = |d: DType, x: &[u8], y: &[u8]| -> bool {
             x.chunks_exact(d.size())
                 .zip(y.chunks_exact(d.size()))
@@ -810,24 +854,41 @@ mod tests {
                         }
                 })
         };
-        for d in DType::ALL {
-            for op in ReduceOp::ALL.into_iter().filter(|op| op.supports(d)) {
-                for order in [Order::DstFirst, Order::SrcFirst] {
-                    for (len, off) in [(1usize, 0usize), (1000, 0), (1000, 1), (4099, 0)] {
-                        let bytes = len * d.size();
-                        let mut a: Vec<u8> = (0..bytes + off).map(|_| next() as u8).collect();
-                        let b: Vec<u8> = (0..bytes + off).map(|_| next() as u8).collect();
-                        let mut want = a.clone();
-                        dispatch!(d, scalar, op, &mut want[off..], &b[off..], order);
-                        reduce_into_ordered(d, op, &mut a[off..], &b[off..], order);
-                        if a[..off] != want[..off] || !same(d, &a[off..], &want[off..]) {
-                            let i = (0..a.len()).find(|&i| a[i] != want[i]).unwrap();
-                            let i = i - (i - off) % d.size();
-                            let w = d.size();
-                            panic!(
-                                "{d} {op} {order:?} len {len} offset {off}: at byte {i} got {:x?} want {:x?}, operands were {:x?}",
-                                &a[i..i + w], &want[i..i + w], &b[i..i + w]
-                            );
+        let isas = runnable_isas();
+        assert_eq!(isas.last(), Some(&KernelIsa::Baseline));
+        for &isa in isas {
+            for d in DType::ALL {
+                for op in ReduceOp::ALL.into_iter().filter(|op| op.supports(d)) {
+                    for order in [Order::DstFirst, Order::SrcFirst] {
+                        for (len, off) in [
+                            (1usize, 0usize),
+                            (15, 0),
+                            (17, 1),
+                            (1000, 0),
+                            (1000, 1),
+                            (4099, 0),
+                        ] {
+                            let bytes = len * d.size();
+                            let mut a: Vec<u8> = (0..bytes + off).map(|_| next() as u8).collect();
+                            let b: Vec<u8> = (0..bytes + off).map(|_| next() as u8).collect();
+                            let (x, y) = match order {
+                                Order::DstFirst => (&a[off..], &b[off..]),
+                                Order::SrcFirst => (&b[off..], &a[off..]),
+                            };
+                            let want = crate::reference::combine(d, op, x, y);
+                            let head = a[..off].to_vec();
+                            reduce_with_isa(isa, d, op, &mut a[off..], &b[off..], order);
+                            if a[..off] != head[..] || !same(d, &a[off..], &want) {
+                                let i = (0..want.len())
+                                    .find(|&i| a[off + i] != want[i])
+                                    .unwrap_or(0);
+                                let i = i - i % d.size();
+                                let w = d.size();
+                                panic!(
+                                    "{isa:?} {d} {op} {order:?} len {len} offset {off}: element {} got {:x?} want {:x?}, operand {:x?}",
+                                    i / w, &a[off + i..off + i + w], &want[i..i + w], &b[off + i..off + i + w]
+                                );
+                            }
                         }
                     }
                 }
@@ -835,18 +896,36 @@ mod tests {
         }
     }
 
+    /// `KUNGFU_KERNEL_ISA` caps the instruction set, never beyond what the
+    /// CPU runs, and the set the CPU runs is the one its features allow.
     #[test]
-    fn the_kernel_isa_is_detected() {
-        let isa = kernel_isa();
+    fn the_cap_picks_the_kernel_isa() {
+        use KernelIsa::*;
+        let all = [Avx512, Avx2, Baseline];
+        assert_eq!(pick_isa("", &all), Avx512);
+        assert_eq!(pick_isa("avx512", &all), Avx512);
+        assert_eq!(pick_isa("avx2", &all), Avx2);
+        assert_eq!(pick_isa("baseline", &all), Baseline);
+        assert_eq!(pick_isa("nonsense", &all), Avx512);
+        assert_eq!(pick_isa("", &[Avx2, Baseline]), Avx2);
+        assert_eq!(pick_isa("avx512", &[Avx2, Baseline]), Avx2);
+        assert_eq!(pick_isa("avx2", &[Baseline]), Baseline);
+        assert_eq!(pick_isa("", &[Baseline]), Baseline);
+        // this process: its cap applied to what this CPU runs
+        let cap = std::env::var("KUNGFU_KERNEL_ISA").unwrap_or_default();
+        assert_eq!(kernel_isa(), pick_isa(&cap, runnable_isas()));
+        let isas = runnable_isas();
+        assert_eq!(isas.last(), Some(&Baseline));
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-            && std::arch::is_x86_feature_detected!("f16c")
-            && std::env::var("KUNGFU_KERNEL_ISA").is_err()
         {
-            assert_ne!(isa, KernelIsa::Baseline);
+            use std::arch::is_x86_feature_detected as has;
+            let avx2 = has!("avx2") && has!("fma") && has!("f16c");
+            let avx512 = avx2 && has!("avx512f") && has!("avx512bw") && has!("avx512vl");
+            assert_eq!(isas.contains(&Avx2), avx2, "{isas:?}");
+            assert_eq!(isas.contains(&Avx512), avx512, "{isas:?}");
         }
-        let _ = isa;
+        #[cfg(not(target_arch = "x86_64"))]
+        assert_eq!(isas, [Baseline]);
     }
 
     #[test]
@@ -903,12 +982,29 @@ mod tests {
 
     #[test]
     fn integer_overflow_wraps() {
-        let mut a = vec![250u8];
-        reduce_into(DType::U8, ReduceOp::Sum, &mut a, &[10]);
-        assert_eq!(a, [4]);
-        let mut b = bytes(&[i32::MIN]);
-        reduce_into(DType::I32, ReduceOp::Min, &mut b, &bytes(&[5i32]));
-        assert_eq!(b, bytes(&[i32::MIN]));
+        for &isa in runnable_isas() {
+            let mut a = vec![250u8; 40];
+            reduce_with_isa(
+                isa,
+                DType::U8,
+                ReduceOp::Sum,
+                &mut a,
+                &[10; 40],
+                Order::DstFirst,
+            );
+            assert_eq!(a, [4; 40], "{isa:?}");
+            let mut b = bytes(&[i32::MIN; 20]);
+            let five = bytes(&[5i32; 20]);
+            reduce_with_isa(
+                isa,
+                DType::I32,
+                ReduceOp::Min,
+                &mut b,
+                &five,
+                Order::DstFirst,
+            );
+            assert_eq!(b, bytes(&[i32::MIN; 20]), "{isa:?}");
+        }
     }
 
     #[test]

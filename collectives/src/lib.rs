@@ -68,8 +68,8 @@ mod session;
 mod spec;
 
 pub use dtype::{
-    kernel_isa, reduce_into, reduce_into_ordered, scale_down, sq_norm_f32, DType, Element,
-    KernelIsa, Order, ReduceOp,
+    kernel_isa, reduce_into, reduce_into_ordered, reduce_with_isa, runnable_isas, scale_down,
+    sq_norm_f32, sq_norm_with_isa, DType, Element, KernelIsa, Order, ReduceOp,
 };
 pub use error::CollectiveError;
 pub use session::{Callback, OpHandle, OpOutput, OpStats, PeerStats, Session, SessionConfig};

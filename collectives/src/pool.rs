@@ -192,11 +192,22 @@ mod tests {
         assert!(pool.idle_bytes() <= 100_000);
     }
 
+    /// A buffer does not keep its pool alive (sessions drop their pool
+    /// while results are still held), stays usable, and is simply freed
+    /// when dropped after its pool.
     #[test]
     fn a_dropped_pool_lets_buffers_go() {
         let pool = BufPool::new(1 << 20);
-        let b = pool.take(10);
+        let weak = Arc::downgrade(&pool);
+        let mut b = pool.take(10);
+        b.vec_mut().extend_from_slice(b"0123456789");
         drop(pool);
+        assert!(
+            weak.upgrade().is_none(),
+            "a live buffer kept its pool alive"
+        );
+        assert!(b.pool.upgrade().is_none());
+        assert_eq!(&*b, b"0123456789");
         drop(b);
     }
 }

@@ -5,8 +5,16 @@
 //! Inputs are small integers, exact in every type (even f16 and bf16), and
 //! for `prod` mostly ones with a few twos, so that a reduction over up to 16
 //! ranks is exact in any order and results compare with `==`.
+//!
+//! The reductions here are plain scalar code, one element at a time, and
+//! call none of the production kernels (`reduce_into`, `scale_down`): an
+//! oracle that shares the code it checks agrees with it when both are
+//! wrong. f16 and bf16 go through `half`'s scalar conversions (to f32, the
+//! operation in f32, rounded back once), which is what the kernels promise.
 
-use crate::{reduce_into, scale_down, DType, OpKind, OpSpec, ReduceOp};
+use half::{bf16, f16};
+
+use crate::{DType, OpKind, OpSpec, ReduceOp};
 
 /// `v` as one element of `dtype`, appended to `out`.
 pub fn push_small(dtype: DType, v: u8, out: &mut Vec<u8>) {
@@ -52,10 +60,10 @@ pub fn expected(spec: &OpSpec, me: usize, inputs: &[Vec<u8>]) -> Option<Vec<u8>>
     let reduce_all = |op: ReduceOp, range: std::ops::Range<usize>| {
         let mut acc = inputs[0][range.clone()].to_vec();
         for x in &inputs[1..] {
-            reduce_into(spec.dtype, op, &mut acc, &x[range.clone()]);
+            acc = combine(spec.dtype, op, &acc, &x[range.clone()]);
         }
         if op == ReduceOp::Avg {
-            scale_down(spec.dtype, &mut acc, n);
+            acc = divide(spec.dtype, &acc, n);
         }
         acc
     };
@@ -72,5 +80,182 @@ pub fn expected(spec: &OpSpec, me: usize, inputs: &[Vec<u8>]) -> Option<Vec<u8>>
                 .flat_map(|x| x[me * b..(me + 1) * b].to_vec())
                 .collect(),
         ),
+    }
+}
+
+/// `op(a[i], b[i])` for every element, `a` the first operand: the
+/// definition the kernels implement (integers wrap; float `min`/`max` are
+/// Rust's `f32::min`/`max`, which return the other operand of a NaN;
+/// `avg` sums). Both slices must be the same whole number of elements.
+pub fn combine(dtype: DType, op: ReduceOp, a: &[u8], b: &[u8]) -> Vec<u8> {
+    assert_eq!(a.len(), b.len(), "operands of unequal length");
+    let w = dtype.size();
+    assert_eq!(a.len() % w, 0, "operands not element-aligned");
+    let mut out = Vec::with_capacity(a.len());
+    for (x, y) in a.chunks_exact(w).zip(b.chunks_exact(w)) {
+        macro_rules! int {
+            ($t:ty) => {{
+                let x = <$t>::from_le_bytes(x.try_into().expect("element width"));
+                let y = <$t>::from_le_bytes(y.try_into().expect("element width"));
+                let r = match op {
+                    ReduceOp::Sum | ReduceOp::Avg => x.wrapping_add(y),
+                    ReduceOp::Prod => x.wrapping_mul(y),
+                    ReduceOp::Min => x.min(y),
+                    ReduceOp::Max => x.max(y),
+                };
+                out.extend_from_slice(&r.to_le_bytes());
+            }};
+        }
+        macro_rules! float {
+            ($t:ty, $to:expr, $from:expr) => {{
+                let x = $to(<$t>::from_le_bytes(x.try_into().expect("element width")));
+                let y = $to(<$t>::from_le_bytes(y.try_into().expect("element width")));
+                let r = match op {
+                    ReduceOp::Sum | ReduceOp::Avg => x + y,
+                    ReduceOp::Prod => x * y,
+                    ReduceOp::Min => x.min(y),
+                    ReduceOp::Max => x.max(y),
+                };
+                out.extend_from_slice(&$from(r).to_le_bytes());
+            }};
+        }
+        match dtype {
+            DType::U8 => int!(u8),
+            DType::I8 => int!(i8),
+            DType::U16 => int!(u16),
+            DType::I16 => int!(i16),
+            DType::U32 => int!(u32),
+            DType::I32 => int!(i32),
+            DType::U64 => int!(u64),
+            DType::I64 => int!(i64),
+            DType::F16 => float!(f16, f16::to_f32, f16::from_f32),
+            DType::BF16 => float!(bf16, bf16::to_f32, bf16::from_f32),
+            DType::F32 => float!(f32, |v| v, |v| v),
+            DType::F64 => float!(f64, |v| v, |v| v),
+        }
+    }
+    out
+}
+
+/// Every element divided by `n` (the last step of `avg`); integers, for
+/// which `avg` is refused up front, are returned unchanged.
+pub fn divide(dtype: DType, a: &[u8], n: usize) -> Vec<u8> {
+    let w = dtype.size();
+    assert_eq!(a.len() % w, 0, "operand not element-aligned");
+    let mut out = Vec::with_capacity(a.len());
+    for x in a.chunks_exact(w) {
+        macro_rules! float {
+            ($t:ty, $to:expr, $from:expr) => {{
+                let v = $to(<$t>::from_le_bytes(x.try_into().expect("element width")));
+                out.extend_from_slice(&$from(v / n as f32).to_le_bytes());
+            }};
+        }
+        match dtype {
+            DType::F16 => float!(f16, f16::to_f32, f16::from_f32),
+            DType::BF16 => float!(bf16, bf16::to_f32, bf16::from_f32),
+            DType::F32 => float!(f32, |v| v, |v| v),
+            DType::F64 => {
+                let v = f64::from_le_bytes(x.try_into().expect("element width"));
+                out.extend_from_slice(&(v / n as f64).to_le_bytes());
+            }
+            _ => out.extend_from_slice(x),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn one(dtype: DType, v: u8) -> Vec<u8> {
+        let mut out = Vec::new();
+        push_small(dtype, v, &mut out);
+        out
+    }
+
+    /// The oracle itself, on values worked out by hand.
+    #[test]
+    fn combine_and_divide_by_hand() {
+        // integers wrap, in their own width and signedness
+        assert_eq!(combine(DType::U8, ReduceOp::Sum, &[250], &[10]), [4]);
+        assert_eq!(combine(DType::U8, ReduceOp::Prod, &[16], &[17]), [16]);
+        assert_eq!(combine(DType::I8, ReduceOp::Min, &[0xff], &[1]), [0xff]);
+        assert_eq!(combine(DType::U8, ReduceOp::Min, &[0xff], &[1]), [1]);
+        let i16s = |v: i16| v.to_le_bytes().to_vec();
+        assert_eq!(
+            combine(DType::I16, ReduceOp::Max, &i16s(-3), &i16s(2)),
+            i16s(2)
+        );
+        // floats: min/max skip a NaN, as `f32::min` does
+        let f = |v: f32| v.to_le_bytes().to_vec();
+        assert_eq!(
+            combine(DType::F32, ReduceOp::Min, &f(f32::NAN), &f(2.0)),
+            f(2.0)
+        );
+        assert_eq!(
+            combine(DType::F32, ReduceOp::Prod, &f(1.5), &f(-2.0)),
+            f(-3.0)
+        );
+        // f16 rounds once: 2048 + 1 is a tie, rounded to even (2048)
+        let h = |v: f32| f16::from_f32(v).to_le_bytes().to_vec();
+        assert_eq!(
+            combine(DType::F16, ReduceOp::Sum, &h(2048.0), &h(1.0)),
+            h(2048.0)
+        );
+        assert_eq!(
+            combine(DType::F16, ReduceOp::Sum, &h(2048.0), &h(3.0)),
+            h(2052.0)
+        );
+        // bf16 keeps 8 significant bits: 256 + 1 rounds to 256
+        let b = |v: f32| bf16::from_f32(v).to_le_bytes().to_vec();
+        assert_eq!(
+            combine(DType::BF16, ReduceOp::Sum, &b(256.0), &b(1.0)),
+            b(256.0)
+        );
+        assert_eq!(
+            combine(DType::BF16, ReduceOp::Max, &b(-1.0), &b(3.0)),
+            b(3.0)
+        );
+        // avg divides floats only
+        assert_eq!(
+            divide(DType::F64, &6f64.to_le_bytes(), 4),
+            1.5f64.to_le_bytes()
+        );
+        assert_eq!(
+            divide(DType::F16, &one(DType::F16, 9), 3),
+            one(DType::F16, 3)
+        );
+        assert_eq!(
+            divide(DType::BF16, &one(DType::BF16, 9), 3),
+            one(DType::BF16, 3)
+        );
+        assert_eq!(
+            divide(DType::I32, &one(DType::I32, 9), 3),
+            one(DType::I32, 9)
+        );
+    }
+
+    #[test]
+    fn expected_reduces_every_rank() {
+        let spec = OpSpec {
+            kind: OpKind::Allreduce(ReduceOp::Avg),
+            dtype: DType::F32,
+            count: 2,
+        };
+        let inputs: Vec<Vec<u8>> = [[1f32, 2.0], [3.0, 4.0], [5.0, 9.0]]
+            .iter()
+            .map(|v| bytemuck::cast_slice(v).to_vec())
+            .collect();
+        let want: Vec<u8> = bytemuck::cast_slice(&[3f32, 5.0]).to_vec();
+        for r in 0..3 {
+            assert_eq!(expected(&spec, r, &inputs), Some(want.clone()));
+        }
+        let rs = OpSpec {
+            kind: OpKind::ReduceScatter(ReduceOp::Max),
+            dtype: DType::F32,
+            count: 1,
+        };
+        assert_eq!(expected(&rs, 1, &inputs), Some(9f32.to_le_bytes().to_vec()));
     }
 }

@@ -138,14 +138,28 @@ fn mean(total: Duration, n: u64) -> Option<Duration> {
 type Arrivals = (u64, u64, Duration);
 
 /// The result of an op: the working buffer and where this rank's output
-/// lies in it (`None` for non-roots of reduce and gather).
+/// lies in it (`None` for non-roots of reduce and gather), and where the op
+/// ran: its epoch and strategy.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OpOutput {
     work: PooledBuf,
     range: Option<Range<usize>>,
+    epoch: Epoch,
+    strategy: Strategy,
 }
 
 impl OpOutput {
+    /// The epoch the op ran at: ops started while a swap is under way wait
+    /// for it and run at the new epoch.
+    pub fn epoch(&self) -> Epoch {
+        self.epoch
+    }
+
+    /// The strategy the op ran on (`AUTO` resolved to its choice).
+    pub fn strategy(&self) -> Strategy {
+        self.strategy
+    }
+
     /// This rank's output bytes, if it has an output.
     pub fn bytes(&self) -> Option<&[u8]> {
         self.range.as_ref().map(|r| &self.work[r.clone()])
@@ -439,6 +453,12 @@ impl<T: Transport> Session<T> {
     /// ABI's `kf_set_strategy` does.
     pub fn set_strategy(&self, s: Strategy) {
         *lock(&self.inner.strategy) = s;
+    }
+
+    /// Whether a swap ([`Session::swap_strategy`]) is under way here: ops
+    /// started now wait for it and run at the new epoch.
+    pub fn swapping(&self) -> bool {
+        lock(&self.inner.gate).is_some()
     }
 
     /// Changes the strategy at a consistency barrier and advances the
@@ -1118,6 +1138,8 @@ impl RunningOp {
         Ok(OpOutput {
             work: std::mem::replace(&mut self.work, PooledBuf::unpooled(Vec::new())),
             range,
+            epoch: self.tag.epoch,
+            strategy: self.strategy,
         })
     }
 

@@ -1,7 +1,10 @@
 //! The scheduler over the in-memory transport: ops in flight in any order,
 //! bad input, faults, and the API surfaces (async, blocking, callbacks).
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -327,7 +330,19 @@ fn lost_peer_fails_pending_and_later_ops() {
             .iter()
             .map(|s| s.allreduce("x", &[1.0f32; 64], ReduceOp::Sum))
             .collect();
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        // Kill rank 3 once all three ops are waiting for it: in the ring of
+        // 64 floats (segments of 64 bytes) rank 2's third frame to rank 3
+        // needs rank 1's second, which needs rank 0's first, so with 192
+        // bytes queued for rank 3 every op has sent what it could.
+        let deadline = std::time::Instant::now() + LONG;
+        while ts[3].mailbox_stats().0 < 3 * 64 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the ops never started"
+            );
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(ts[3].mailbox_stats().0, 3 * 64, "nothing more can come");
         let started = std::time::Instant::now();
         ts[3].kill();
         for h in pending {
@@ -429,9 +444,9 @@ fn stale_and_hostile_frames() {
         assert_eq!(ts[0].mailbox_stats(), (0, 1));
 
         // a data frame with the right digest but a chunk the plan does not
-        // expect: take the digest from a real frame by running rank 0 alone
+        // expect, while rank 0 runs the op alone (the transport holds frames
+        // by tag, so it reaches the op whenever the op asks)
         let h0 = ss[0].allreduce("v", &[1.0f32; 4], ReduceOp::Sum);
-        tokio::time::sleep(Duration::from_millis(20)).await;
         let spec = OpSpec {
             kind: OpKind::Allreduce(ReduceOp::Sum),
             dtype: DType::F32,
@@ -678,32 +693,84 @@ fn op_stats_count_ops_by_strategy() {
     });
 }
 
+/// Polls `f` once (with this task's waker): whatever it does up to its
+/// first wait has happened when this returns.
+async fn poll_once<F: Future + Unpin>(f: &mut F) -> Poll<F::Output> {
+    std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *f).poll(cx))).await
+}
+
+/// Waits on a test barrier, with a deadline.
+async fn meet(b: &tokio::sync::Barrier) {
+    tokio::time::timeout(LONG, b.wait())
+        .await
+        .expect("every rank reaches the barrier");
+}
+
 #[test]
 fn swap_drains_defers_agrees_and_advances_the_epoch() {
     rt().block_on(async {
         let n = 3;
         let ss = sessions(n, Strategy::Star, 11, LONG);
         let ts: Vec<_> = ss.iter().map(|s| s.transport().clone()).collect();
+        // Two barriers of the test order the ranks so that every rank's
+        // swap is provably under way while it starts the `during` ops (no
+        // sleeps): ranks 1 and 2 start `before` and their swap, whose drain
+        // waits for `before`, which needs rank 0, which starts only after
+        // barrier A; rank 0's swap cannot finish before barrier B, since
+        // the others' swaps only reach their consensus when polled again,
+        // after B, and every rank starts its `during` ops before B.
+        let a = Arc::new(tokio::sync::Barrier::new(n));
+        let b = Arc::new(tokio::sync::Barrier::new(n));
+        let spec = |count| OpSpec {
+            kind: OpKind::Allreduce(ReduceOp::Sum),
+            dtype: DType::F32,
+            count,
+        };
+        let input = |v: f32, count: usize| bytemuck::cast_slice(&vec![v; count]).to_vec();
         let mut tasks = Vec::new();
         for s in ss.clone() {
+            let (a, b) = (a.clone(), b.clone());
             tasks.push(tokio::spawn(async move {
-                let me = s.rank().0 as f32;
+                let r = s.rank();
+                let me = r.0 as f32;
+                if r == Rank(0) {
+                    meet(&a).await;
+                }
                 // in flight when the swap starts: finishes on the old topology
-                let before = s.allreduce("g", &[me; 1000], ReduceOp::Sum);
-                let swap = {
+                let before = s.submit("g", spec(1000), &input(me, 1000));
+                let mut swap = Box::pin({
                     let s = s.clone();
-                    tokio::spawn(async move { s.swap_strategy(Strategy::Ring).await })
-                };
-                tokio::time::sleep(Duration::from_millis(5)).await;
-                // started while the swap may be under way: waits, then runs
-                // on the new epoch, in the order started
+                    async move { s.swap_strategy(Strategy::Ring).await }
+                });
+                assert!(!s.swapping());
+                assert!(poll_once(&mut swap).await.is_pending(), "{r}");
+                assert!(s.swapping(), "{r}: the swap is under way");
+                // started while the swap is under way: they wait, then run
+                // on the new epoch and strategy, in the order started
                 let during: Vec<_> = (0..4)
-                    .map(|i| s.allreduce("g", &[me + i as f32; 100], ReduceOp::Sum))
+                    .map(|i| s.submit("g", spec(100), &input(me + i as f32, 100)))
                     .collect();
-                let epoch = swap.await.unwrap().expect("swap");
-                assert_eq!(before.await.unwrap(), vec![3.0; 1000]);
+                if r != Rank(0) {
+                    meet(&a).await;
+                }
+                meet(&b).await;
+                let epoch = swap.await.expect("swap");
+                assert!(!s.swapping());
+                let before = before.await.unwrap();
+                assert_eq!(before.to_vec::<f32>(), vec![3.0; 1000]);
+                assert_eq!(
+                    (before.epoch(), before.strategy()),
+                    (Epoch(0), Strategy::Star),
+                    "{r}: `before` ran on the old topology"
+                );
                 for (i, h) in during.into_iter().enumerate() {
-                    assert_eq!(h.await.unwrap(), vec![3.0 + 3.0 * i as f32; 100]);
+                    let out = h.await.unwrap();
+                    assert_eq!(out.to_vec::<f32>(), vec![3.0 + 3.0 * i as f32; 100]);
+                    assert_eq!(
+                        (out.epoch(), out.strategy()),
+                        (Epoch(1), Strategy::Ring),
+                        "{r}: op {i} started during the swap ran on"
+                    );
                 }
                 (epoch, s.epoch(), s.strategy())
             }));
@@ -818,26 +885,37 @@ fn peer_stats_show_a_straggler() {
 }
 
 /// A swap whose future is dropped half-way (here: only rank 0 swaps, and
-/// gives up) does not leave later ops waiting for it.
+/// gives up) does not leave later ops waiting for it: the op it held is
+/// released when it is dropped, and runs where nothing changed.
 #[test]
 fn a_cancelled_swap_does_not_hold_later_ops() {
     rt().block_on(async {
         let ss = sessions(3, Strategy::Star, 13, LONG);
-        let r = tokio::time::timeout(
-            Duration::from_millis(20),
-            ss[0].swap_strategy(Strategy::Ring),
-        )
-        .await;
-        assert!(r.is_err(), "the others never join: {r:?}");
-        let hs: Vec<_> = ss
-            .iter()
-            .map(|s| s.allreduce("after", &[1u32; 8], ReduceOp::Sum))
-            .collect();
+        let mut swap = Box::pin(ss[0].swap_strategy(Strategy::Ring));
+        // the others never join: it closes the gate and waits
+        assert!(poll_once(&mut swap).await.is_pending());
+        assert!(ss[0].swapping());
+        let spec = OpSpec {
+            kind: OpKind::Allreduce(ReduceOp::Sum),
+            dtype: DType::U32,
+            count: 8,
+        };
+        let held = ss[0].submit("after", spec, bytemuck::cast_slice(&[1u32; 8]));
+        drop(swap);
+        assert!(!ss[0].swapping(), "dropping the swap reopens the gate");
+        let mut hs = vec![held];
+        hs.extend(
+            ss[1..]
+                .iter()
+                .map(|s| s.submit("after", spec, bytemuck::cast_slice(&[1u32; 8]))),
+        );
         for h in hs {
-            let got = tokio::time::timeout(Duration::from_secs(10), h)
+            let got = tokio::time::timeout(LONG, h)
                 .await
-                .expect("not held by the cancelled swap");
-            assert_eq!(got.unwrap(), vec![3u32; 8]);
+                .expect("not held by the cancelled swap")
+                .unwrap();
+            assert_eq!(got.to_vec::<u32>(), vec![3u32; 8]);
+            assert_eq!((got.epoch(), got.strategy()), (Epoch(0), Strategy::Star));
         }
     });
 }

@@ -211,6 +211,139 @@ mod tests {
         );
     }
 
+    mod props {
+        use super::*;
+        use proptest::prelude::*;
+        use proptest::test_runner::RngSeed;
+
+        /// A fixed seed, so CI runs the same cases every time (change it to
+        /// explore); no regression files.
+        fn config() -> ProptestConfig {
+            ProptestConfig {
+                cases: 1024,
+                rng_seed: RngSeed::Fixed(0x4b46_0001),
+                failure_persistence: None,
+                ..ProptestConfig::default()
+            }
+        }
+
+        fn header() -> impl Strategy<Value = Header> {
+            (
+                prop_oneof![Just(FrameKind::Data), Just(FrameKind::Abort)],
+                (any::<u32>(), any::<u64>(), any::<u32>()),
+                any::<u32>(),
+                any::<u16>(),
+                any::<u32>(),
+                any::<u64>(),
+            )
+                .prop_map(|(kind, (epoch, op, seq), chunk, step, digest, len)| {
+                    Header {
+                        kind,
+                        tag: OpTag {
+                            epoch: Epoch(epoch),
+                            op: OpId(op),
+                            seq,
+                        },
+                        chunk,
+                        step,
+                        digest,
+                        len,
+                    }
+                })
+        }
+
+        /// The error the layout table of the module docs prescribes for
+        /// `b` (checked in table order), worked out from the table, not by
+        /// `decode`.
+        fn prescribed(b: &[u8; HEADER_LEN], max: usize) -> Option<HeaderError> {
+            let len = u64::from_le_bytes(b[32..40].try_into().unwrap());
+            if &b[0..2] != b"KF" {
+                Some(HeaderError::Magic([b[0], b[1]]))
+            } else if b[2] != 1 {
+                Some(HeaderError::Version(b[2]))
+            } else if !(1..=2).contains(&b[3]) {
+                Some(HeaderError::Kind(b[3]))
+            } else if b[4] != 0 || b[5] != 0 {
+                Some(HeaderError::Flags(u16::from_le_bytes([b[4], b[5]])))
+            } else if len > max as u64 {
+                Some(HeaderError::TooLarge { len, max })
+            } else {
+                None
+            }
+        }
+
+        /// Checks one decode of `b` against the table: what decodes
+        /// re-encodes to the same bytes within the limit, and every refusal
+        /// is the prescribed error, whose message names the bad value.
+        fn check(b: &[u8; HEADER_LEN], max: usize) -> Result<(), TestCaseError> {
+            match Header::decode(b, max) {
+                Ok(h) => {
+                    prop_assert_eq!(prescribed(b, max), None);
+                    prop_assert_eq!(&h.encode(), b);
+                    prop_assert!(h.len <= max as u64);
+                }
+                Err(e) => {
+                    prop_assert_eq!(Some(e.clone()), prescribed(b, max));
+                    let msg = e.to_string();
+                    let names = match &e {
+                        HeaderError::Magic(m) => msg.contains(&format!("{m:02x?}")),
+                        HeaderError::Version(v) | HeaderError::Kind(v) => {
+                            msg.contains(&v.to_string())
+                        }
+                        HeaderError::Flags(f) => msg.contains(&format!("{f:#06x}")),
+                        HeaderError::TooLarge { len, max } => {
+                            msg.contains(&len.to_string()) && msg.contains(&max.to_string())
+                        }
+                    };
+                    prop_assert!(names, "{:?} says {:?}", e, msg);
+                }
+            }
+            Ok(())
+        }
+
+        proptest! {
+            #![proptest_config(config())]
+
+            /// Every header survives the round trip, within the limit; over
+            /// it, the length is refused naming both.
+            #[test]
+            fn round_trip(h in header(), slack in 0u64..1 << 20) {
+                let b = h.encode();
+                let max = usize::try_from(h.len.saturating_add(slack)).unwrap_or(usize::MAX);
+                prop_assert_eq!(Header::decode(&b, max), Ok(h));
+                if let Some(below) = h.len.checked_sub(1 + slack) {
+                    let below = usize::try_from(below).unwrap();
+                    prop_assert_eq!(
+                        Header::decode(&b, below),
+                        Err(HeaderError::TooLarge { len: h.len, max: below })
+                    );
+                }
+            }
+
+            /// Arbitrary bytes never panic and decode or fail as the table
+            /// says.
+            #[test]
+            fn arbitrary_bytes(b in any::<[u8; HEADER_LEN]>(), max in any::<usize>()) {
+                check(&b, max)?;
+            }
+
+            /// A good header with a few bytes changed (the cases that pass
+            /// the magic and reach the later checks).
+            #[test]
+            fn mutated_headers(
+                h in header(),
+                edits in proptest::collection::vec((0..HEADER_LEN, any::<u8>()), 1..4),
+                max in prop_oneof![Just(usize::MAX), any::<usize>(), 0usize..4096],
+            ) {
+                let mut b = h.encode();
+                for (i, v) in edits {
+                    b[i] = v;
+                }
+                check(&b, max)?;
+            }
+        }
+    }
+
     /// A cheap deterministic fuzz: random and mutated headers never panic,
     /// and whatever decodes re-encodes to the same bytes.
     #[test]

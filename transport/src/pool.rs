@@ -156,6 +156,24 @@ mod tests {
         assert_eq!(pool.idle_bytes(), 0);
     }
 
+    /// A payload does not keep its pool alive, stays readable, and its
+    /// buffer is simply freed when the last clone goes after the pool.
+    #[test]
+    fn a_dropped_pool_lets_payloads_go() {
+        let pool = FramePool::new(1 << 20);
+        let weak = Arc::downgrade(&pool);
+        let mut b = pool.take(100);
+        b.as_mut().fill(9);
+        let bytes = b.freeze();
+        drop(pool);
+        assert!(
+            weak.upgrade().is_none(),
+            "a live payload kept its pool alive"
+        );
+        assert!(bytes.iter().all(|&x| x == 9) && bytes.len() == 100);
+        drop(bytes);
+    }
+
     #[test]
     fn limits_hold() {
         let pool = FramePool::new(10_000);

@@ -29,6 +29,8 @@ use crate::dtype::{reduce_into_ordered, DType, Order, ReduceOp};
 
 pub mod build;
 mod chunk;
+#[cfg(test)]
+mod tests;
 
 pub use chunk::{chunks, segment};
 

@@ -1,0 +1,250 @@
+//! Property tests of the generators: for random cluster shapes, strategies,
+//! ops, types, counts and chunk sizes, the plans of all ranks together are
+//! valid, checked on the plans' own tables (no network): each `(peer,
+//! chunk, step)` is expected once, every send has exactly one receive of
+//! the same length and no receive lacks its send, every byte range lies in
+//! the working buffer on element boundaries, and dependencies only point
+//! back (so the graph has no cycle). `collective_sim` runs such plans.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use kungfu_topology::{PeerList, Rank, Root, Strategy};
+use proptest::prelude::{
+    prop_assert, prop_assert_eq, prop_oneof, proptest, Just, ProptestConfig, TestCaseError,
+};
+use proptest::strategy::Strategy as _;
+use proptest::test_runner::RngSeed;
+
+use super::build::{build, PlanInput};
+use super::{Action, ActionId};
+use crate::{DType, OpKind, OpSpec, ReduceOp};
+
+/// One op on one cluster.
+#[derive(Clone, Debug)]
+struct Case {
+    /// Workers per host (the last host may have fewer).
+    hosts: Vec<usize>,
+    strategy: Strategy,
+    spec: OpSpec,
+    chunk_bytes: usize,
+}
+
+fn case() -> impl proptest::strategy::Strategy<Value = Case> {
+    (1usize..=16)
+        .prop_flat_map(|n| {
+            (
+                Just(n),
+                1..=n,
+                0..Strategy::ALL.len(),
+                0usize..7,
+                0..n,
+                0..ReduceOp::ALL.len(),
+                0..DType::ALL.len(),
+                prop_oneof![0usize..20, 0usize..2000],
+                1usize..300,
+            )
+        })
+        .prop_map(|(n, per, s, kind, root, op, dtype, count, chunk_bytes)| {
+            let dtype = DType::ALL[dtype];
+            let op = Some(ReduceOp::ALL[op])
+                .filter(|o| o.supports(dtype))
+                .unwrap_or(ReduceOp::Sum);
+            let root = Rank(root as u32);
+            let kind = match kind {
+                0 => OpKind::Allreduce(op),
+                1 => OpKind::Reduce { op, root },
+                2 => OpKind::Broadcast { root },
+                3 => OpKind::Allgather,
+                4 => OpKind::Gather { root },
+                5 => OpKind::ReduceScatter(op),
+                _ => OpKind::Alltoall,
+            };
+            let mut hosts = vec![per; n / per];
+            if n % per != 0 {
+                hosts.push(n % per);
+            }
+            Case {
+                hosts,
+                strategy: Strategy::ALL[s],
+                spec: OpSpec { kind, dtype, count },
+                chunk_bytes,
+            }
+        })
+}
+
+/// A send or receive as both ends see it: (from, to, chunk, step).
+type Tag = (Rank, Rank, u32, u16);
+
+fn check(c: &Case) -> Result<(), TestCaseError> {
+    let peers = PeerList::with_hosts(&c.hosts);
+    let n = peers.len();
+    let spec = &c.spec;
+    prop_assert!(spec.validate(n).is_ok());
+    let bytes = spec.block_bytes().unwrap();
+    let work = spec.work_len(n).unwrap();
+    let esize = spec.dtype.size();
+    let topo = |root: Root| Arc::new(c.strategy.resolve(&peers, root, bytes));
+    // tag -> bytes, over all ranks
+    let mut sends: HashMap<Tag, usize> = HashMap::new();
+    let mut recvs: HashMap<Tag, usize> = HashMap::new();
+    for r in 0..n {
+        let me = Rank(r as u32);
+        let plan = build(&PlanInput {
+            spec,
+            me,
+            size: n,
+            chunk_bytes: c.chunk_bytes,
+            topology: &topo,
+        });
+        let plan = match plan {
+            Ok(p) => p,
+            Err(e) => return Err(TestCaseError::fail(format!("rank {r}: {e}"))),
+        };
+        prop_assert!(n == 1 || !plan.is_empty(), "rank {} takes no part", r);
+        let mut tag_of: HashMap<ActionId, (Rank, u32, u16)> = HashMap::new();
+        for (&(from, chunk, step), &id) in &plan.recv_index {
+            prop_assert!(
+                tag_of.insert(id, (from, chunk, step)).is_none(),
+                "rank {}: one receive under two tags",
+                r
+            );
+        }
+        for (i, a) in plan.actions.iter().enumerate() {
+            for d in &plan.dependents[i] {
+                prop_assert!(
+                    d.0 as usize > i,
+                    "rank {}: action {} waits for a later one",
+                    r,
+                    i
+                );
+            }
+            let (range, tag) = match a {
+                Action::Send {
+                    to,
+                    chunk,
+                    step,
+                    range,
+                } => {
+                    let tag = (me, *to, *chunk, *step);
+                    prop_assert!(
+                        sends.insert(tag, range.len()).is_none(),
+                        "rank {} sends {:?} twice",
+                        r,
+                        tag
+                    );
+                    (range, tag)
+                }
+                Action::Recv { range, .. } => {
+                    let Some(&(from, chunk, step)) = tag_of.get(&ActionId(i as u32)) else {
+                        return Err(TestCaseError::fail(format!(
+                            "rank {r}: receive {i} has no tag"
+                        )));
+                    };
+                    let tag = (from, me, chunk, step);
+                    recvs.insert(tag, range.len());
+                    (range, tag)
+                }
+            };
+            prop_assert!(tag.0 != tag.1, "rank {} talks to itself: {:?}", r, tag);
+            prop_assert!(
+                tag.0.idx() < n && tag.1.idx() < n,
+                "{:?} outside {} ranks",
+                tag,
+                n
+            );
+            prop_assert!(
+                range.start <= range.end && range.end <= work,
+                "rank {}: {:?} {:?} outside the {} bytes",
+                r,
+                tag,
+                range,
+                work
+            );
+            prop_assert!(
+                range.start % esize == 0 && range.end % esize == 0,
+                "rank {}: {:?} {:?} splits {}-byte elements",
+                r,
+                tag,
+                range,
+                esize
+            );
+        }
+        prop_assert_eq!(
+            tag_of.len(),
+            plan.actions
+                .iter()
+                .filter(|a| matches!(a, Action::Recv { .. }))
+                .count()
+        );
+    }
+    let keys: HashSet<&Tag> = sends.keys().chain(recvs.keys()).collect();
+    for t in keys {
+        prop_assert_eq!(
+            sends.get(t),
+            recvs.get(t),
+            "{:?}: bytes sent vs bytes expected",
+            t
+        );
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 400,
+        rng_seed: RngSeed::Fixed(0x4b46_0003),
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn plans_of_all_ranks_fit_together(c in case()) {
+        check(&c)?;
+    }
+}
+
+/// The fixed cases next to the random ones: every strategy, op and a few
+/// shapes, counts and chunk sizes.
+#[test]
+fn plans_fit_together_on_a_fixed_grid() {
+    for n in [1usize, 2, 3, 4, 5, 7, 8, 16] {
+        for strategy in Strategy::ALL {
+            for kind in 0..7 {
+                for (count, chunk_bytes) in [(0usize, 4usize), (1, 4), (7, 8), (100, 12)] {
+                    let root = Rank(((count + kind) % n) as u32);
+                    let kind = match kind {
+                        0 => OpKind::Allreduce(ReduceOp::Sum),
+                        1 => OpKind::Reduce {
+                            op: ReduceOp::Max,
+                            root,
+                        },
+                        2 => OpKind::Broadcast { root },
+                        3 => OpKind::Allgather,
+                        4 => OpKind::Gather { root },
+                        5 => OpKind::ReduceScatter(ReduceOp::Min),
+                        _ => OpKind::Alltoall,
+                    };
+                    let c = Case {
+                        hosts: if n >= 3 {
+                            vec![3; n / 3]
+                                .into_iter()
+                                .chain((n % 3 != 0).then_some(n % 3))
+                                .collect()
+                        } else {
+                            vec![n]
+                        },
+                        strategy,
+                        spec: OpSpec {
+                            kind,
+                            dtype: DType::F32,
+                            count,
+                        },
+                        chunk_bytes,
+                    };
+                    check(&c).unwrap_or_else(|e| panic!("{c:?}: {e}"));
+                }
+            }
+        }
+    }
+}
