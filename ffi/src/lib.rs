@@ -37,6 +37,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -207,6 +208,10 @@ struct Running {
 }
 
 static PHASE: Mutex<Phase> = Mutex::new(Phase::Uninit);
+
+/// Set once `kf_finalize` starts closing: ops that fail from then on fail
+/// because of it.
+static FINALIZING: AtomicBool = AtomicBool::new(false);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -380,6 +385,16 @@ impl Completion {
         self.finished = true;
         let (status, detail) = match r {
             Ok(()) => (KF_OK, String::new()),
+            // Closing the connections fails the ops in flight, and so does
+            // each peer that leaves in turn (a lost peer): either way the
+            // cause is this kf_finalize, and the caller is told so.
+            Err(Fail(s, d)) if FINALIZING.load(Ordering::SeqCst) => (
+                KF_ERR_FINALIZED,
+                format!(
+                    "kf_finalize was called before the op completed ({})",
+                    status_text(s, &d)
+                ),
+            ),
             Err(Fail(s, d)) => (s, d),
         };
         if lock(&self.slot.done).is_some() {
@@ -718,7 +733,8 @@ pub extern "C" fn kf_init() -> kf_status {
 
 /// Closes the connections (waiting a few seconds for the peers to finish
 /// with this worker) and stops the runtime. Ops still running fail with
-/// `KF_ERR_FINALIZED` (their callbacks run). Idempotent.
+/// `KF_ERR_FINALIZED`; their callbacks have run when it returns.
+/// Idempotent.
 #[no_mangle]
 pub extern "C" fn kf_finalize() -> kf_status {
     guard(|| {
@@ -726,6 +742,7 @@ pub extern "C" fn kf_finalize() -> kf_status {
         if let Phase::Ready(lib) = old {
             if let Some(Ok(r)) = lib.running {
                 if r.pid == std::process::id() {
+                    FINALIZING.store(true, Ordering::SeqCst);
                     r.rt.block_on(r.worker.close(Duration::from_secs(5)));
                     r.rt.shutdown_timeout(Duration::from_secs(5));
                 } else {
@@ -1245,7 +1262,11 @@ pub extern "C" fn kf_set_strategy(s: kf_strategy) -> kf_status {
 /// A static description of a status.
 #[no_mangle]
 pub extern "C" fn kf_status_string(s: kf_status) -> *const c_char {
-    let text: &'static CStr = match s {
+    status_str(s).as_ptr()
+}
+
+fn status_str(s: kf_status) -> &'static CStr {
+    match s {
         KF_OK => c"ok",
         KF_ERR_INVALID_ARGUMENT => c"invalid argument",
         KF_ERR_NOT_INITIALIZED => c"not initialized",
@@ -1261,8 +1282,12 @@ pub extern "C" fn kf_status_string(s: kf_status) -> *const c_char {
         KF_ERR_TRANSPORT => c"transport error",
         KF_PENDING => c"pending",
         _ => c"unknown status",
-    };
-    text.as_ptr()
+    }
+}
+
+/// "STATUS: DETAIL", for a detail that wraps another.
+fn status_text(s: kf_status, detail: &str) -> String {
+    format!("{}: {detail}", status_str(s).to_string_lossy())
 }
 
 /// The detail of the last error on this thread ("" if none). Valid until
