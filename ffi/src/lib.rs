@@ -397,9 +397,9 @@ impl Completion {
             ),
             Err(Fail(s, d)) => (s, d),
         };
-        if lock(&self.slot.done).is_some() {
-            return; // finished already (finalize raced the op)
-        }
+        // The callback runs even if kf_finalize already marked the slot
+        // done: an op started on another thread while kf_finalize ran
+        // completes only after it (its `finished` flag keeps it to once).
         // The callback runs before the handle shows the op complete, so
         // what it did is visible to whoever waits on the handle.
         if let Some(cb) = self.cb {
