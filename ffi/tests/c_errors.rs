@@ -258,3 +258,35 @@ fn finalize_fails_ops_in_flight_and_runs_their_callbacks_over_shm() {
 fn finalize_fails_ops_in_flight_and_runs_their_callbacks_over_tcp() {
     finalize("tcp");
 }
+
+/// Rank 0's kf_init refuses its environment (so it never listens); rank 1
+/// cannot reach it, and its failure to start sticks.
+#[test]
+fn a_bad_environment_or_an_unreachable_peer_is_a_bootstrap_error() {
+    let out = scenario(2, "bootstrap", None);
+    let name = "bootstrap";
+    assert_lines(
+        &out,
+        &[
+            saw(
+                0,
+                name,
+                "kf_init with KUNGFU_OP_TIMEOUT_MS=soon",
+                "KF_ERR_BOOTSTRAP",
+            ),
+            saw(0, name, "allreduce after it", "KF_ERR_NOT_INITIALIZED"),
+            saw(1, name, "kf_init", "KF_OK"),
+            saw(
+                1,
+                name,
+                "allreduce with a peer that never listens",
+                "KF_ERR_BOOTSTRAP",
+            ),
+            saw(1, name, "allreduce again", "KF_ERR_BOOTSTRAP"),
+            done(0, name),
+            done(1, name),
+        ],
+    );
+    let d = detail(&out, 0, name, "kf_init with KUNGFU_OP_TIMEOUT_MS=soon");
+    assert!(d.contains("KUNGFU_OP_TIMEOUT_MS"), "{d}");
+}

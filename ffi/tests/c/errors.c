@@ -11,6 +11,8 @@
  *                   protocol violation that rank 0 detects
  *   fork            a child forked after the runtime started
  *   finalize        kf_finalize with ops in flight (their callbacks run)
+ *   bootstrap       rank 0's environment is bad (kf_init fails); rank 1
+ *                   cannot reach rank 0 (its runtime does not start)
  *
  * Each rank prints what it saw, "rank R: SCENARIO: WHAT -> STATUS" (the
  * status by its name in kungfu.h), and "rank R: SCENARIO: done" at the end;
@@ -327,6 +329,28 @@ static void finalize_scenario(void) {
     }
 }
 
+/* Runs instead of the usual kf_init: rank 0's fails, so it never
+ * listens, and rank 1's runtime (connect timeout 500 ms) cannot start. */
+static void bootstrap(int r) {
+    rank_ = r;
+    float v[2] = {1, 1};
+    kf_handle h = 0;
+    if (r == 0) {
+        set_env("KUNGFU_OP_TIMEOUT_MS", "soon");
+        report("kf_init with KUNGFU_OP_TIMEOUT_MS=soon", kf_init());
+        report("allreduce after it",
+               kf_allreduce(v, v, 2, KF_FLOAT32, KF_SUM, "bootstrap", NULL, NULL, &h));
+    } else {
+        set_env("KUNGFU_CONNECT_TIMEOUT_MS", "500");
+        report("kf_init", kf_init());
+        report("allreduce with a peer that never listens",
+               kf_allreduce(v, v, 2, KF_FLOAT32, KF_SUM, "bootstrap", NULL, NULL, &h));
+        /* the failure sticks: no second attempt */
+        report("allreduce again",
+               kf_allreduce(v, v, 2, KF_FLOAT32, KF_SUM, "bootstrap", NULL, NULL, &h));
+    }
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) {
         fprintf(stderr, "usage: errors SCENARIO\n");
@@ -339,6 +363,12 @@ int main(int argc, char **argv) {
     if (!strcmp(scenario_, "transport")) {
         set_env("KUNGFU_STRATEGY", "STAR");
         if (r == 1) set_env("KUNGFU_CHUNK_BYTES", "4096");
+    }
+    if (!strcmp(scenario_, "bootstrap")) {
+        bootstrap(r);
+        CHECK(kf_finalize());
+        printf("rank %d: %s: done\n", rank_, scenario_);
+        return 0;
     }
     CHECK(kf_init());
     rank_ = kf_rank();
