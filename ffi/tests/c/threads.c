@@ -3,8 +3,8 @@
  * threads with the same op names, so the ranks' ops meet by name whatever
  * order the threads interleave in):
  *
- *   ops      T threads issue named allreduces at once, wait for them
- *            (half have callbacks) and check every value
+ *   ops      T threads issue named allreduces and barriers at once, wait
+ *            for them (half have callbacks) and check every value
  *   errors   kf_last_error is per thread: threads failing at once each
  *            read their own detail
  *   handles  an op started on one thread is waited for on two threads at
@@ -120,7 +120,13 @@ static void ops(int t) {
                      cbs[k].calls, cbs[k].status, cbs[k].first);
             free(buf[k]);
         }
-        if (kf_rank() != rank_ || kf_size() != size_) FAIL("kf_rank/kf_size on thread %d", t);
+        if (kf_rank() != rank_ || kf_size() != size_ || kf_cluster_version() != 0)
+            FAIL("kf_rank/kf_size/kf_cluster_version on thread %d", t);
+        /* barriers of different threads are interchangeable */
+        kf_handle b = 0;
+        CHECK(kf_barrier(NULL, NULL, &b));
+        CHECK(kf_wait(b, -1));
+        CHECK(kf_release(b));
     }
 }
 
@@ -253,6 +259,7 @@ static void race(int t) {
 
 static void *thread_main(void *arg) {
     int t = (int)(intptr_t)arg;
+    CHECK(kf_init()); /* idempotent, from any thread */
     ops(t);
     errors(t);
     handles(t);
