@@ -179,7 +179,8 @@ kf_status kf_init(void);
 
 // Closes the connections (waiting a few seconds for the peers to finish
 // with this worker) and stops the runtime. Ops still running fail with
-// `KF_ERR_FINALIZED` (their callbacks run). Idempotent.
+// `KF_ERR_FINALIZED`; their callbacks have run when it returns.
+// Idempotent.
 kf_status kf_finalize(void);
 
 // This worker's rank, or -1 before `kf_init`.

@@ -493,3 +493,118 @@ pub unsafe extern "C" fn kf_sync_state(
         Ok(())
     })
 }
+
+#[cfg(test)]
+mod tests {
+    // No runtime needed: these also run under Miri (scripts/miri-ffi.sh).
+    use super::*;
+    use crate::{KF_OK, KF_STRATEGY_RING};
+
+    #[test]
+    fn lists_and_actions_cross_the_abi() {
+        let items = [
+            kf_action {
+                kind: KF_ACTION_SET_STRATEGY,
+                custom_kind: 0,
+                value: KF_STRATEGY_RING as u64,
+            },
+            kf_action {
+                kind: KF_ACTION_RESIZE,
+                custom_kind: 0,
+                value: 3,
+            },
+            kf_action {
+                kind: KF_ACTION_SET_BATCH_SIZE,
+                custom_kind: 0,
+                value: 512,
+            },
+            kf_action {
+                kind: KF_ACTION_CUSTOM,
+                custom_kind: 65535,
+                value: u64::MAX,
+            },
+        ];
+        for a in &items {
+            let back = c_action(&action_of(a).unwrap_or_else(|Fail(_, d)| panic!("{d}")));
+            assert_eq!(
+                (back.kind, back.custom_kind, back.value),
+                (a.kind, a.custom_kind, a.value)
+            );
+        }
+        for bad in [
+            kf_action {
+                kind: KF_ACTION_CUSTOM,
+                custom_kind: 65536,
+                value: 0,
+            },
+            kf_action {
+                kind: KF_ACTION_RESIZE,
+                custom_kind: 0,
+                value: u64::MAX,
+            },
+            kf_action {
+                kind: KF_ACTION_SET_STRATEGY,
+                custom_kind: 0,
+                value: 9,
+            },
+            kf_action {
+                kind: 99,
+                custom_kind: 0,
+                value: 0,
+            },
+        ] {
+            assert!(matches!(
+                action_of(&bad),
+                Err(Fail(KF_ERR_INVALID_ARGUMENT, _))
+            ));
+        }
+        // into an unaligned array with room for two of four
+        let mut raw = vec![0u8; 1 + 2 * std::mem::size_of::<kf_action>() + 4];
+        // both pointers from one borrow of `raw`, as C would hold them
+        let base = raw.as_mut_ptr();
+        let size = std::mem::size_of::<kf_action>();
+        // SAFETY: both offsets lie inside `raw`.
+        let (out, n) = unsafe {
+            (
+                base.add(1) as *mut kf_action,
+                base.add(1 + 2 * size) as *mut i32,
+            )
+        };
+        assert!(write_list(&items, out, 2, n).is_ok());
+        // SAFETY: inside `raw`, written just above.
+        unsafe {
+            assert_eq!(n.read_unaligned(), 4);
+            assert_eq!(out.add(1).read_unaligned().value, 3);
+        }
+        assert!(write_list(&items, std::ptr::null_mut(), 1, n).is_err());
+        assert!(write_list(&items, out, -1, n).is_err());
+        assert!(write_list(&items, out, 2, std::ptr::null_mut()).is_err());
+    }
+
+    #[test]
+    fn squared_norms_of_any_alignment() {
+        let v = [1.0f32, 2.0, 3.0, 4.5];
+        let mut raw = [0u8; 1 + 16];
+        for (i, x) in v.iter().enumerate() {
+            raw[1 + 4 * i..5 + 4 * i].copy_from_slice(&x.to_ne_bytes());
+        }
+        let mut out = 0.0f64;
+        // SAFETY: four floats (aligned, then not), a double.
+        unsafe {
+            assert_eq!(kf_sq_norm(v.as_ptr(), 4, &mut out), KF_OK);
+            assert_eq!(out, 34.25);
+            out = 0.0;
+            assert_eq!(
+                kf_sq_norm(raw[1..].as_ptr() as *const f32, 4, &mut out),
+                KF_OK
+            );
+            assert_eq!(out, 34.25);
+            assert_eq!(kf_sq_norm(std::ptr::null(), 0, &mut out), KF_OK);
+            assert_eq!(out, 0.0);
+            assert_eq!(
+                kf_sq_norm(std::ptr::null(), 1, &mut out),
+                KF_ERR_INVALID_ARGUMENT
+            );
+        }
+    }
+}

@@ -37,10 +37,11 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use kungfu_collectives::{CollectiveError, DType, OpKind, OpOutput, OpSpec, ReduceOp, Session};
+use kungfu_collectives::{CollectiveError, DType, OpKind, OpSpec, ReduceOp, Session};
 use kungfu_runtime::{Worker, WorkerEnv};
 use kungfu_topology::{fnv1a64, Digest, Rank, Strategy};
 use kungfu_transport::any::AnyTransport;
@@ -207,6 +208,10 @@ struct Running {
 }
 
 static PHASE: Mutex<Phase> = Mutex::new(Phase::Uninit);
+
+/// Set once `kf_finalize` starts closing: ops that fail from then on fail
+/// because of it.
+static FINALIZING: AtomicBool = AtomicBool::new(false);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -380,11 +385,21 @@ impl Completion {
         self.finished = true;
         let (status, detail) = match r {
             Ok(()) => (KF_OK, String::new()),
+            // Closing the connections fails the ops in flight, and so does
+            // each peer that leaves in turn (a lost peer): either way the
+            // cause is this kf_finalize, and the caller is told so.
+            Err(Fail(s, d)) if FINALIZING.load(Ordering::SeqCst) => (
+                KF_ERR_FINALIZED,
+                format!(
+                    "kf_finalize was called before the op completed ({})",
+                    status_text(s, &d)
+                ),
+            ),
             Err(Fail(s, d)) => (s, d),
         };
-        if lock(&self.slot.done).is_some() {
-            return; // finished already (finalize raced the op)
-        }
+        // The callback runs even if kf_finalize already marked the slot
+        // done: an op started on another thread while kf_finalize ran
+        // completes only after it (its `finished` flag keeps it to once).
         // The callback runs before the handle shows the op complete, so
         // what it did is visible to whoever waits on the handle.
         if let Some(cb) = self.cb {
@@ -526,9 +541,10 @@ fn request(
     })
 }
 
-/// Writes an op's output to the caller's buffer.
-fn deliver(out: Option<(OutPtr, usize)>, got: &OpOutput) -> Res<()> {
-    if let (Some((p, len)), Some(bytes)) = (out, got.bytes()) {
+/// Writes an op's output (`got`, if this rank has one) to the caller's
+/// buffer.
+fn deliver(out: Option<(OutPtr, usize)>, got: Option<&[u8]>) -> Res<()> {
+    if let (Some((p, len)), Some(bytes)) = (out, got) {
         if bytes.len() != len {
             return Err(Fail(
                 KF_ERR_INTERNAL,
@@ -552,7 +568,7 @@ fn submit(ctx: &Ctx, req: Request, done: Completion) {
     let out = req.out;
     ctx.rt.spawn(async move {
         let r = match h.await {
-            Ok(got) => deliver(out, &got),
+            Ok(got) => deliver(out, got.bytes()),
             Err(e) => Err(fail_of(&e)),
         };
         done.finish(r);
@@ -718,7 +734,8 @@ pub extern "C" fn kf_init() -> kf_status {
 
 /// Closes the connections (waiting a few seconds for the peers to finish
 /// with this worker) and stops the runtime. Ops still running fail with
-/// `KF_ERR_FINALIZED` (their callbacks run). Idempotent.
+/// `KF_ERR_FINALIZED`; their callbacks have run when it returns.
+/// Idempotent.
 #[no_mangle]
 pub extern "C" fn kf_finalize() -> kf_status {
     guard(|| {
@@ -726,6 +743,7 @@ pub extern "C" fn kf_finalize() -> kf_status {
         if let Phase::Ready(lib) = old {
             if let Some(Ok(r)) = lib.running {
                 if r.pid == std::process::id() {
+                    FINALIZING.store(true, Ordering::SeqCst);
                     r.rt.block_on(r.worker.close(Duration::from_secs(5)));
                     r.rt.shutdown_timeout(Duration::from_secs(5));
                 } else {
@@ -1158,35 +1176,39 @@ pub extern "C" fn kf_group_end() -> kf_status {
 pub extern "C" fn kf_wait(h: kf_handle, timeout_ms: i64) -> kf_status {
     guard(|| {
         ready(&mut lock(&PHASE))?;
-        let slot = slot_of(h)?;
-        let deadline =
-            (timeout_ms >= 0).then(|| Instant::now() + Duration::from_millis(timeout_ms as u64));
-        let mut done = lock(&slot.done);
-        loop {
-            if let Some((status, detail)) = &*done {
-                return if *status == KF_OK {
-                    Ok(())
-                } else {
-                    Err(Fail(*status, detail.clone()))
-                };
-            }
-            let wait = match deadline {
-                Some(d) => {
-                    let now = Instant::now();
-                    if now >= d {
-                        return Err(Fail(KF_PENDING, format!("op {h} still running")));
-                    }
-                    d - now
-                }
-                None => Duration::from_millis(100),
-            };
-            done = slot
-                .cv
-                .wait_timeout(done, wait)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        wait_slot(h, &*slot_of(h)?, timeout_ms)
     })
+}
+
+/// `kf_wait` once the library is up and the handle known.
+fn wait_slot(h: kf_handle, slot: &Slot, timeout_ms: i64) -> Res<()> {
+    let deadline =
+        (timeout_ms >= 0).then(|| Instant::now() + Duration::from_millis(timeout_ms as u64));
+    let mut done = lock(&slot.done);
+    loop {
+        if let Some((status, detail)) = &*done {
+            return if *status == KF_OK {
+                Ok(())
+            } else {
+                Err(Fail(*status, detail.clone()))
+            };
+        }
+        let wait = match deadline {
+            Some(d) => {
+                let now = Instant::now();
+                if now >= d {
+                    return Err(Fail(KF_PENDING, format!("op {h} still running")));
+                }
+                d - now
+            }
+            None => Duration::from_millis(100),
+        };
+        done = slot
+            .cv
+            .wait_timeout(done, wait)
+            .unwrap_or_else(|e| e.into_inner())
+            .0;
+    }
 }
 
 /// Sets `*done` to 1 if the op completed (then returns its status), else
@@ -1245,7 +1267,11 @@ pub extern "C" fn kf_set_strategy(s: kf_strategy) -> kf_status {
 /// A static description of a status.
 #[no_mangle]
 pub extern "C" fn kf_status_string(s: kf_status) -> *const c_char {
-    let text: &'static CStr = match s {
+    status_str(s).as_ptr()
+}
+
+fn status_str(s: kf_status) -> &'static CStr {
+    match s {
         KF_OK => c"ok",
         KF_ERR_INVALID_ARGUMENT => c"invalid argument",
         KF_ERR_NOT_INITIALIZED => c"not initialized",
@@ -1261,8 +1287,12 @@ pub extern "C" fn kf_status_string(s: kf_status) -> *const c_char {
         KF_ERR_TRANSPORT => c"transport error",
         KF_PENDING => c"pending",
         _ => c"unknown status",
-    };
-    text.as_ptr()
+    }
+}
+
+/// "STATUS: DETAIL", for a detail that wraps another.
+fn status_text(s: kf_status, detail: &str) -> String {
+    format!("{}: {detail}", status_str(s).to_string_lossy())
 }
 
 /// The detail of the last error on this thread ("" if none). Valid until
@@ -1316,5 +1346,331 @@ mod tests {
             assert!(seen.insert(text.to_owned()), "{s}: {text:?}");
             assert_ne!(text.to_str().unwrap(), "unknown status", "{s}");
         }
+    }
+    // The tests below need no runtime (no tokio, no sockets, no shared
+    // memory), so they also run under Miri (scripts/miri-ffi.sh), which
+    // checks the raw-pointer work and the hand-over between threads. None
+    // calls kf_init or kf_finalize: the library stays uninitialized for
+    // every test of this process.
+
+    /// The (handle, status) of every call of `record`, in order.
+    #[derive(Default)]
+    struct Calls(Mutex<Vec<(kf_handle, kf_status)>>);
+
+    impl Calls {
+        fn user(&self) -> *mut c_void {
+            self as *const Calls as *mut c_void
+        }
+
+        fn seen(&self) -> Vec<(kf_handle, kf_status)> {
+            lock(&self.0).clone()
+        }
+    }
+
+    unsafe extern "C" fn record(h: kf_handle, s: kf_status, user: *mut c_void) {
+        // SAFETY: the tests pass a `Calls` that outlives the op.
+        let calls = unsafe { &*(user as *const Calls) };
+        lock(&calls.0).push((h, s));
+    }
+
+    fn status_of_wait(h: kf_handle, timeout_ms: i64) -> kf_status {
+        let slot = slot_of(h).unwrap_or_else(|Fail(_, d)| panic!("{d}"));
+        match wait_slot(h, &slot, timeout_ms) {
+            Ok(()) => KF_OK,
+            Err(Fail(s, _)) => s,
+        }
+    }
+
+    fn forget(h: kf_handle) {
+        with_handles(|hs| hs.live.remove(&h));
+    }
+
+    #[test]
+    fn a_completion_calls_back_once_then_shows_done() {
+        let calls = Calls::default();
+        // the handle goes to an unaligned place, as C may pass
+        let mut raw = [0u8; 1 + std::mem::size_of::<kf_handle>()];
+        let out = raw[1..].as_mut_ptr() as *mut kf_handle;
+        let c = Completion::new(Some(record), calls.user(), out);
+        // SAFETY: `out` points into `raw`, which Completion::new wrote.
+        let h = unsafe { out.read_unaligned() };
+        assert_ne!(h, 0);
+        assert_eq!(status_of_wait(h, 0), KF_PENDING);
+        assert!(calls.seen().is_empty());
+        c.finish(Ok(()));
+        assert_eq!(calls.seen(), vec![(h, KF_OK)]);
+        assert_eq!(status_of_wait(h, -1), KF_OK);
+        assert_eq!(status_of_wait(h, 0), KF_OK, "a handle stays until released");
+        forget(h);
+        assert!(slot_of(h).is_err());
+    }
+
+    #[test]
+    fn a_completion_dropped_unfinished_fails_with_finalized_once() {
+        let calls = Calls::default();
+        let mut h: kf_handle = 0;
+        let c = Completion::new(Some(record), calls.user(), &mut h);
+        drop(c);
+        assert_eq!(calls.seen(), vec![(h, KF_ERR_FINALIZED)]);
+        assert_eq!(status_of_wait(h, 0), KF_ERR_FINALIZED);
+        forget(h);
+    }
+
+    #[test]
+    fn an_op_without_a_handle_is_forgotten_once_complete() {
+        let calls = Calls::default();
+        let c = Completion::new(Some(record), calls.user(), std::ptr::null_mut());
+        c.finish(Err(Fail(KF_ERR_MISMATCH, "ranks disagree".into())));
+        let seen = calls.seen();
+        assert_eq!(seen.len(), 1);
+        assert_eq!(seen[0].1, KF_ERR_MISMATCH);
+        assert!(slot_of(seen[0].0).is_err(), "released on completion");
+    }
+
+    /// An op completed on a library thread: the output and what the
+    /// callback wrote are there once the wait returns (Miri checks that
+    /// nothing races).
+    #[test]
+    fn output_and_callback_of_another_thread_are_visible_after_the_wait() {
+        struct Seen {
+            calls: usize,
+            first: u8,
+            out: *const u8,
+        }
+        unsafe extern "C" fn peek(_h: kf_handle, s: kf_status, user: *mut c_void) {
+            // SAFETY: the test's `Seen`, used by nobody else until the
+            // wait returned.
+            let seen = unsafe { &mut *(user as *mut Seen) };
+            assert_eq!(s, KF_OK);
+            seen.calls += 1;
+            // SAFETY: the output, written before the callback runs.
+            seen.first = unsafe { *seen.out };
+        }
+        let mut buf = [0u8; 13];
+        let dst = buf[1..].as_mut_ptr(); // unaligned, as C may pass
+        let mut seen = Seen {
+            calls: 0,
+            first: 0,
+            out: dst,
+        };
+        let mut h: kf_handle = 0;
+        let c = Completion::new(Some(peek), &mut seen as *mut Seen as *mut c_void, &mut h);
+        let out = Some((OutPtr(dst), 12));
+        let t = std::thread::spawn(move || {
+            let got: Vec<u8> = (1..=12).collect();
+            let r = deliver(out, Some(&got));
+            c.finish(r);
+        });
+        assert_eq!(status_of_wait(h, -1), KF_OK);
+        assert_eq!((seen.calls, seen.first), (1, 1));
+        assert_eq!(&buf[1..], &(1..=12).collect::<Vec<u8>>()[..]);
+        t.join().expect("the completing thread");
+        forget(h);
+    }
+
+    #[test]
+    fn output_of_the_wrong_size_is_an_internal_error() {
+        let mut buf = [0u8; 4];
+        let out = Some((OutPtr(buf.as_mut_ptr()), 4));
+        assert!(matches!(
+            deliver(out, Some(&[1, 2, 3, 4, 5])),
+            Err(Fail(KF_ERR_INTERNAL, _))
+        ));
+        assert_eq!(buf, [0; 4], "nothing written");
+        assert!(deliver(out, None).is_ok(), "no output on this rank");
+        assert!(deliver(None, Some(&[1])).is_ok());
+    }
+
+    #[test]
+    fn inputs_are_copied_from_any_alignment() {
+        let raw: Vec<u8> = (0..16).collect();
+        let p = raw[3..].as_ptr() as *const c_void;
+        assert_eq!(read_input(p, 9, "x").ok(), Some(raw[3..12].to_vec()));
+        assert_eq!(read_input(std::ptr::null(), 0, "x").ok(), Some(Vec::new()));
+        assert!(matches!(
+            read_input(std::ptr::null(), 3, "x"),
+            Err(Fail(KF_ERR_INVALID_ARGUMENT, _))
+        ));
+    }
+
+    fn allreduce_request(name: &str, out: *mut u8) -> Request {
+        Request {
+            name: name.into(),
+            spec: OpSpec {
+                kind: OpKind::Allreduce(ReduceOp::Sum),
+                dtype: DType::F32,
+                count: 1,
+            },
+            input: vec![0; 4],
+            out: Some((OutPtr(out), 4)),
+        }
+    }
+
+    #[test]
+    fn groups_hold_this_threads_allreduces_and_fail_them_without_a_runtime() {
+        let calls = Calls::default();
+        let mut out = [0u8; 8];
+        let (mut h1, mut h2): (kf_handle, kf_handle) = (0, 0);
+        assert!(matches!(
+            group::end(),
+            Err(Fail(KF_ERR_INVALID_ARGUMENT, _))
+        ));
+        group::start();
+        group::start(); // nested
+        let req = allreduce_request("a", out.as_mut_ptr());
+        assert!(group::hold(req, Completion::new(Some(record), calls.user(), &mut h1)).is_none());
+        // not an allreduce: given back
+        let mut other = allreduce_request("b", out[4..].as_mut_ptr());
+        other.spec.kind = OpKind::Broadcast { root: Rank(0) };
+        let back = group::hold(other, Completion::new(Some(record), calls.user(), &mut h2));
+        let (_, c2) = back.expect("a broadcast is not held");
+        c2.finish(Ok(()));
+        // another thread has no group open: nothing of it is held
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let mut h3: kf_handle = 0;
+                let req = allreduce_request("c", std::ptr::null_mut());
+                let c = Completion::new(None, std::ptr::null_mut(), &mut h3);
+                assert!(group::hold(req, c).is_some());
+                forget(h3);
+            });
+        });
+        assert!(group::end().is_ok(), "inner level: nothing starts");
+        assert_eq!(calls.seen(), vec![(h2, KF_OK)]);
+        // the outer level starts the group, which needs kf_init: the held
+        // op fails and calls back
+        assert!(matches!(group::end(), Err(Fail(KF_ERR_NOT_INITIALIZED, _))));
+        assert_eq!(
+            calls.seen(),
+            vec![(h2, KF_OK), (h1, KF_ERR_NOT_INITIALIZED)]
+        );
+        forget(h1);
+        forget(h2);
+    }
+
+    #[test]
+    fn the_api_before_kf_init_fails_cleanly() {
+        let x = [1.0f32; 2];
+        let mut y = [0.0f32; 2];
+        let mut h: kf_handle = 7;
+        let name = c"early";
+        let p = |v: &[f32; 2]| v.as_ptr() as *const c_void;
+        // SAFETY: every call below gets valid pointers (or NULL where the
+        // ABI allows it) and a NUL-terminated name.
+        unsafe {
+            let yp = y.as_mut_ptr() as *mut c_void;
+            let s = kf_allreduce(
+                p(&x),
+                yp,
+                2,
+                KF_FLOAT32,
+                KF_SUM,
+                name.as_ptr(),
+                None,
+                std::ptr::null_mut(),
+                &mut h,
+            );
+            assert_eq!(s, KF_ERR_NOT_INITIALIZED);
+            assert!(last_error().contains("kf_init"), "{}", last_error());
+            // argument errors come first
+            let s = kf_allreduce(
+                p(&x),
+                yp,
+                2,
+                99,
+                KF_SUM,
+                name.as_ptr(),
+                None,
+                std::ptr::null_mut(),
+                &mut h,
+            );
+            assert_eq!(s, KF_ERR_INVALID_ARGUMENT);
+            assert!(last_error().contains("99"), "{}", last_error());
+            let s = kf_allreduce(
+                p(&x),
+                yp,
+                2,
+                KF_FLOAT32,
+                KF_SUM,
+                std::ptr::null(),
+                None,
+                std::ptr::null_mut(),
+                &mut h,
+            );
+            assert_eq!(s, KF_ERR_INVALID_ARGUMENT);
+            let bad = [0xffu8, 0];
+            let s = kf_broadcast(
+                p(&x),
+                yp,
+                2,
+                KF_FLOAT32,
+                0,
+                bad.as_ptr() as *const c_char,
+                None,
+                std::ptr::null_mut(),
+                &mut h,
+            );
+            assert_eq!(s, KF_ERR_INVALID_ARGUMENT);
+            assert!(last_error().contains("UTF-8"), "{}", last_error());
+            let mut agreed = -1;
+            let s = kf_consensus(
+                p(&x),
+                8,
+                name.as_ptr(),
+                std::ptr::null_mut(),
+                None,
+                std::ptr::null_mut(),
+                &mut h,
+            );
+            assert_eq!(s, KF_ERR_INVALID_ARGUMENT);
+            let s = kf_consensus(
+                p(&x),
+                8,
+                name.as_ptr(),
+                &mut agreed,
+                None,
+                std::ptr::null_mut(),
+                &mut h,
+            );
+            assert_eq!(s, KF_ERR_NOT_INITIALIZED);
+            assert_eq!(agreed, -1);
+            assert_eq!(
+                kf_barrier(None, std::ptr::null_mut(), &mut h),
+                KF_ERR_NOT_INITIALIZED
+            );
+            assert_eq!(kf_test(1, std::ptr::null_mut()), KF_ERR_INVALID_ARGUMENT);
+            let mut done = -1;
+            assert_eq!(kf_test(1, &mut done), KF_ERR_NOT_INITIALIZED);
+            assert_eq!(done, -1);
+        }
+        assert_eq!(h, 7, "no handle written on failure");
+        assert_eq!(y, [0.0; 2]);
+        assert_eq!(kf_wait(1, 0), KF_ERR_NOT_INITIALIZED);
+        assert_eq!(kf_release(1), KF_ERR_NOT_INITIALIZED);
+        assert_eq!(kf_group_start(), KF_ERR_NOT_INITIALIZED);
+        assert_eq!(kf_set_strategy(77), KF_ERR_INVALID_ARGUMENT);
+        assert_eq!(kf_set_strategy(KF_STRATEGY_RING), KF_ERR_NOT_INITIALIZED);
+        assert_eq!(
+            (kf_rank(), kf_size(), kf_local_rank(), kf_local_size()),
+            (-1, -1, -1, -1)
+        );
+        assert_eq!(kf_cluster_version(), u64::MAX);
+    }
+
+    #[test]
+    fn the_last_error_is_per_thread() {
+        let barrier = std::sync::Barrier::new(2);
+        std::thread::scope(|s| {
+            for t in 0..2u64 {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    // both fail before either reads
+                    let s = guard(|| Err(invalid(format!("thread {t}"))));
+                    assert_eq!(s, KF_ERR_INVALID_ARGUMENT);
+                    barrier.wait();
+                    assert_eq!(last_error(), format!("thread {t}"));
+                });
+            }
+        });
     }
 }

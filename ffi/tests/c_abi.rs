@@ -9,43 +9,13 @@
 //! Every process is bounded by kungfu-run's `--timeout` and a kill here.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::process::Command;
 use std::time::Duration;
 
-use kungfu_tests::{output_text as text, run_bounded as run, target_dir};
+use kungfu_tests::{output_text as text, target_dir};
 
-const FFI: &str = env!("CARGO_MANIFEST_DIR");
-
-/// A scratch directory, removed when dropped.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(what: &str) -> Scratch {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let p = std::env::temp_dir().join(format!(
-            "kungfu-ffi-{what}-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).expect("scratch dir");
-        Scratch(p)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn ok(cmd: Command, limit: Duration) -> Output {
-    let desc = format!("{cmd:?}");
-    let out = run(cmd, limit);
-    assert!(out.status.success(), "{desc} failed\n{}", text(&out));
-    out
-}
+mod common;
+use common::{ok, Scratch, FFI};
 
 /// Installs libkungfu and its headers under `prefix` with the Makefile.
 fn install(prefix: &Path) {

@@ -4,12 +4,15 @@
  * in yet another order and checked exactly; a fused group; broadcast,
  * allgather, reduce, gather, reduce-scatter, alltoall, consensus, barrier;
  * and the error paths of the ABI. Exits non-zero on the first failure. */
+#define _POSIX_C_SOURCE 200809L
 #include <kungfu.h>
 
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define NGRAD 40
 
@@ -70,6 +73,27 @@ static void on_done(kf_handle h, kf_status s, void *user) {
     int i = (int)(intptr_t)user;
     __atomic_store_n(&callback_status[i], s == KF_OK ? 1 : -1, __ATOMIC_SEQ_CST);
     __atomic_add_fetch(&callback_calls, 1, __ATOMIC_SEQ_CST);
+}
+
+/* What the callback of an op without a handle saw, and an event for it
+ * (nothing else says when such an op completed). */
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int calls;
+    kf_status status;
+    kf_handle handle;
+    float out; /* the output buffer, read in the callback */
+} forgotten = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, -1, 0, -1.0f};
+
+static void on_forgotten(kf_handle h, kf_status s, void *user) {
+    pthread_mutex_lock(&forgotten.mu);
+    forgotten.calls++;
+    forgotten.status = s;
+    forgotten.handle = h;
+    forgotten.out = *(const float *)user;
+    pthread_cond_broadcast(&forgotten.cv);
+    pthread_mutex_unlock(&forgotten.mu);
 }
 
 int main(void) {
@@ -296,11 +320,30 @@ int main(void) {
     if (strcmp(kf_status_string(9999), "unknown status") != 0) FAIL("status string");
     if (strcmp(kf_status_string(KF_OK), "ok") != 0) FAIL("status string");
 
-    /* a handle nobody asked for: the op still runs and calls back */
-    CHECK(kf_allreduce(&x, &y, 1, KF_FLOAT32, KF_SUM, "fire-and-forget", on_done, (void *)(intptr_t)0, NULL));
-    CHECK(kf_barrier(NULL, NULL, &h));
-    CHECK(kf_wait(h, 60000));
-    CHECK(kf_release(h));
+    /* a handle nobody asked for: the op still runs, writes its output and
+     * calls back, once, with KF_OK */
+    {
+        float in = (float)(rank_ + 1), out = 0.0f;
+        CHECK(kf_allreduce(&in, &out, 1, KF_FLOAT32, KF_SUM, "fire-and-forget", on_forgotten,
+                           &out, NULL));
+        struct timespec deadline;
+        clock_gettime(CLOCK_REALTIME, &deadline);
+        deadline.tv_sec += 60;
+        pthread_mutex_lock(&forgotten.mu);
+        while (forgotten.calls == 0)
+            if (pthread_cond_timedwait(&forgotten.cv, &forgotten.mu, &deadline) != 0) break;
+        pthread_mutex_unlock(&forgotten.mu);
+        float want = (float)(size * (size + 1) / 2);
+        if (forgotten.calls != 1 || forgotten.status != KF_OK || forgotten.handle == 0 ||
+            forgotten.out != want || out != want)
+            FAIL("fire-and-forget: %d calls, status %d, handle %llu, output %g in the callback, "
+                 "%g after, expected %g",
+                 forgotten.calls, forgotten.status, (unsigned long long)forgotten.handle,
+                 forgotten.out, out, want);
+        CHECK(kf_barrier(NULL, NULL, &h));
+        CHECK(kf_wait(h, 60000));
+        CHECK(kf_release(h));
+    }
 
     CHECK(kf_finalize());
     CHECK(kf_finalize()); /* idempotent */
@@ -308,6 +351,9 @@ int main(void) {
     EXPECT(kf_init(), KF_ERR_FINALIZED);
     EXPECT(kf_barrier(NULL, NULL, &h), KF_ERR_FINALIZED);
     if (kf_rank() != -1) FAIL("kf_rank after finalize");
+    pthread_mutex_lock(&forgotten.mu);
+    if (forgotten.calls != 1) FAIL("fire-and-forget: %d calls after finalize", forgotten.calls);
+    pthread_mutex_unlock(&forgotten.mu);
     printf("rank %d: all C checks passed\n", rank_);
     return 0;
 }
