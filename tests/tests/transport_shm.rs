@@ -353,7 +353,13 @@ async fn a_tail_beyond_the_head_stops_the_sender() {
         !t.try_send_now(R1, data(tag(1)), b"x").unwrap(),
         "nothing written into a corrupt ring"
     );
-    match t.send(R1, data(tag(1)), Bytes::from_static(b"x")).await {
+    // `send` itself has no deadline: a sender that believed the ring full
+    // would wait for space for ever
+    let sent = tokio::time::timeout(
+        Duration::from_secs(20),
+        t.send(R1, data(tag(1)), Bytes::from_static(b"x")),
+    );
+    match sent.await.expect("the send ends") {
         Err(TransportError::PeerLost { peer, reason }) => {
             assert_eq!(peer, R1);
             assert!(reason.contains("ring corrupted"), "{reason}");

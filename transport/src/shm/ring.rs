@@ -789,12 +789,16 @@ mod tests {
         // be lent or copied from beyond the end of the buffer.
         let ring = Ring::heap(CAP);
         publish(&ring, &header(2 * CAP, 0).encode());
-        ring.set_indices((HEADER_LEN + 2 * CAP) as u64, 0);
-        let peeked = ring.peek_frame(1 << 20).map(|f| f.map(|(h, _)| h));
-        assert!(peeked.is_err(), "{peeked:?}");
+        let claim = (HEADER_LEN + 2 * CAP) as u64;
+        // the reader thread's path
+        ring.set_indices(claim, 0);
         assert!(ring.has_data(), "the reader looks, and reports it");
         let why = read_err(&ring);
         assert!(why.contains("ring corrupted"), "{why}");
+        // the in-place path (the header is still in the buffer)
+        ring.set_indices(claim, 0);
+        let peeked = ring.peek_frame(1 << 20).map(|f| f.map(|(h, _)| h));
+        assert!(peeked.is_err(), "{peeked:?}");
         // as large as it gets
         ring.set_indices(u64::MAX / 2, 3);
         assert!(read_err(&ring).contains("ring corrupted"));
@@ -812,15 +816,34 @@ mod tests {
     #[test]
     fn a_corrupt_tail_stops_the_sender() {
         let ring = Ring::heap(CAP);
-        let stop = AtomicBool::new(false);
+        // A sender that took the ring for full would wait for space for
+        // ever: a watchdog stops it after a deadline instead.
+        let stop = Arc::new(AtomicBool::new(false));
+        let (done, finished) = std::sync::mpsc::channel::<()>();
+        let watchdog = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let timed_out = matches!(
+                    finished.recv_timeout(Duration::from_secs(30)),
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+                );
+                stop.store(true, Ordering::Release);
+                timed_out
+            })
+        };
         // the receiver claims to have consumed more than was written
         ring.set_indices(10, 10 + CAP as u64 + 5);
         assert!(!ring.try_write(&[b"x"]));
-        let why = ring.write_all(b"x", &stop).unwrap_err();
-        assert!(why.contains("ring corrupted"), "{why}");
+        let first = ring.write_all(b"x", &stop);
         // and behind: the sender would have overwritten unread bytes
         ring.set_indices(CAP as u64 * 3, 0);
-        assert!(ring.write_all(b"x", &stop).is_err());
+        let second = ring.write_all(b"x", &stop);
+        drop(done);
+        let timed_out = watchdog.join().unwrap();
+        assert!(!timed_out, "the sender waited: {first:?} {second:?}");
+        let why = first.unwrap_err();
+        assert!(why.contains("ring corrupted"), "{why}");
+        assert!(second.is_err());
     }
 
     #[test]
