@@ -45,7 +45,7 @@
 //!
 //! A peer process may write anything into a ring it shares: see
 //! `ring.rs` for how indices, headers and lengths are checked, and
-//! [`testing`] for the hook that tests it with a live ring.
+//! `testing` for the hook that tests it with a live ring.
 //!
 //! # Testing hooks
 //!
@@ -127,7 +127,7 @@ impl ShmConfig {
             max_frame: 64 << 20,
             mailbox_bytes: 256 << 20,
             connect_timeout: Duration::from_secs(30),
-            dir: PathBuf::from("/dev/shm"),
+            dir: PathBuf::from(RING_DIR),
             spin: Duration::from_micros(50),
         }
     }
@@ -197,7 +197,13 @@ fn ring_path(dir: &Path, cluster: u64, epoch: Epoch, from: Rank, to: Rank) -> Pa
 pub fn remove_cluster_files(dir: &Path, cluster_id: u64) -> std::io::Result<Vec<String>> {
     let prefix = ring_file_prefix(cluster_id);
     let mut removed = Vec::new();
-    for entry in std::fs::read_dir(dir)? {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        // no such directory: no rings either
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(removed),
+        Err(e) => return Err(e),
+    };
+    for entry in entries {
         let Ok(name) = entry?.file_name().into_string() else {
             continue;
         };
@@ -676,8 +682,10 @@ fn read_loop(
     let (max_frame, eager, polled) = (policy.max_frame, policy.eager, &policy.polled);
     loop {
         // Wait without the lock, so receivers may take frames themselves.
+        // The close flag before the data (see `Ring::read_exact`).
+        let closed = ring.closed() & SENDER_CLOSED != 0;
         if !ring.has_data() {
-            if ring.closed() & SENDER_CLOSED != 0 {
+            if closed {
                 return mailbox.fail_peer(peer, "connection closed by peer");
             }
             if let Err(why) = ring.wait_data(stop, eager) {

@@ -492,15 +492,16 @@ impl Ring {
         self.u32_at(OFF_RECV_SLEEPING).store(0, Ordering::Relaxed);
     }
 
-    /// Sender: the free bytes from `head`, or why the indices are corrupt.
-    fn free(&self) -> Result<(u64, usize), String> {
+    /// Sender: `(head, tail, free bytes from head)`, or why the indices
+    /// are corrupt.
+    fn free(&self) -> Result<(u64, u64, usize), String> {
         let head = self.u64_at(OFF_HEAD).load(Ordering::Relaxed);
         let tail = self.u64_at(OFF_TAIL).load(Ordering::Acquire);
         let used = head.wrapping_sub(tail);
         if used > self.cap as u64 {
             return Err(format!("ring corrupted (head {head}, tail {tail})"));
         }
-        Ok((head, self.cap - used as usize))
+        Ok((head, tail, self.cap - used as usize))
     }
 
     /// Sender: appends all of `src`, waiting for space as needed.
@@ -509,9 +510,12 @@ impl Ring {
         let tail_w = self.u64_at(OFF_TAIL);
         let recv_pid = self.u32_at(OFF_RECV_PID).load(Ordering::Acquire);
         while !src.is_empty() {
-            let (head, free) = self.free()?;
+            let (head, tail, free) = self.free()?;
             if free == 0 {
-                let tail = tail_w.load(Ordering::Acquire);
+                // Wait for `tail` to move from the value that made the ring
+                // full (a fresh load here could already be the receiver's
+                // last move, and wait for one that never comes; Miri found
+                // it).
                 self.wait(
                     OFF_SPACE_SEQ,
                     OFF_SEND_SLEEPING,
@@ -547,7 +551,7 @@ impl Ring {
     /// false (and nothing written) if they do not, or the ring is corrupt
     /// (the caller then sends through `write_all`, which says so).
     pub(super) fn try_write(&self, parts: &[&[u8]]) -> bool {
-        let Ok((head, free)) = self.free() else {
+        let Ok((head, _, free)) = self.free() else {
             return false;
         };
         let total = parts.iter().try_fold(0usize, |t, p| t.checked_add(p.len()));
@@ -602,9 +606,14 @@ impl Ring {
     ) -> Result<(), Option<String>> {
         let mut got = 0;
         while got < dst.len() {
+            // The close flag before the head: the sender closes after its
+            // last byte, so a close seen here means that byte is seen
+            // below. (Head first lost a frame published just before the
+            // close; Miri found it, see the tests.)
+            let closed = self.closed() & SENDER_CLOSED != 0;
             let p = self.published().map_err(Some)?;
             if p.avail == 0 {
-                if self.closed() & SENDER_CLOSED != 0 {
+                if closed {
                     return Err(if got == 0 {
                         None
                     } else {
