@@ -36,15 +36,21 @@ fn soon() -> Instant {
     Instant::now() + Duration::from_secs(20)
 }
 
+/// The ring files of cluster `id` that are left, removed (so that a failing
+/// test leaves nothing either).
 fn leftover_files(id: u64) -> Vec<String> {
     let prefix = ring_file_prefix(id);
-    std::fs::read_dir("/dev/shm")
+    let left: Vec<String> = std::fs::read_dir("/dev/shm")
         .map(|d| {
             d.filter_map(|e| e.ok()?.file_name().into_string().ok())
                 .filter(|n| n.starts_with(&prefix))
                 .collect()
         })
-        .unwrap_or_default()
+        .unwrap_or_default();
+    for n in &left {
+        let _ = std::fs::remove_file(std::path::Path::new("/dev/shm").join(n));
+    }
+    left
 }
 
 /// Payloads from empty to many times the ring size, between every pair,
@@ -101,7 +107,8 @@ async fn rings_leave_no_files_and_closing_is_seen() {
     for t in tasks {
         ts.push(t.await.unwrap().unwrap());
     }
-    assert!(leftover_files(id).is_empty(), "{:?}", leftover_files(id));
+    let left = leftover_files(id);
+    assert!(left.is_empty(), "{left:?}");
     let from1: PeerSet = [Rank(1)].into_iter().collect();
     let t0 = ts[0].clone();
     // Whether the receive starts before or after the close, it must end
@@ -126,7 +133,8 @@ async fn a_missing_peer_fails_the_connect_cleanly() {
     cfg.connect_timeout = Duration::from_millis(300);
     let e = ShmTransport::connect(cfg).await.err().expect("no peer");
     assert!(e.to_string().contains("did not appear"), "{e}");
-    assert!(leftover_files(id).is_empty(), "{:?}", leftover_files(id));
+    let left = leftover_files(id);
+    assert!(left.is_empty(), "{left:?}");
 }
 
 /// Frames that fit the ring go straight from the caller's bytes; larger
