@@ -432,6 +432,35 @@ fn signal_all(procs: &[Proc], sig: Signal) {
     }
 }
 
+/// Removes this host's shared-memory ring files of the job when dropped.
+/// A worker killed while connecting leaves rings behind that no process of
+/// the job can remove any more (see `kungfu_transport::shm`, "Lifetime of
+/// the files"); this runs once `run` has reaped every worker, however the
+/// job ended: success, a failed or killed worker, the timeout, a signal to
+/// kungfu-run, or an error of the launcher itself.
+struct JobRings(u64);
+
+impl Drop for JobRings {
+    fn drop(&mut self) {
+        let dir = std::path::Path::new(kungfu_transport::shm::RING_DIR);
+        let msg = match kungfu_transport::shm::remove_cluster_files(dir, self.0) {
+            Ok(names) if names.is_empty() => return,
+            Ok(names) => format!(
+                "kungfu-run: removed {} shared-memory ring file(s) the job left in {}: {}",
+                names.len(),
+                dir.display(),
+                names.join(" ")
+            ),
+            Err(e) => format!(
+                "kungfu-run: could not remove the job's ring files from {}: {e}",
+                dir.display()
+            ),
+        };
+        // stderr may be closed; a drop must not panic
+        let _ = writeln!(std::io::stderr(), "{msg}");
+    }
+}
+
 /// Runs the job; returns the exit code for `kungfu-run`.
 pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
     anyhow::ensure!(!opts.program.is_empty(), "no program to run");
@@ -459,6 +488,10 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
     };
     let mut config = server.as_ref().map(|s| s.subscribe());
     let url = server.as_ref().map(|s| s.url());
+    // Before `job`, so that it is dropped after it: the workers are gone
+    // first (reaped when the loop below ends; on an early error, sent
+    // SIGKILL by the job's drop, which does not wait for them).
+    let _rings = JobRings(cluster_id);
     let mut job = Job::default();
     let width = (opts.np - 1).to_string().len();
     let allowed = allowed_cpus();

@@ -29,14 +29,41 @@
 //!
 //! # Lifetime of the files
 //!
-//! The receiver unlinks a ring's file as soon as the sender has attached,
-//! so nothing is left in `/dev/shm` after a job, even one that crashes
-//! later; a job that fails before that point removes what it created.
+//! A ring's file is named `kungfu-<cluster id>-<epoch>-<from>-<to>` (see
+//! [`ring_file_prefix`]). Its name is only how the sender finds it: the
+//! sender unlinks it as soon as it has mapped it, before it tells the
+//! receiver it attached, so once connected nothing of a job is left in
+//! `/dev/shm`, however it ends later. A connect that fails removes the
+//! files it created. What no process can remove is a file whose creator
+//! was killed before its sender mapped it, or whose sender never came
+//! while the creator was killed waiting; the launcher removes those when
+//! the job ends ([`remove_cluster_files`]; `kungfu-run` does). Unlinking
+//! earlier would need another way to pass the mapping (a memfd sent over a
+//! Unix socket), which is not worth a second rendezvous.
+//!
+//! # Trust
+//!
+//! A peer process may write anything into a ring it shares: see
+//! `ring.rs` for how indices, headers and lengths are checked, and
+//! `testing` for the hook that tests it with a live ring.
+//!
+//! # Testing hooks
+//!
+//! `KUNGFU_TEST_SHM_STOP=ACTION:STAGE:RANK` ([`TEST_STOP_VAR`]), read
+//! once per process, makes rank RANK stop at STAGE of its connection: it
+//! prints a line naming the stage on stderr, then kills itself with
+//! SIGKILL (`kill`) or blocks for ever (`hang`). The stages: `start`
+//! (nothing created yet), `created` (the first of its inbound rings was
+//! created), `opened` (an outbound ring was mapped and unlinked, its
+//! receiver not yet told), `connected` (set-up done) and `sent` (its first
+//! frame is in a ring). The launcher's tests use it to kill workers at each
+//! stage of set-up without depending on timing. Unset, it costs a branch
+//! per stage.
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc};
 use std::time::Duration;
 
@@ -45,6 +72,7 @@ use kungfu_topology::Rank;
 use memmap2::MmapMut;
 use tokio::sync::oneshot;
 
+use self::ring::{Ring, CTL, RECEIVER_CLOSED, SENDER_CLOSED};
 use crate::mailbox::{Mailbox, Pump};
 use crate::pool::FramePool;
 use crate::{
@@ -52,46 +80,13 @@ use crate::{
     HEADER_LEN,
 };
 
-const MAGIC: u64 = u64::from_le_bytes(*b"KFSHMv1\0");
-/// Bytes before the data region (control words on their own cache lines).
-const CTL: usize = 4096;
-const OFF_MAGIC: usize = 0;
-const OFF_CLUSTER: usize = 8;
-const OFF_EPOCH: usize = 16;
-const OFF_FROM: usize = 20;
-const OFF_TO: usize = 24;
-const OFF_CAP: usize = 28;
-const OFF_ATTACHED: usize = 32;
-const OFF_CLOSED: usize = 36;
-const OFF_RECV_PID: usize = 40;
-const OFF_SEND_PID: usize = 44;
-const OFF_HEAD: usize = 64;
-const OFF_TAIL: usize = 128;
-const OFF_DATA_SEQ: usize = 192;
-const OFF_RECV_SLEEPING: usize = 196;
-/// Non-zero while a receiving task of the receiver polls its rings itself:
-/// the sender then does not wake the reader thread.
-const OFF_RECV_POLLING: usize = 200;
-const OFF_SPACE_SEQ: usize = 256;
-const OFF_SEND_SLEEPING: usize = 260;
-const SENDER_CLOSED: u32 = 1;
-const RECEIVER_CLOSED: u32 = 2;
+mod ring;
 
-/// How a waiting side spins before it yields, and yields before it sleeps.
-/// Measured with kungfu-bench on 2 cores, 2 and 4 ranks: no spinning gave
-/// 113/214 us per 4-byte allreduce, 4000 spins and 16 yields 260/680 us
-/// (spinners starve the ranks they wait for), 200 spins and 2 yields
-/// 110/203 us and the best large-message bandwidth.
-const SPINS: u32 = 200;
-const YIELDS: u32 = 2;
 /// A reader thread leaves frames to the receiving tasks for this long after
 /// they last polled the rings.
 const DEFER_TO_POLLER: Duration = Duration::from_micros(300);
 /// Idle receive buffers kept for reuse (see [`FramePool`]).
 const FRAME_POOL_BYTES: usize = 256 << 20;
-/// Longest single sleep, so stops, closes and dead peers are noticed.
-const NAP: Duration = Duration::from_millis(5);
-
 /// Settings of a shared-memory endpoint.
 #[derive(Clone)]
 pub struct ShmConfig {
@@ -132,46 +127,10 @@ impl ShmConfig {
             max_frame: 64 << 20,
             mailbox_bytes: 256 << 20,
             connect_timeout: Duration::from_secs(30),
-            dir: PathBuf::from("/dev/shm"),
+            dir: PathBuf::from(RING_DIR),
             spin: Duration::from_micros(50),
         }
     }
-}
-
-fn futex(word: &AtomicU32, op: libc::c_int, val: u32, timeout: Option<Duration>) {
-    let ts = timeout.map(|d| libc::timespec {
-        tv_sec: d.as_secs() as libc::time_t,
-        tv_nsec: libc::c_long::from(d.subsec_nanos() as i32),
-    });
-    let ts_ptr = ts
-        .as_ref()
-        .map_or(std::ptr::null(), |t| t as *const libc::timespec);
-    // SAFETY: `word` is a valid, aligned 4-byte atomic in memory mapped by
-    // this process for as long as the call runs (the ring outlives its
-    // threads); FUTEX_WAIT only reads it and FUTEX_WAKE does not touch it.
-    // The timeout pointer is null or points to a live timespec. A shared
-    // (not private) futex, since the other side is another process.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            op,
-            val,
-            ts_ptr,
-            std::ptr::null::<u32>(),
-            0u32,
-        );
-    }
-}
-
-fn pid_alive(pid: u32) -> bool {
-    if pid == 0 || pid == std::process::id() {
-        return true;
-    }
-    // SAFETY: kill with signal 0 sends nothing; it only checks that the
-    // process exists (ESRCH when it does not).
-    let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
-    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
 }
 
 /// When a receiving task of this process last polled the inbound rings.
@@ -211,336 +170,54 @@ impl PollClock {
     }
 }
 
-/// One mapped ring file.
-struct Ring {
-    map: MmapMut,
-    cap: usize,
-}
+/// Where ring files live unless [`ShmConfig::dir`] says otherwise.
+pub const RING_DIR: &str = "/dev/shm";
 
-impl Ring {
-    fn u32_at(&self, off: usize) -> &AtomicU32 {
-        debug_assert!(off.is_multiple_of(4) && off + 4 <= CTL);
-        // SAFETY: the mapping is page-aligned and at least CTL bytes long;
-        // `off` is a multiple of 4 inside the control page, and every
-        // access to these words, by either process, is atomic.
-        unsafe { &*(self.map.as_ptr().add(off) as *const AtomicU32) }
-    }
-
-    fn u64_at(&self, off: usize) -> &AtomicU64 {
-        debug_assert!(off.is_multiple_of(8) && off + 8 <= CTL);
-        // SAFETY: as for `u32_at`, with an 8-aligned offset.
-        unsafe { &*(self.map.as_ptr().add(off) as *const AtomicU64) }
-    }
-
-    fn data(&self) -> *mut u8 {
-        // SAFETY: CTL is within the mapping (its length is CTL + cap).
-        unsafe { self.map.as_ptr().add(CTL) as *mut u8 }
-    }
-
-    fn closed(&self) -> u32 {
-        self.u32_at(OFF_CLOSED).load(Ordering::Acquire)
-    }
-
-    /// Marks one side closed and wakes whoever sleeps on the ring.
-    fn close(&self, bit: u32) {
-        self.u32_at(OFF_CLOSED).fetch_or(bit, Ordering::AcqRel);
-        for seq in [OFF_DATA_SEQ, OFF_SPACE_SEQ] {
-            self.u32_at(seq).fetch_add(1, Ordering::AcqRel);
-            futex(self.u32_at(seq), libc::FUTEX_WAKE, i32::MAX as u32, None);
-        }
-    }
-
-    /// Wakes the other side if it sleeps on `seq`.
-    fn notify(&self, seq: usize, sleeping: usize) {
-        fence(Ordering::SeqCst);
-        if self.u32_at(sleeping).load(Ordering::SeqCst) != 0
-            && (seq != OFF_DATA_SEQ || self.u32_at(OFF_RECV_POLLING).load(Ordering::SeqCst) == 0)
-        {
-            self.u32_at(seq).fetch_add(1, Ordering::AcqRel);
-            futex(self.u32_at(seq), libc::FUTEX_WAKE, 1, None);
-        }
-    }
-
-    /// Waits until `ready()`; `Err` with the reason when `give_up()` says so.
-    fn wait(
-        &self,
-        seq: usize,
-        sleeping: usize,
-        eager: bool,
-        ready: impl Fn() -> bool,
-        give_up: impl Fn() -> Option<String>,
-    ) -> Result<(), String> {
-        let (spins, yields) = if eager { (SPINS, YIELDS) } else { (0, 0) };
-        for _ in 0..spins {
-            if ready() {
-                return Ok(());
-            }
-            std::hint::spin_loop();
-        }
-        for _ in 0..yields {
-            if ready() {
-                return Ok(());
-            }
-            std::thread::yield_now();
-        }
-        loop {
-            let s = self.u32_at(seq).load(Ordering::Acquire);
-            self.u32_at(sleeping).store(1, Ordering::SeqCst);
-            if ready() {
-                self.u32_at(sleeping).store(0, Ordering::Relaxed);
-                return Ok(());
-            }
-            futex(self.u32_at(seq), libc::FUTEX_WAIT, s, Some(NAP));
-            self.u32_at(sleeping).store(0, Ordering::Relaxed);
-            if ready() {
-                return Ok(());
-            }
-            if let Some(why) = give_up() {
-                return Err(why);
-            }
-        }
-    }
-
-    /// Copies `src` into the ring at stream offset `at`, wrapping around.
-    ///
-    /// # Safety
-    /// Bytes `[at, at + src.len())` must be free and owned by the caller,
-    /// the sender (`tail <= at` and `at + len <= tail + cap`), and stay so
-    /// until it publishes them by moving `head`.
-    unsafe fn copy_in(&self, at: u64, src: &[u8]) {
-        let pos = (at as usize) & (self.cap - 1);
-        let first = src.len().min(self.cap - pos);
-        // SAFETY: both pieces lie inside the data region (pos < cap, first
-        // <= cap - pos, the rest < cap); the caller owns those bytes.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.data().add(pos), first);
-            std::ptr::copy_nonoverlapping(src.as_ptr().add(first), self.data(), src.len() - first);
-        }
-    }
-
-    /// Copies `n` bytes out of the ring at stream offset `at` into `dst`.
-    ///
-    /// # Safety
-    /// Bytes `[at, at + n)` must be published (`at + n <= head`, read with
-    /// Acquire) and not yet consumed, and `dst` valid for `n` writes.
-    unsafe fn copy_out_raw(&self, at: u64, dst: *mut u8, n: usize) {
-        let pos = (at as usize) & (self.cap - 1);
-        let first = n.min(self.cap - pos);
-        // SAFETY: both pieces lie inside the data region; the sender does
-        // not touch published bytes until `tail` passes them; `dst` is
-        // valid for `n` bytes.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.data().add(pos), dst, first);
-            std::ptr::copy_nonoverlapping(self.data(), dst.add(first), n - first);
-        }
-    }
-
-    /// Receiver: lends the `n` published bytes that start `skip` bytes
-    /// past `tail` to `f`, in one or two pieces (two where they wrap
-    /// around the ring's end), without consuming them.
-    ///
-    /// The caller holds the ring's receive lock (no one else consumes) and
-    /// checked that `skip + n` bytes are published.
-    fn lend<R>(&self, skip: usize, n: usize, f: impl FnOnce(&[&[u8]]) -> R) -> R {
-        let tail = self.u64_at(OFF_TAIL).load(Ordering::Relaxed);
-        debug_assert!(skip + n <= self.available());
-        let pos = ((tail as usize).wrapping_add(skip)) & (self.cap - 1);
-        let first = n.min(self.cap - pos);
-        // SAFETY: both pieces lie inside the data region and hold published
-        // bytes (`head` was read with Acquire by `available`), which the
-        // sender does not write until `tail` passes them; `tail` moves only
-        // after `f` returns and the slices are gone, and only by the lock
-        // holder, which is us.
-        let (a, b) = unsafe {
-            (
-                std::slice::from_raw_parts(self.data().add(pos), first),
-                std::slice::from_raw_parts(self.data(), n - first),
-            )
-        };
-        if b.is_empty() {
-            f(&[a])
-        } else {
-            f(&[a, b])
-        }
-    }
-
-    /// Reader thread: sleeps for `d` at most (a sender may wake it sooner).
-    fn nap(&self, d: Duration) {
-        let seq = self.u32_at(OFF_DATA_SEQ);
-        let s = seq.load(Ordering::Acquire);
-        self.u32_at(OFF_RECV_SLEEPING).store(1, Ordering::SeqCst);
-        futex(seq, libc::FUTEX_WAIT, s, Some(d));
-        self.u32_at(OFF_RECV_SLEEPING).store(0, Ordering::Relaxed);
-    }
-
-    /// Receiver: consumes `n` published bytes without reading them.
-    fn skip(&self, n: usize) {
-        let tail_w = self.u64_at(OFF_TAIL);
-        let tail = tail_w.load(Ordering::Relaxed);
-        debug_assert!(n <= self.available());
-        tail_w.store(tail + n as u64, Ordering::Release);
-        self.notify(OFF_SPACE_SEQ, OFF_SEND_SLEEPING);
-    }
-
-    /// Sender: appends all of `src`, waiting for space as needed.
-    fn write_all(&self, mut src: &[u8], stop: &AtomicBool) -> Result<(), String> {
-        let head_w = self.u64_at(OFF_HEAD);
-        let tail_w = self.u64_at(OFF_TAIL);
-        let recv_pid = self.u32_at(OFF_RECV_PID).load(Ordering::Acquire);
-        while !src.is_empty() {
-            let head = head_w.load(Ordering::Relaxed);
-            let tail = tail_w.load(Ordering::Acquire);
-            let used = head.wrapping_sub(tail) as usize;
-            if used > self.cap {
-                return Err(format!("ring corrupted (head {head}, tail {tail})"));
-            }
-            let free = self.cap - used;
-            if free == 0 {
-                self.wait(
-                    OFF_SPACE_SEQ,
-                    OFF_SEND_SLEEPING,
-                    true,
-                    || tail_w.load(Ordering::Acquire) != tail,
-                    || {
-                        if stop.load(Ordering::Acquire) {
-                            Some("endpoint stopped".into())
-                        } else if self.closed() & RECEIVER_CLOSED != 0 {
-                            Some("receiver closed the ring".into())
-                        } else if !pid_alive(recv_pid) {
-                            Some(format!("receiving process {recv_pid} is gone"))
-                        } else {
-                            None
-                        }
-                    },
-                )?;
-                continue;
-            }
-            let n = free.min(src.len());
-            // SAFETY: bytes [head, head + n) are free (the receiver consumed
-            // everything below `tail`, and `n <= free`); only this side
-            // writes them until `head` moves below.
-            unsafe { self.copy_in(head, &src[..n]) };
-            head_w.store(head + n as u64, Ordering::Release);
-            self.notify(OFF_DATA_SEQ, OFF_RECV_SLEEPING);
-            src = &src[n..];
-        }
-        Ok(())
-    }
-
-    /// Sender: appends all of `parts` if they fit now, as one publication;
-    /// false (and nothing written) if they do not.
-    fn try_write(&self, parts: &[&[u8]]) -> bool {
-        let head_w = self.u64_at(OFF_HEAD);
-        let head = head_w.load(Ordering::Relaxed);
-        let tail = self.u64_at(OFF_TAIL).load(Ordering::Acquire);
-        let used = head.wrapping_sub(tail) as usize;
-        let total: usize = parts.iter().map(|p| p.len()).sum();
-        if used > self.cap || self.cap - used < total {
-            return false;
-        }
-        let mut at = head;
-        for p in parts {
-            // SAFETY: [head, head + total) is free (checked above) and only
-            // this side writes it until `head` is published below.
-            unsafe { self.copy_in(at, p) };
-            at += p.len() as u64;
-        }
-        head_w.store(at, Ordering::Release);
-        self.notify(OFF_DATA_SEQ, OFF_RECV_SLEEPING);
-        true
-    }
-
-    /// Receiver: bytes published and not yet consumed.
-    fn available(&self) -> usize {
-        let head = self.u64_at(OFF_HEAD).load(Ordering::Acquire);
-        let tail = self.u64_at(OFF_TAIL).load(Ordering::Relaxed);
-        head.wrapping_sub(tail) as usize
-    }
-
-    /// Receiver: copies the next `dst.len()` published bytes without
-    /// consuming them (the caller checked `available()`), and consumes
-    /// them too if `consume`.
-    fn copy_out(&self, dst: &mut [u8], consume: bool) {
-        let tail_w = self.u64_at(OFF_TAIL);
-        let tail = tail_w.load(Ordering::Relaxed);
-        let n = dst.len();
-        debug_assert!(n <= self.available());
-        // SAFETY: the caller checked that `n` bytes are published; `dst`
-        // is a live slice of `n` bytes.
-        unsafe { self.copy_out_raw(tail, dst.as_mut_ptr(), n) };
-        if consume {
-            tail_w.store(tail + n as u64, Ordering::Release);
-            self.notify(OFF_SPACE_SEQ, OFF_SEND_SLEEPING);
-        }
-    }
-
-    /// Receiver: waits until data is published, the sender closed, or
-    /// `give_up()` says why not. `eager` spins and yields first (for the
-    /// rest of a frame); otherwise it sleeps at once (an idle reader
-    /// thread: receiving tasks poll the rings themselves, and a spinning
-    /// reader thread would take their cores).
-    fn wait_data(&self, stop: &AtomicBool, eager: bool) -> Result<(), String> {
-        let head_w = self.u64_at(OFF_HEAD);
-        let tail = self.u64_at(OFF_TAIL).load(Ordering::Relaxed);
-        let send_pid = || self.u32_at(OFF_SEND_PID).load(Ordering::Acquire);
-        self.wait(
-            OFF_DATA_SEQ,
-            OFF_RECV_SLEEPING,
-            eager,
-            || head_w.load(Ordering::Acquire) != tail || self.closed() & SENDER_CLOSED != 0,
-            || {
-                if stop.load(Ordering::Acquire) {
-                    Some("endpoint stopped".into())
-                } else if !pid_alive(send_pid()) {
-                    Some(format!("sending process {} is gone", send_pid()))
-                } else {
-                    None
-                }
-            },
-        )
-    }
-
-    /// Receiver: fills `dst`, waiting for data as needed. `Err(None)` is a
-    /// clean end of stream (the sender closed after its last frame).
-    fn read_exact(&self, dst: &mut [u8], stop: &AtomicBool) -> Result<(), Option<String>> {
-        let head_w = self.u64_at(OFF_HEAD);
-        let tail_w = self.u64_at(OFF_TAIL);
-        let mut got = 0;
-        while got < dst.len() {
-            let tail = tail_w.load(Ordering::Relaxed);
-            let head = head_w.load(Ordering::Acquire);
-            let avail = head.wrapping_sub(tail) as usize;
-            if avail > self.cap {
-                return Err(Some(format!("ring corrupted (head {head}, tail {tail})")));
-            }
-            if avail == 0 {
-                if self.closed() & SENDER_CLOSED != 0 {
-                    return Err(if got == 0 {
-                        None
-                    } else {
-                        Some("ring closed in the middle of a frame".into())
-                    });
-                }
-                self.wait_data(stop, true).map_err(Some)?;
-                continue;
-            }
-            let n = avail.min(dst.len() - got);
-            // SAFETY: `n <= head - tail` bytes are published (head read with
-            // Acquire); `dst[got..got + n]` is ours.
-            unsafe { self.copy_out_raw(tail, dst.as_mut_ptr().add(got), n) };
-            tail_w.store(tail + n as u64, Ordering::Release);
-            self.notify(OFF_SPACE_SEQ, OFF_SEND_SLEEPING);
-            got += n;
-        }
-        Ok(())
-    }
+/// The start of the names of every ring file of cluster `cluster_id`, of
+/// every epoch: `kungfu-<id, 16 hex digits>-`.
+pub fn ring_file_prefix(cluster_id: u64) -> String {
+    format!("kungfu-{cluster_id:016x}-")
 }
 
 fn ring_path(dir: &Path, cluster: u64, epoch: Epoch, from: Rank, to: Rank) -> PathBuf {
     dir.join(format!(
-        "kungfu-{cluster:016x}-{}-{}-{}",
-        epoch.0, from.0, to.0
+        "{}{}-{}-{}",
+        ring_file_prefix(cluster),
+        epoch.0,
+        from.0,
+        to.0
     ))
+}
+
+/// Removes every ring file of cluster `cluster_id` from `dir` and returns
+/// their names. For a launcher, once every process of the job has exited:
+/// a process killed while connecting leaves the rings it created, or that
+/// were created for it, behind (see "Lifetime of the files"); removing
+/// them while the job still connects would break its set-up.
+pub fn remove_cluster_files(dir: &Path, cluster_id: u64) -> std::io::Result<Vec<String>> {
+    let prefix = ring_file_prefix(cluster_id);
+    let mut removed = Vec::new();
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        // no such directory: no rings either
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(removed),
+        Err(e) => return Err(e),
+    };
+    for entry in entries {
+        let Ok(name) = entry?.file_name().into_string() else {
+            continue;
+        };
+        if !name.starts_with(&prefix) {
+            continue;
+        }
+        match std::fs::remove_file(dir.join(&name)) {
+            Ok(()) => removed.push(name),
+            // gone in the meantime (unlinked by its sender)
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(removed)
 }
 
 /// Removes the ring files this endpoint created if connecting fails.
@@ -580,17 +257,8 @@ fn create_inbound(
     file.set_len((CTL + cap) as u64)
         .map_err(|e| format!("size {}: {e}", path.display()))?;
     let map = map_file(&file, CTL + cap).map_err(|e| format!("map {}: {e}", path.display()))?;
-    let ring = Ring { map, cap };
-    ring.u64_at(OFF_CLUSTER)
-        .store(cfg.cluster_id, Ordering::Relaxed);
-    ring.u32_at(OFF_EPOCH).store(cfg.epoch.0, Ordering::Relaxed);
-    ring.u32_at(OFF_FROM).store(from.0, Ordering::Relaxed);
-    ring.u32_at(OFF_TO).store(cfg.rank.0, Ordering::Relaxed);
-    ring.u32_at(OFF_CAP).store(cap as u32, Ordering::Relaxed);
-    ring.u32_at(OFF_RECV_PID)
-        .store(std::process::id(), Ordering::Relaxed);
-    // The magic last: an opener that sees it sees the whole header.
-    ring.u64_at(OFF_MAGIC).store(MAGIC, Ordering::Release);
+    let ring = Ring::new(map, cap);
+    ring.init(cfg.cluster_id, cfg.epoch.0, from.0, cfg.rank.0);
     Ok(ring)
 }
 
@@ -608,42 +276,21 @@ fn open_outbound(
             if len == (CTL + cap) as u64 {
                 let map = map_file(&file, CTL + cap)
                     .map_err(|e| format!("map {}: {e}", path.display()))?;
-                let ring = Ring { map, cap };
-                if ring.u64_at(OFF_MAGIC).load(Ordering::Acquire) == MAGIC {
-                    let check = [
-                        (
-                            ring.u32_at(OFF_EPOCH).load(Ordering::Relaxed),
-                            cfg.epoch.0,
-                            "epoch",
-                        ),
-                        (
-                            ring.u32_at(OFF_FROM).load(Ordering::Relaxed),
-                            cfg.rank.0,
-                            "sender rank",
-                        ),
-                        (
-                            ring.u32_at(OFF_TO).load(Ordering::Relaxed),
-                            to.0,
-                            "receiver rank",
-                        ),
-                        (
-                            ring.u32_at(OFF_CAP).load(Ordering::Relaxed),
-                            cap as u32,
-                            "ring size",
-                        ),
-                    ];
-                    if ring.u64_at(OFF_CLUSTER).load(Ordering::Relaxed) != cfg.cluster_id {
-                        return Err(format!("{}: another cluster's ring", path.display()));
-                    }
-                    if let Some((got, want, what)) = check.iter().find(|(g, w, _)| g != w) {
-                        return Err(format!(
-                            "{}: {what} is {got}, expected {want}",
-                            path.display()
-                        ));
-                    }
-                    ring.u32_at(OFF_SEND_PID)
-                        .store(std::process::id(), Ordering::Relaxed);
-                    ring.u32_at(OFF_ATTACHED).store(1, Ordering::Release);
+                let ring = Ring::new(map, cap);
+                let ours = ring
+                    .check_identity(cfg.cluster_id, cfg.epoch.0, cfg.rank.0, to.0)
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                if ours {
+                    // Both sides have it mapped now: the name has done its
+                    // job. Unlinking it here, at the earliest point, leaves
+                    // a file behind only if a process dies between creating
+                    // a ring and its peer mapping it (the launcher removes
+                    // those). The receiver's `Created` guard may try again;
+                    // the name is this ring's alone (cluster, epoch, pair),
+                    // so that removes nothing else.
+                    let _ = std::fs::remove_file(&path);
+                    kill_point(cfg, Stage::Opened);
+                    ring.attach();
                     return Ok(ring);
                 }
             }
@@ -658,6 +305,93 @@ fn open_outbound(
         // Short naps: a job that resizes waits here for its new peers, and
         // each nap is latency (an open that fails costs a few us).
         nap = (nap * 2).min(Duration::from_millis(2));
+    }
+}
+
+/// The points of connection set-up where a test can stop a worker (see
+/// "Testing hooks" above).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    /// Connecting began; nothing created yet.
+    Start,
+    /// The first inbound ring was created (others may not be yet).
+    Created,
+    /// An outbound ring was mapped and its file unlinked, before the
+    /// receiver is told (attached).
+    Opened,
+    /// `connect` is about to return.
+    Connected,
+    /// The first frame was written into a ring (an op is under way).
+    Sent,
+}
+
+impl Stage {
+    const ALL: [(Stage, &'static str); 5] = [
+        (Stage::Start, "start"),
+        (Stage::Created, "created"),
+        (Stage::Opened, "opened"),
+        (Stage::Connected, "connected"),
+        (Stage::Sent, "sent"),
+    ];
+
+    fn name(self) -> &'static str {
+        Stage::ALL
+            .iter()
+            .find(|(s, _)| *s == self)
+            .map_or("?", |(_, n)| n)
+    }
+}
+
+/// The variable of the testing hook.
+pub const TEST_STOP_VAR: &str = "KUNGFU_TEST_SHM_STOP";
+
+/// `KUNGFU_TEST_SHM_STOP=ACTION:STAGE:RANK`, parsed once per process.
+fn test_stop() -> Option<(bool, Stage, u32)> {
+    static PARSED: std::sync::OnceLock<Option<(bool, Stage, u32)>> = std::sync::OnceLock::new();
+    *PARSED.get_or_init(|| {
+        let v = std::env::var(TEST_STOP_VAR).ok()?;
+        let mut it = v.split(':');
+        let kill = match it.next()? {
+            "kill" => true,
+            "hang" => false,
+            _ => return None,
+        };
+        let stage = it.next()?;
+        let stage = Stage::ALL.iter().find(|(_, n)| *n == stage)?.0;
+        let rank = it.next()?.parse().ok()?;
+        Some((kill, stage, rank))
+    })
+}
+
+/// The testing hook: stops this process at `stage` if asked to.
+fn kill_point(cfg: &ShmConfig, stage: Stage) {
+    if stops_at(cfg, stage) {
+        stop_here(cfg, stage);
+    }
+}
+
+fn stops_at(cfg: &ShmConfig, stage: Stage) -> bool {
+    test_stop().is_some_and(|(_, at, rank)| at == stage && rank == cfg.rank.0)
+}
+
+#[cold]
+fn stop_here(cfg: &ShmConfig, stage: Stage) {
+    let Some((kill, _, rank)) = test_stop() else {
+        return;
+    };
+    let what = if kill { "is killed" } else { "hangs" };
+    eprintln!(
+        "kungfu-shm test hook: rank {rank} {what} at {} (cluster {:016x})",
+        stage.name(),
+        cfg.cluster_id
+    );
+    if kill {
+        // SAFETY: raise takes no pointers; SIGKILL ends the process here,
+        // with no destructor run, as a kill from outside would.
+        unsafe { libc::raise(libc::SIGKILL) };
+    }
+    loop {
+        std::thread::park();
     }
 }
 
@@ -700,6 +434,8 @@ pub struct ShmTransport {
     polled: Arc<PollClock>,
     /// Buffers for frames copied out of the rings.
     frames: Arc<FramePool>,
+    /// The testing hook stops this process after its first frame sent.
+    stop_after_send: Option<ShmConfig>,
 }
 
 impl ShmTransport {
@@ -708,6 +444,7 @@ impl ShmTransport {
     /// cluster must be on this host and call this with the same cluster id
     /// and epoch.
     pub async fn connect(cfg: ShmConfig) -> Result<Arc<ShmTransport>, TransportError> {
+        kill_point(&cfg, Stage::Start);
         let n = cfg.size;
         if cfg.rank.idx() >= n {
             return Err(TransportError::NoSuchPeer {
@@ -797,7 +534,9 @@ impl ShmTransport {
                     reason: format!("reader thread: {e}"),
                 })?;
         }
+        kill_point(&cfg, Stage::Connected);
         Ok(Arc::new(ShmTransport {
+            stop_after_send: stops_at(&cfg, Stage::Sent).then(|| cfg.clone()),
             rank: cfg.rank,
             size: n,
             max_frame: cfg.max_frame,
@@ -842,6 +581,9 @@ fn setup(cfg: &ShmConfig, cap: usize) -> Result<(Rings, Rings), TransportError> 
         let ring = create_inbound(cfg, cap, Rank(j as u32), &mut created)
             .map_err(|e| fail(Some(Rank(j as u32)), e))?;
         *slot = Some(Arc::new(ring));
+        if created.0.len() == 1 {
+            kill_point(cfg, Stage::Created);
+        }
     }
     let mut outbound: Rings = vec![None; n];
     for (j, slot) in outbound.iter_mut().enumerate().filter(|(j, _)| peer(*j)) {
@@ -851,7 +593,7 @@ fn setup(cfg: &ShmConfig, cap: usize) -> Result<(Rings, Rings), TransportError> 
     }
     for (j, ring) in inbound.iter().enumerate() {
         let Some(ring) = ring else { continue };
-        while ring.u32_at(OFF_ATTACHED).load(Ordering::Acquire) == 0 {
+        while !ring.attached() {
             if std::time::Instant::now() >= deadline {
                 return Err(fail(
                     Some(Rank(j as u32)),
@@ -861,8 +603,9 @@ fn setup(cfg: &ShmConfig, cap: usize) -> Result<(Rings, Rings), TransportError> 
             std::thread::sleep(Duration::from_millis(1));
         }
     }
-    // Every ring is mapped by both sides: the names are no longer needed.
-    drop(created);
+    // Every sender unlinked its ring's file before attaching: nothing of
+    // this endpoint is left to remove.
+    created.0.clear();
     populate_in_background(inbound.iter().chain(&outbound).flatten().cloned().collect());
     Ok((inbound, outbound))
 }
@@ -889,14 +632,11 @@ fn populate_in_background(rings: Vec<Arc<Ring>>) {
             // In pieces: populating holds the process's memory-map lock,
             // which spawning a thread (its stack) also needs.
             const PIECE: usize = 256 << 10;
-            for r in rings {
-                let len = r.map.len();
+            for map in rings.iter().filter_map(|r| r.map()) {
+                let len = map.len();
                 for off in (0..len).step_by(PIECE) {
-                    let _ = r.map.advise_range(
-                        memmap2::Advice::PopulateWrite,
-                        off,
-                        PIECE.min(len - off),
-                    );
+                    let _ =
+                        map.advise_range(memmap2::Advice::PopulateWrite, off, PIECE.min(len - off));
                 }
             }
         });
@@ -942,8 +682,10 @@ fn read_loop(
     let (max_frame, eager, polled) = (policy.max_frame, policy.eager, &policy.polled);
     loop {
         // Wait without the lock, so receivers may take frames themselves.
-        if ring.available() == 0 {
-            if ring.closed() & SENDER_CLOSED != 0 {
+        // The close flag before the data (see `Ring::read_exact`).
+        let closed = ring.closed() & SENDER_CLOSED != 0;
+        if !ring.has_data() {
+            if closed {
                 return mailbox.fail_peer(peer, "connection closed by peer");
             }
             if let Err(why) = ring.wait_data(stop, eager) {
@@ -964,28 +706,18 @@ fn read_loop(
         }
         let frame = {
             let _taking = lock.lock().unwrap_or_else(|e| e.into_inner());
-            if ring.available() == 0 {
+            if !ring.has_data() {
                 continue; // a receiver took it
             }
-            let mut hb = [0u8; HEADER_LEN];
-            if let Err(e) = ring.read_exact(&mut hb, stop) {
-                return mailbox.fail_peer(
-                    peer,
-                    e.unwrap_or_else(|| "connection closed by peer".into()),
-                );
+            match ring.read_frame(max_frame, stop, |len| policy.frames.take(len)) {
+                Ok(frame) => frame,
+                Err(e) => {
+                    return mailbox.fail_peer(
+                        peer,
+                        e.unwrap_or_else(|| "connection closed by peer".into()),
+                    )
+                }
             }
-            let header = match Header::decode(&hb, max_frame) {
-                Ok(h) => h,
-                Err(e) => return mailbox.fail_peer(peer, format!("protocol violation: {e}")),
-            };
-            let mut payload = policy.frames.take(header.len as usize);
-            if let Err(e) = ring.read_exact(payload.as_mut(), stop) {
-                return mailbox.fail_peer(
-                    peer,
-                    e.unwrap_or_else(|| "ring closed in the middle of a frame".into()),
-                );
-            }
-            (header, payload)
         };
         // The mailbox may make us wait for space (back-pressure): this
         // thread stops reading the ring, and the sender stops when it fills.
@@ -1025,6 +757,13 @@ impl Drop for Polling<'_> {
 }
 
 impl ShmTransport {
+    /// The testing hook's last stage: a frame is in a ring.
+    fn after_send(&self) {
+        if let Some(cfg) = &self.stop_after_send {
+            stop_here(cfg, Stage::Sent);
+        }
+    }
+
     /// How many frames receivers consumed straight from the rings, with no
     /// copy into an owned buffer.
     pub fn frames_lent(&self) -> u64 {
@@ -1041,42 +780,38 @@ impl ShmTransport {
         let mut res = Pump::Idle;
         for (peer, ring) in self.inbound.iter().enumerate() {
             let Some(ring) = ring else { continue };
-            if ring.available() < HEADER_LEN {
+            if !ring.has_data() {
                 continue;
             }
             let Ok(_taking) = self.in_locks[peer].try_lock() else {
                 continue;
             };
             let sender = Rank(peer as u32);
-            loop {
-                let avail = ring.available();
-                if avail < HEADER_LEN || avail > ring.cap {
-                    break;
-                }
-                let mut hb = [0u8; HEADER_LEN];
-                ring.copy_out(&mut hb, false);
-                // A bad header is left for the reader thread to report.
-                let Ok(header) = Header::decode(&hb, self.max_frame) else {
-                    break;
-                };
+            // A corrupt ring or a bad header is left for the reader thread
+            // to report.
+            while let Ok(Some((header, p))) = ring.peek_frame(self.max_frame) {
                 let len = header.len as usize;
-                if avail < HEADER_LEN + len {
+                let whole = HEADER_LEN + len; // len <= max_frame: no overflow
+                if !p.holds(whole) {
                     break;
                 }
                 if header.tag == tag
                     && from.contains(sender)
-                    && ring.lend(HEADER_LEN, len, |parts| apply(sender, &header, parts))
+                    && ring.lend(&p, HEADER_LEN, len, |parts| apply(sender, &header, parts))
+                        == Some(true)
                 {
-                    ring.skip(HEADER_LEN + len);
+                    ring.consume(&p, whole);
                     self.lent.fetch_add(1, Ordering::Relaxed);
                     return Pump::Consumed;
                 }
                 if !self.mailbox.has_room(len) {
                     break;
                 }
-                ring.skip(HEADER_LEN);
                 let mut payload = self.frames.take(len);
-                ring.copy_out(payload.as_mut(), true);
+                if !ring.peek(&p, HEADER_LEN, payload.as_mut()) {
+                    break;
+                }
+                ring.consume(&p, whole);
                 match self.mailbox.deliver_now(sender, header, payload.freeze()) {
                     Ok(()) | Err(TransportError::StaleEpoch { .. }) => res = Pump::Moved,
                     Err(_) => return res,
@@ -1091,16 +826,15 @@ impl ShmTransport {
     fn going_to_sleep(&self) {
         self.polled.clear();
         for ring in self.inbound.iter().flatten() {
-            if ring.available() > 0 {
-                ring.u32_at(OFF_DATA_SEQ).fetch_add(1, Ordering::AcqRel);
-                futex(ring.u32_at(OFF_DATA_SEQ), libc::FUTEX_WAKE, 1, None);
+            if ring.has_data() {
+                ring.wake_reader();
             }
         }
     }
 
     fn set_polling(&self, v: u32) {
         for ring in self.inbound.iter().flatten() {
-            ring.u32_at(OFF_RECV_POLLING).store(v, Ordering::SeqCst);
+            ring.set_polling(v);
         }
     }
 
@@ -1206,7 +940,11 @@ impl Transport for ShmTransport {
         let Ok(_frame) = self.out_locks[to.idx()].try_lock() else {
             return Ok(false); // a frame is half written by the writer thread
         };
-        Ok(ring.closed() & RECEIVER_CLOSED == 0 && ring.try_write(&[&h, payload]))
+        let sent = ring.closed() & RECEIVER_CLOSED == 0 && ring.try_write(&[&h, payload]);
+        if sent {
+            self.after_send();
+        }
+        Ok(sent)
     }
 
     fn sends_in_place(&self, to: Rank) -> bool {
@@ -1231,13 +969,16 @@ impl Transport for ShmTransport {
             self.out_locks[to.idx()].try_lock(),
         ) {
             if ring.closed() & RECEIVER_CLOSED == 0 && ring.try_write(&[&h, &payload]) {
+                self.after_send();
                 return Ok(());
             }
         }
         let (done, wait) = oneshot::channel();
         w.send(WriterMsg::Frame(h, payload, done))
             .map_err(|_| TransportError::Closed)?;
-        wait.await.map_err(|_| TransportError::Closed)?
+        wait.await.map_err(|_| TransportError::Closed)??;
+        self.after_send();
+        Ok(())
     }
 
     async fn recv(
@@ -1347,5 +1088,101 @@ impl Transport for ShmTransport {
 impl Drop for ShmTransport {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+/// For tests of the rings' defences only; not part of the API.
+///
+/// A [`testing::RawPeer`] takes one rank's place in a cluster and speaks
+/// the ring protocol at the level of bytes and indices, so a test can
+/// put into a live ring what a corrupt or hostile peer process could:
+/// any header, any length, any index. The real endpoints on the other side
+/// must report it as an error naming this peer, not panic, and not read
+/// outside their mappings.
+#[doc(hidden)]
+pub mod testing {
+    use super::*;
+
+    pub struct RawPeer {
+        rank: Rank,
+        cap: usize,
+        inbound: Rings,
+        outbound: Rings,
+    }
+
+    impl RawPeer {
+        /// Creates and maps this rank's rings, as `ShmTransport::connect`
+        /// does, and starts no thread. It blocks until every peer has
+        /// attached: run it beside the real endpoints' `connect`.
+        pub fn connect(cfg: &ShmConfig) -> Result<RawPeer, TransportError> {
+            let cap = cfg.ring_bytes.max(4096).next_power_of_two();
+            let (inbound, outbound) = setup(cfg, cap)?;
+            Ok(RawPeer {
+                rank: cfg.rank,
+                cap,
+                inbound,
+                outbound,
+            })
+        }
+
+        pub fn rank(&self) -> Rank {
+            self.rank
+        }
+
+        fn to(&self, peer: Rank) -> &Ring {
+            self.outbound[peer.idx()].as_deref().expect("a peer")
+        }
+
+        fn from(&self, peer: Rank) -> &Ring {
+            self.inbound[peer.idx()].as_deref().expect("a peer")
+        }
+
+        /// Data bytes of each ring.
+        pub fn ring_bytes(&self) -> usize {
+            self.cap
+        }
+
+        /// Appends `bytes` (anything: a frame, part of one, garbage) to the
+        /// ring to `peer` and publishes them; false if they do not fit now.
+        pub fn publish(&self, peer: Rank, bytes: &[&[u8]]) -> bool {
+            self.to(peer).try_write(bytes)
+        }
+
+        /// `(head, tail)` of the ring to `peer`.
+        pub fn indices_to(&self, peer: Rank) -> (u64, u64) {
+            self.to(peer).indices()
+        }
+
+        /// Overwrites the indices of the ring to `peer` (this side owns
+        /// `head`; `tail` is the receiver's).
+        pub fn set_indices_to(&self, peer: Rank, head: u64, tail: u64) {
+            self.to(peer).set_indices(head, tail)
+        }
+
+        /// `(head, tail)` of the ring from `peer`.
+        pub fn indices_from(&self, peer: Rank) -> (u64, u64) {
+            self.from(peer).indices()
+        }
+
+        /// Overwrites the indices of the ring from `peer` (this side owns
+        /// `tail`; `head` is the sender's).
+        pub fn set_indices_from(&self, peer: Rank, head: u64, tail: u64) {
+            self.from(peer).set_indices(head, tail)
+        }
+
+        /// Takes everything published in the ring from `peer`.
+        pub fn take_from(&self, peer: Rank) -> Result<Vec<u8>, String> {
+            let ring = self.from(peer);
+            let p = ring.published()?;
+            let mut out = vec![0u8; p.len()];
+            ring.peek(&p, 0, &mut out);
+            ring.consume(&p, out.len());
+            Ok(out)
+        }
+
+        /// Closes this side of the ring to `peer`, as the end of a stream.
+        pub fn close_to(&self, peer: Rank) {
+            self.to(peer).close(SENDER_CLOSED);
+        }
     }
 }

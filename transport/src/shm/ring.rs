@@ -1,0 +1,947 @@
+//! One ring: its layout in the shared file, the single-producer
+//! single-consumer protocol over it, and waiting on it.
+//!
+//! # Layout
+//!
+//! A control page ([`CTL`] bytes: identity, then the indices and wake-up
+//! words on cache lines of their own), then `cap` data bytes, `cap` a power
+//! of two. `head` and `tail` are stream offsets: the sender has published
+//! every byte below `head`, the receiver has consumed every byte below
+//! `tail`, and byte `i` of the stream lives at data offset `i mod cap`.
+//! They wrap at 2^64 (all arithmetic on them wraps; `cap` divides 2^64, so
+//! a position stays right across the wrap).
+//!
+//! # Trust
+//!
+//! The other side is another process, and anything it writes into the
+//! shared page may be wrong: indices, flags, frame headers, lengths (a bug,
+//! a process that died half-way through a write, stray writes). None of it
+//! may make this side read or write outside the mapping, panic, or allocate
+//! without bound. So every position is reduced modulo `cap` before use,
+//! every length is checked against a snapshot of the published bytes
+//! ([`Published`]) that itself is at most `cap`, headers are decoded with a
+//! bound on their length before anything is allocated, and what fails a
+//! check becomes an error naming the ring, reported as the peer being lost.
+//! The tests at the bottom run these paths over a heap buffer, so that Miri
+//! can check them (see `scripts/miri-shm.sh`).
+
+use std::ptr::NonNull;
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+use memmap2::MmapMut;
+
+use crate::{Header, HEADER_LEN};
+
+const MAGIC: u64 = u64::from_le_bytes(*b"KFSHMv1\0");
+/// Bytes before the data region (control words on their own cache lines).
+pub(super) const CTL: usize = 4096;
+const OFF_MAGIC: usize = 0;
+const OFF_CLUSTER: usize = 8;
+const OFF_EPOCH: usize = 16;
+const OFF_FROM: usize = 20;
+const OFF_TO: usize = 24;
+const OFF_CAP: usize = 28;
+const OFF_ATTACHED: usize = 32;
+const OFF_CLOSED: usize = 36;
+const OFF_RECV_PID: usize = 40;
+const OFF_SEND_PID: usize = 44;
+const OFF_HEAD: usize = 64;
+const OFF_TAIL: usize = 128;
+const OFF_DATA_SEQ: usize = 192;
+const OFF_RECV_SLEEPING: usize = 196;
+/// Non-zero while a receiving task of the receiver polls its rings itself:
+/// the sender then does not wake the reader thread.
+const OFF_RECV_POLLING: usize = 200;
+const OFF_SPACE_SEQ: usize = 256;
+const OFF_SEND_SLEEPING: usize = 260;
+pub(super) const SENDER_CLOSED: u32 = 1;
+pub(super) const RECEIVER_CLOSED: u32 = 2;
+
+/// How a waiting side spins before it yields, and yields before it sleeps.
+/// Measured with kungfu-bench on 2 cores, 2 and 4 ranks: no spinning gave
+/// 113/214 us per 4-byte allreduce, 4000 spins and 16 yields 260/680 us
+/// (spinners starve the ranks they wait for), 200 spins and 2 yields
+/// 110/203 us and the best large-message bandwidth.
+const SPINS: u32 = 200;
+const YIELDS: u32 = 2;
+/// Longest single sleep, so stops, closes and dead peers are noticed.
+const NAP: Duration = Duration::from_millis(5);
+
+fn futex(word: &AtomicU32, op: libc::c_int, val: u32, timeout: Option<Duration>) {
+    let ts = timeout.map(|d| libc::timespec {
+        tv_sec: d.as_secs() as libc::time_t,
+        tv_nsec: libc::c_long::from(d.subsec_nanos() as i32),
+    });
+    let ts_ptr = ts
+        .as_ref()
+        .map_or(std::ptr::null(), |t| t as *const libc::timespec);
+    // SAFETY: `word` is a valid, aligned 4-byte atomic in memory mapped by
+    // this process for as long as the call runs (the ring outlives its
+    // threads); FUTEX_WAIT only reads it and FUTEX_WAKE does not touch it.
+    // The timeout pointer is null or points to a live timespec. A shared
+    // (not private) futex, since the other side is another process.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            op,
+            val,
+            ts_ptr,
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+/// Whether process `pid` (read from the shared page: any value) may still
+/// be running. 0 and this process count as alive.
+fn pid_alive(pid: u32) -> bool {
+    if pid == 0 || pid == std::process::id() {
+        return true;
+    }
+    // A value no process can have (it would name a process group, or every
+    // process, to kill): the peer wrote garbage, but that alone is not its
+    // death; the ring's other checks catch a corrupt peer.
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return true;
+    };
+    // SAFETY: kill with signal 0 sends nothing; it only checks that the
+    // process exists (ESRCH when it does not).
+    let r = unsafe { libc::kill(pid, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// The memory a ring lives in.
+enum Backing {
+    /// The shared file (the only kind outside tests).
+    Map(#[allow(dead_code)] MmapMut),
+    /// A heap buffer, so that tests can run the protocol under Miri, which
+    /// cannot map files.
+    #[cfg(test)]
+    Heap(std::alloc::Layout),
+}
+
+/// One ring, mapped (or, in tests, on the heap).
+pub(super) struct Ring {
+    /// Start of the control page; `CTL + cap` bytes are valid from here
+    /// for as long as `mem` lives.
+    base: NonNull<u8>,
+    pub(super) cap: usize,
+    mem: Backing,
+}
+
+// SAFETY: `base` points into `mem`, which the ring owns and never moves or
+// frees before it is dropped; every access through it is an atomic (the
+// control words) or a copy of a byte range that the SPSC protocol gives to
+// one side at a time (the data region). A mapping may be used from any
+// thread.
+unsafe impl Send for Ring {}
+// SAFETY: as for `Send`: shared access goes through atomics and the SPSC
+// protocol, whose two sides each hold a lock of their own in
+// `ShmTransport` (`out_locks`, `in_locks`).
+unsafe impl Sync for Ring {}
+
+impl Drop for Ring {
+    fn drop(&mut self) {
+        #[cfg(test)]
+        if let Backing::Heap(layout) = self.mem {
+            // SAFETY: allocated in `Ring::heap` with this layout; the ring
+            // is the only owner and is going away.
+            unsafe { std::alloc::dealloc(self.base.as_ptr(), layout) };
+        }
+    }
+}
+
+/// A receiver's snapshot of the published bytes: `avail` bytes from
+/// `tail`, with `head` read once (Acquire). Only the receiver, holding the
+/// ring's receive lock, consumes, and an honest sender only adds bytes, so
+/// the snapshot stays true until the receiver consumes. `avail <= cap`,
+/// which bounds every copy below to the data region, whatever the peer
+/// wrote.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Published {
+    tail: u64,
+    avail: usize,
+}
+
+impl Published {
+    /// Whether `n` bytes are published.
+    pub(super) fn holds(&self, n: usize) -> bool {
+        n <= self.avail
+    }
+
+    /// How many bytes are published.
+    pub(super) fn len(&self) -> usize {
+        self.avail
+    }
+}
+
+impl Ring {
+    /// A ring over `map`, which must be `CTL + cap` bytes.
+    pub(super) fn new(mut map: MmapMut, cap: usize) -> Ring {
+        // What makes every access below in bounds: checked, not assumed.
+        assert!(cap.is_power_of_two() && map.len() == CTL + cap);
+        let base = NonNull::new(map.as_mut_ptr()).expect("mappings are not null");
+        Ring {
+            base,
+            cap,
+            mem: Backing::Map(map),
+        }
+    }
+
+    /// A zeroed ring on the heap (Miri cannot map files).
+    #[cfg(test)]
+    pub(super) fn heap(cap: usize) -> Ring {
+        assert!(cap.is_power_of_two());
+        let layout = std::alloc::Layout::from_size_align(CTL + cap, 4096).expect("layout");
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        let base = NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        Ring {
+            base,
+            cap,
+            mem: Backing::Heap(layout),
+        }
+    }
+
+    /// The whole mapping, for `madvise`.
+    pub(super) fn map(&self) -> Option<&MmapMut> {
+        match &self.mem {
+            Backing::Map(m) => Some(m),
+            #[cfg(test)]
+            Backing::Heap(_) => None,
+        }
+    }
+
+    fn u32_at(&self, off: usize) -> &AtomicU32 {
+        assert!(off.is_multiple_of(4) && off + 4 <= CTL);
+        // SAFETY: the control page is CTL bytes at a page-aligned `base`;
+        // `off` is a multiple of 4 inside it (checked: the offsets are
+        // constants, so this folds away), and every access to these words,
+        // by either process, is atomic.
+        unsafe { &*(self.base.as_ptr().add(off) as *const AtomicU32) }
+    }
+
+    fn u64_at(&self, off: usize) -> &AtomicU64 {
+        assert!(off.is_multiple_of(8) && off + 8 <= CTL);
+        // SAFETY: as for `u32_at`, with an 8-aligned offset.
+        unsafe { &*(self.base.as_ptr().add(off) as *const AtomicU64) }
+    }
+
+    fn data(&self) -> *mut u8 {
+        // SAFETY: CTL is within the memory (its length is CTL + cap).
+        unsafe { self.base.as_ptr().add(CTL) }
+    }
+
+    /// Receiver, at creation: writes the ring's identity, the magic last
+    /// (an opener that sees it sees the rest).
+    pub(super) fn init(&self, cluster: u64, epoch: u32, from: u32, to: u32) {
+        self.u64_at(OFF_CLUSTER).store(cluster, Ordering::Relaxed);
+        self.u32_at(OFF_EPOCH).store(epoch, Ordering::Relaxed);
+        self.u32_at(OFF_FROM).store(from, Ordering::Relaxed);
+        self.u32_at(OFF_TO).store(to, Ordering::Relaxed);
+        self.u32_at(OFF_CAP)
+            .store(self.cap as u32, Ordering::Relaxed);
+        self.u32_at(OFF_RECV_PID)
+            .store(std::process::id(), Ordering::Relaxed);
+        self.u64_at(OFF_MAGIC).store(MAGIC, Ordering::Release);
+    }
+
+    /// Sender: `Ok(false)` while the receiver has not finished `init`;
+    /// an error if the ring is not the one expected.
+    pub(super) fn check_identity(
+        &self,
+        cluster: u64,
+        epoch: u32,
+        from: u32,
+        to: u32,
+    ) -> Result<bool, String> {
+        if self.u64_at(OFF_MAGIC).load(Ordering::Acquire) != MAGIC {
+            return Ok(false);
+        }
+        if self.u64_at(OFF_CLUSTER).load(Ordering::Relaxed) != cluster {
+            return Err("another cluster's ring".into());
+        }
+        let check = [
+            (OFF_EPOCH, epoch, "epoch"),
+            (OFF_FROM, from, "sender rank"),
+            (OFF_TO, to, "receiver rank"),
+            (OFF_CAP, self.cap as u32, "ring size"),
+        ];
+        for (off, want, what) in check {
+            let got = self.u32_at(off).load(Ordering::Relaxed);
+            if got != want {
+                return Err(format!("{what} is {got}, expected {want}"));
+            }
+        }
+        Ok(true)
+    }
+
+    /// Sender: tells the receiver it has mapped the ring.
+    pub(super) fn attach(&self) {
+        self.u32_at(OFF_SEND_PID)
+            .store(std::process::id(), Ordering::Relaxed);
+        self.u32_at(OFF_ATTACHED).store(1, Ordering::Release);
+    }
+
+    pub(super) fn attached(&self) -> bool {
+        self.u32_at(OFF_ATTACHED).load(Ordering::Acquire) != 0
+    }
+
+    pub(super) fn closed(&self) -> u32 {
+        self.u32_at(OFF_CLOSED).load(Ordering::Acquire)
+    }
+
+    /// Marks one side closed and wakes whoever sleeps on the ring.
+    pub(super) fn close(&self, bit: u32) {
+        self.u32_at(OFF_CLOSED).fetch_or(bit, Ordering::AcqRel);
+        for seq in [OFF_DATA_SEQ, OFF_SPACE_SEQ] {
+            self.u32_at(seq).fetch_add(1, Ordering::AcqRel);
+            futex(self.u32_at(seq), libc::FUTEX_WAKE, i32::MAX as u32, None);
+        }
+    }
+
+    /// Receiver: a task of this process polls the ring (the sender need
+    /// not wake the reader thread).
+    pub(super) fn set_polling(&self, v: u32) {
+        self.u32_at(OFF_RECV_POLLING).store(v, Ordering::SeqCst);
+    }
+
+    /// Receiver: wakes this side's own reader thread.
+    pub(super) fn wake_reader(&self) {
+        self.u32_at(OFF_DATA_SEQ).fetch_add(1, Ordering::AcqRel);
+        futex(self.u32_at(OFF_DATA_SEQ), libc::FUTEX_WAKE, 1, None);
+    }
+
+    /// Wakes the other side if it sleeps on `seq`.
+    fn notify(&self, seq: usize, sleeping: usize) {
+        fence(Ordering::SeqCst);
+        if self.u32_at(sleeping).load(Ordering::SeqCst) != 0
+            && (seq != OFF_DATA_SEQ || self.u32_at(OFF_RECV_POLLING).load(Ordering::SeqCst) == 0)
+        {
+            self.u32_at(seq).fetch_add(1, Ordering::AcqRel);
+            futex(self.u32_at(seq), libc::FUTEX_WAKE, 1, None);
+        }
+    }
+
+    /// Waits until `ready()`; `Err` with the reason when `give_up()` says so.
+    fn wait(
+        &self,
+        seq: usize,
+        sleeping: usize,
+        eager: bool,
+        ready: impl Fn() -> bool,
+        give_up: impl Fn() -> Option<String>,
+    ) -> Result<(), String> {
+        let (spins, yields) = if eager { (SPINS, YIELDS) } else { (0, 0) };
+        for _ in 0..spins {
+            if ready() {
+                return Ok(());
+            }
+            std::hint::spin_loop();
+        }
+        for _ in 0..yields {
+            if ready() {
+                return Ok(());
+            }
+            std::thread::yield_now();
+        }
+        loop {
+            let s = self.u32_at(seq).load(Ordering::Acquire);
+            self.u32_at(sleeping).store(1, Ordering::SeqCst);
+            if ready() {
+                self.u32_at(sleeping).store(0, Ordering::Relaxed);
+                return Ok(());
+            }
+            futex(self.u32_at(seq), libc::FUTEX_WAIT, s, Some(NAP));
+            self.u32_at(sleeping).store(0, Ordering::Relaxed);
+            if ready() {
+                return Ok(());
+            }
+            if let Some(why) = give_up() {
+                return Err(why);
+            }
+        }
+    }
+
+    /// Copies `src` into the ring at stream offset `at`, wrapping around.
+    ///
+    /// # Safety
+    /// `src.len() <= cap`, and bytes `[at, at + src.len())` must be free
+    /// and owned by the caller, the sender (`tail <= at` and `at + len <=
+    /// tail + cap`), and stay so until it publishes them by moving `head`.
+    unsafe fn copy_in(&self, at: u64, src: &[u8]) {
+        let pos = (at as usize) & (self.cap - 1);
+        let first = src.len().min(self.cap - pos);
+        // SAFETY: both pieces lie inside the data region (pos < cap, first
+        // <= cap - pos, the rest <= cap - first); the caller owns those
+        // bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.data().add(pos), first);
+            std::ptr::copy_nonoverlapping(src.as_ptr().add(first), self.data(), src.len() - first);
+        }
+    }
+
+    /// Receiver: copies `dst.len()` bytes out of the ring, `skip` bytes
+    /// past the snapshot's tail, without consuming them. False (nothing
+    /// copied) if they are not all published.
+    pub(super) fn peek(&self, p: &Published, skip: usize, dst: &mut [u8]) -> bool {
+        let n = dst.len();
+        if !skip.checked_add(n).is_some_and(|end| p.holds(end)) {
+            return false;
+        }
+        let pos = (p.tail as usize).wrapping_add(skip) & (self.cap - 1);
+        let first = n.min(self.cap - pos);
+        // SAFETY: `n <= avail <= cap`, so both pieces lie inside the data
+        // region; they are published (head was read with Acquire) and the
+        // sender does not write them until `tail` passes them, which only
+        // this side moves; `dst` is a live slice of `n` bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.data().add(pos), dst.as_mut_ptr(), first);
+            std::ptr::copy_nonoverlapping(self.data(), dst.as_mut_ptr().add(first), n - first);
+        }
+        true
+    }
+
+    /// Receiver: lends the `n` published bytes that start `skip` bytes
+    /// past the snapshot's tail to `f`, in one or two pieces (two where
+    /// they wrap around the ring's end), without consuming them. `None`
+    /// (and `f` not called) if they are not all published.
+    pub(super) fn lend<R>(
+        &self,
+        p: &Published,
+        skip: usize,
+        n: usize,
+        f: impl FnOnce(&[&[u8]]) -> R,
+    ) -> Option<R> {
+        if !skip.checked_add(n).is_some_and(|end| p.holds(end)) {
+            return None;
+        }
+        let pos = (p.tail as usize).wrapping_add(skip) & (self.cap - 1);
+        let first = n.min(self.cap - pos);
+        // SAFETY: as in `peek`: both pieces lie inside the data region and
+        // hold published bytes, which the sender does not write until
+        // `tail` passes them; `tail` moves only after `f` returns and the
+        // slices are gone, and only by the holder of the receive lock.
+        let (a, b) = unsafe {
+            (
+                std::slice::from_raw_parts(self.data().add(pos), first),
+                std::slice::from_raw_parts(self.data(), n - first),
+            )
+        };
+        Some(if b.is_empty() { f(&[a]) } else { f(&[a, b]) })
+    }
+
+    /// Receiver: the published bytes now, or why the indices are corrupt
+    /// (more than the ring holds: `head` ahead of `tail + cap`, or behind
+    /// `tail`).
+    pub(super) fn published(&self) -> Result<Published, String> {
+        let head = self.u64_at(OFF_HEAD).load(Ordering::Acquire);
+        let tail = self.u64_at(OFF_TAIL).load(Ordering::Relaxed);
+        let avail = head.wrapping_sub(tail);
+        if avail > self.cap as u64 {
+            return Err(format!("ring corrupted (head {head}, tail {tail})"));
+        }
+        Ok(Published {
+            tail,
+            avail: avail as usize,
+        })
+    }
+
+    /// Receiver: whether any byte is waiting (a corrupt ring counts: the
+    /// reader that looks finds out).
+    pub(super) fn has_data(&self) -> bool {
+        self.published().map_or(true, |p| p.avail > 0)
+    }
+
+    /// Receiver: consumes `n` bytes of the snapshot. False (nothing
+    /// consumed) if they are not all published.
+    pub(super) fn consume(&self, p: &Published, n: usize) -> bool {
+        if !p.holds(n) {
+            return false;
+        }
+        self.u64_at(OFF_TAIL)
+            .store(p.tail.wrapping_add(n as u64), Ordering::Release);
+        self.notify(OFF_SPACE_SEQ, OFF_SEND_SLEEPING);
+        true
+    }
+
+    /// The indices `(head, tail)` as they are now (for the testing hook).
+    pub(super) fn indices(&self) -> (u64, u64) {
+        (
+            self.u64_at(OFF_HEAD).load(Ordering::Acquire),
+            self.u64_at(OFF_TAIL).load(Ordering::Acquire),
+        )
+    }
+
+    /// Overwrites both indices, as a corrupt peer could (for the testing
+    /// hook): `tail`, then `head` with Release, then wakes a sleeper.
+    pub(super) fn set_indices(&self, head: u64, tail: u64) {
+        self.u64_at(OFF_TAIL).store(tail, Ordering::Release);
+        self.u64_at(OFF_HEAD).store(head, Ordering::Release);
+        self.wake_reader();
+    }
+
+    /// Reader thread: sleeps for `d` at most (a sender may wake it sooner).
+    pub(super) fn nap(&self, d: Duration) {
+        let seq = self.u32_at(OFF_DATA_SEQ);
+        let s = seq.load(Ordering::Acquire);
+        self.u32_at(OFF_RECV_SLEEPING).store(1, Ordering::SeqCst);
+        futex(seq, libc::FUTEX_WAIT, s, Some(d));
+        self.u32_at(OFF_RECV_SLEEPING).store(0, Ordering::Relaxed);
+    }
+
+    /// Sender: `(head, tail, free bytes from head)`, or why the indices
+    /// are corrupt.
+    fn free(&self) -> Result<(u64, u64, usize), String> {
+        let head = self.u64_at(OFF_HEAD).load(Ordering::Relaxed);
+        let tail = self.u64_at(OFF_TAIL).load(Ordering::Acquire);
+        let used = head.wrapping_sub(tail);
+        if used > self.cap as u64 {
+            return Err(format!("ring corrupted (head {head}, tail {tail})"));
+        }
+        Ok((head, tail, self.cap - used as usize))
+    }
+
+    /// Sender: appends all of `src`, waiting for space as needed.
+    pub(super) fn write_all(&self, mut src: &[u8], stop: &AtomicBool) -> Result<(), String> {
+        let head_w = self.u64_at(OFF_HEAD);
+        let tail_w = self.u64_at(OFF_TAIL);
+        let recv_pid = self.u32_at(OFF_RECV_PID).load(Ordering::Acquire);
+        while !src.is_empty() {
+            let (head, tail, free) = self.free()?;
+            if free == 0 {
+                // Wait for `tail` to move from the value that made the ring
+                // full (a fresh load here could already be the receiver's
+                // last move, and wait for one that never comes; Miri found
+                // it).
+                self.wait(
+                    OFF_SPACE_SEQ,
+                    OFF_SEND_SLEEPING,
+                    true,
+                    || tail_w.load(Ordering::Acquire) != tail,
+                    || {
+                        if stop.load(Ordering::Acquire) {
+                            Some("endpoint stopped".into())
+                        } else if self.closed() & RECEIVER_CLOSED != 0 {
+                            Some("receiver closed the ring".into())
+                        } else if !pid_alive(recv_pid) {
+                            Some(format!("receiving process {recv_pid} is gone"))
+                        } else {
+                            None
+                        }
+                    },
+                )?;
+                continue;
+            }
+            let n = free.min(src.len());
+            // SAFETY: `n <= free <= cap`; bytes [head, head + n) are free
+            // (the receiver consumed everything below `tail`, and `n <=
+            // free`); only this side writes them until `head` moves below.
+            unsafe { self.copy_in(head, &src[..n]) };
+            head_w.store(head.wrapping_add(n as u64), Ordering::Release);
+            self.notify(OFF_DATA_SEQ, OFF_RECV_SLEEPING);
+            src = &src[n..];
+        }
+        Ok(())
+    }
+
+    /// Sender: appends all of `parts` if they fit now, as one publication;
+    /// false (and nothing written) if they do not, or the ring is corrupt
+    /// (the caller then sends through `write_all`, which says so).
+    pub(super) fn try_write(&self, parts: &[&[u8]]) -> bool {
+        let Ok((head, _, free)) = self.free() else {
+            return false;
+        };
+        let total = parts.iter().try_fold(0usize, |t, p| t.checked_add(p.len()));
+        if total.is_none_or(|t| t > free) {
+            return false;
+        }
+        let mut at = head;
+        for p in parts {
+            // SAFETY: [head, head + total) is free (checked above, total <=
+            // free <= cap) and only this side writes it until `head` is
+            // published below.
+            unsafe { self.copy_in(at, p) };
+            at = at.wrapping_add(p.len() as u64);
+        }
+        self.u64_at(OFF_HEAD).store(at, Ordering::Release);
+        self.notify(OFF_DATA_SEQ, OFF_RECV_SLEEPING);
+        true
+    }
+
+    /// Receiver: waits until data is published, the sender closed, or
+    /// `give_up()` says why not. `eager` spins and yields first (for the
+    /// rest of a frame); otherwise it sleeps at once (an idle reader
+    /// thread: receiving tasks poll the rings themselves, and a spinning
+    /// reader thread would take their cores).
+    pub(super) fn wait_data(&self, stop: &AtomicBool, eager: bool) -> Result<(), String> {
+        let head_w = self.u64_at(OFF_HEAD);
+        let tail = self.u64_at(OFF_TAIL).load(Ordering::Relaxed);
+        let send_pid = || self.u32_at(OFF_SEND_PID).load(Ordering::Acquire);
+        self.wait(
+            OFF_DATA_SEQ,
+            OFF_RECV_SLEEPING,
+            eager,
+            || head_w.load(Ordering::Acquire) != tail || self.closed() & SENDER_CLOSED != 0,
+            || {
+                if stop.load(Ordering::Acquire) {
+                    Some("endpoint stopped".into())
+                } else if !pid_alive(send_pid()) {
+                    Some(format!("sending process {} is gone", send_pid()))
+                } else {
+                    None
+                }
+            },
+        )
+    }
+
+    /// Receiver: fills `dst`, waiting for data as needed. `Err(None)` is a
+    /// clean end of stream (the sender closed after its last frame).
+    pub(super) fn read_exact(
+        &self,
+        dst: &mut [u8],
+        stop: &AtomicBool,
+    ) -> Result<(), Option<String>> {
+        let mut got = 0;
+        while got < dst.len() {
+            // The close flag before the head: the sender closes after its
+            // last byte, so a close seen here means that byte is seen
+            // below. (Head first lost a frame published just before the
+            // close; Miri found it, see the tests.)
+            let closed = self.closed() & SENDER_CLOSED != 0;
+            let p = self.published().map_err(Some)?;
+            if p.avail == 0 {
+                if closed {
+                    return Err(if got == 0 {
+                        None
+                    } else {
+                        Some("ring closed in the middle of a frame".into())
+                    });
+                }
+                self.wait_data(stop, true).map_err(Some)?;
+                continue;
+            }
+            let n = p.avail.min(dst.len() - got);
+            let copied = self.peek(&p, 0, &mut dst[got..got + n]) && self.consume(&p, n);
+            debug_assert!(copied, "n <= avail");
+            got += n;
+        }
+        Ok(())
+    }
+
+    /// Receiver: reads the next whole frame, waiting for its bytes; its
+    /// payload goes into a buffer from `take(len)` (allocated only once the
+    /// header, `len` included, has been checked against `max_frame`).
+    /// `Err(None)` is a clean end of stream.
+    pub(super) fn read_frame<B: AsMut<[u8]>>(
+        &self,
+        max_frame: usize,
+        stop: &AtomicBool,
+        take: impl FnOnce(usize) -> B,
+    ) -> Result<(Header, B), Option<String>> {
+        let mut hb = [0u8; HEADER_LEN];
+        self.read_exact(&mut hb, stop)?;
+        let header =
+            Header::decode(&hb, max_frame).map_err(|e| Some(format!("protocol violation: {e}")))?;
+        let mut payload = take(header.len as usize);
+        self.read_exact(payload.as_mut(), stop).map_err(|e| {
+            Some(e.unwrap_or_else(|| "ring closed in the middle of a frame".into()))
+        })?;
+        Ok((header, payload))
+    }
+
+    /// Receiver, without waiting: the next frame's header and the
+    /// snapshot it was read from, if its header is published and valid.
+    /// `Ok(None)`: not a whole header yet. The payload may not all be
+    /// published yet (`p.holds(HEADER_LEN + len)` says).
+    pub(super) fn peek_frame(
+        &self,
+        max_frame: usize,
+    ) -> Result<Option<(Header, Published)>, String> {
+        let p = self.published()?;
+        let mut hb = [0u8; HEADER_LEN];
+        if !self.peek(&p, 0, &mut hb) {
+            return Ok(None);
+        }
+        let h = Header::decode(&hb, max_frame).map_err(|e| format!("protocol violation: {e}"))?;
+        Ok(Some((h, p)))
+    }
+}
+
+/// The hostile-input and concurrency tests of the ring, over heap buffers
+/// so that they run under Miri too (`scripts/miri-shm.sh`): Miri reports
+/// any access outside the buffer, any data race between the two sides, and
+/// any use of memory the protocol has not handed over.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Epoch, FrameKind, OpId, OpTag};
+    use std::sync::Arc;
+
+    /// Small enough for Miri, large enough for whole frames.
+    const CAP: usize = 256;
+
+    fn header(len: usize, seq: u32) -> Header {
+        Header {
+            kind: FrameKind::Data,
+            tag: OpTag {
+                epoch: Epoch(3),
+                op: OpId(7),
+                seq,
+            },
+            chunk: 1,
+            step: 2,
+            digest: 9,
+            len: len as u64,
+        }
+    }
+
+    fn payload(len: usize, seed: usize) -> Vec<u8> {
+        (0..len).map(|i| (i * 7 + seed) as u8).collect()
+    }
+
+    /// Writes raw bytes at the head and publishes them, as a sender would.
+    fn publish(r: &Ring, bytes: &[u8]) {
+        assert!(r.try_write(&[bytes]), "fits");
+    }
+
+    fn read_err(r: &Ring) -> String {
+        let stop = AtomicBool::new(false);
+        match r.read_frame(1 << 20, &stop, |n| vec![0u8; n]) {
+            Err(Some(why)) => why,
+            other => panic!("expected an error, got {:?}", other.map(|(h, _)| h)),
+        }
+    }
+
+    #[test]
+    fn frames_flow_through_a_small_ring_between_two_threads() {
+        // Frames from empty to several times the ring, so that both the
+        // in-place path (whole frames) and the streaming path (waits for
+        // space and for data, futex wake-ups) run.
+        let sizes = [0usize, 1, 40, 215, 216, 217, 300, 1000, 3];
+        let ring = Arc::new(Ring::heap(CAP));
+        let stop = Arc::new(AtomicBool::new(false));
+        let tx = {
+            let (ring, stop) = (ring.clone(), stop.clone());
+            std::thread::spawn(move || {
+                for (k, &len) in sizes.iter().enumerate() {
+                    let h = header(len, k as u32).encode();
+                    let body = payload(len, k);
+                    if !ring.try_write(&[&h, &body]) {
+                        ring.write_all(&h, &stop).unwrap();
+                        ring.write_all(&body, &stop).unwrap();
+                    }
+                }
+                ring.close(SENDER_CLOSED);
+            })
+        };
+        for (k, &len) in sizes.iter().enumerate() {
+            // Odd frames through the in-place path where they are whole.
+            if k % 2 == 1 {
+                if let Ok(Some((h, p))) = ring.peek_frame(1 << 20) {
+                    if p.holds(HEADER_LEN + h.len as usize) {
+                        let n = h.len as usize;
+                        let body = ring.lend(&p, HEADER_LEN, n, |parts| parts.concat());
+                        assert_eq!(h, header(len, k as u32));
+                        assert_eq!(body.as_deref(), Some(&payload(len, k)[..]));
+                        assert!(ring.consume(&p, HEADER_LEN + n));
+                        continue;
+                    }
+                }
+            }
+            let (h, body) = ring.read_frame(1 << 20, &stop, |n| vec![0u8; n]).unwrap();
+            assert_eq!(h, header(len, k as u32));
+            assert_eq!(body, payload(len, k), "frame {k}");
+        }
+        let end = ring.read_frame(1 << 20, &stop, |n| vec![0u8; n]);
+        assert!(matches!(end, Err(None)), "a clean end of stream");
+        tx.join().unwrap();
+    }
+
+    #[test]
+    fn try_write_is_all_or_nothing() {
+        let ring = Ring::heap(CAP);
+        assert!(ring.try_write(&[&[1; 200]]));
+        assert!(!ring.try_write(&[&[2; 40], &[3; 17]]), "57 > 56 free");
+        assert!(ring.try_write(&[&[2; 40], &[3; 16]]));
+        let p = ring.published().unwrap();
+        assert!(p.holds(CAP) && !p.holds(CAP + 1));
+        let mut all = vec![0u8; CAP];
+        assert!(ring.peek(&p, 0, &mut all));
+        assert_eq!(all[199..202], [1, 2, 2]);
+        assert_eq!(all[CAP - 1], 3);
+    }
+
+    #[test]
+    fn indices_that_wrap_at_2_pow_64_still_carry_frames() {
+        // Stream offsets are not positions: a ring that has carried 2^64
+        // bytes goes on. A frame that straddles the wrap must arrive whole.
+        let ring = Ring::heap(CAP);
+        let start = u64::MAX - 9;
+        ring.set_indices(start, start);
+        let body = payload(100, 5);
+        publish(&ring, &header(100, 1).encode());
+        publish(&ring, &body);
+        let stop = AtomicBool::new(false);
+        let (h, got) = ring.read_frame(1 << 20, &stop, |n| vec![0u8; n]).unwrap();
+        assert_eq!((h, got), (header(100, 1), body));
+        assert_eq!(ring.published().unwrap().avail, 0);
+        assert_eq!(ring.u64_at(OFF_TAIL).load(Ordering::Relaxed), 130);
+    }
+
+    #[test]
+    fn a_head_beyond_the_ring_is_refused() {
+        // A valid header for a frame larger than the ring, and a head that
+        // claims all of it is there: taken at its word, the payload would
+        // be lent or copied from beyond the end of the buffer.
+        let ring = Ring::heap(CAP);
+        publish(&ring, &header(2 * CAP, 0).encode());
+        let claim = (HEADER_LEN + 2 * CAP) as u64;
+        // the reader thread's path
+        ring.set_indices(claim, 0);
+        assert!(ring.has_data(), "the reader looks, and reports it");
+        let why = read_err(&ring);
+        assert!(why.contains("ring corrupted"), "{why}");
+        // the in-place path (the header is still in the buffer)
+        ring.set_indices(claim, 0);
+        let peeked = ring.peek_frame(1 << 20).map(|f| f.map(|(h, _)| h));
+        assert!(peeked.is_err(), "{peeked:?}");
+        // as large as it gets
+        ring.set_indices(u64::MAX / 2, 3);
+        assert!(read_err(&ring).contains("ring corrupted"));
+    }
+
+    #[test]
+    fn a_head_behind_the_tail_is_refused() {
+        // head - tail wraps to a huge length
+        let ring = Ring::heap(CAP);
+        ring.set_indices(100, 140);
+        let why = read_err(&ring);
+        assert!(why.contains("ring corrupted (head 100, tail 140)"), "{why}");
+    }
+
+    #[test]
+    fn a_corrupt_tail_stops_the_sender() {
+        let ring = Ring::heap(CAP);
+        // A sender that took the ring for full would wait for space for
+        // ever: a watchdog stops it after a deadline instead.
+        let stop = Arc::new(AtomicBool::new(false));
+        let (done, finished) = std::sync::mpsc::channel::<()>();
+        let watchdog = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let timed_out = matches!(
+                    finished.recv_timeout(Duration::from_secs(30)),
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+                );
+                stop.store(true, Ordering::Release);
+                timed_out
+            })
+        };
+        // the receiver claims to have consumed more than was written
+        ring.set_indices(10, 10 + CAP as u64 + 5);
+        assert!(!ring.try_write(&[b"x"]));
+        let first = ring.write_all(b"x", &stop);
+        // and behind: the sender would have overwritten unread bytes
+        ring.set_indices(CAP as u64 * 3, 0);
+        let second = ring.write_all(b"x", &stop);
+        drop(done);
+        let timed_out = watchdog.join().unwrap();
+        assert!(!timed_out, "the sender waited: {first:?} {second:?}");
+        let why = first.unwrap_err();
+        assert!(why.contains("ring corrupted"), "{why}");
+        assert!(second.is_err());
+    }
+
+    #[test]
+    fn bad_headers_are_protocol_violations() {
+        let cases: [(usize, u8, &str); 4] = [
+            (0, b'X', "bad magic"),
+            (2, 9, "unsupported frame version 9"),
+            (3, 77, "unknown frame kind 77"),
+            (4, 1, "reserved flags"),
+        ];
+        for (at, byte, want) in cases {
+            let ring = Ring::heap(CAP);
+            let mut h = header(8, 0).encode();
+            h[at] = byte;
+            publish(&ring, &h);
+            publish(&ring, &[0; 8]);
+            // the in-place path sees it without consuming, then the reader
+            let peeked = ring.peek_frame(1 << 20).unwrap_err();
+            assert!(peeked.contains(want), "{peeked}");
+            let why = read_err(&ring);
+            assert!(
+                why.contains("protocol violation") && why.contains(want),
+                "{why}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_length_beyond_the_frame_limit_is_refused_before_allocating() {
+        let ring = Ring::heap(CAP);
+        publish(&ring, &header(usize::MAX, 0).encode());
+        let stop = AtomicBool::new(false);
+        let mut allocated = false;
+        let r = ring.read_frame(4096, &stop, |n| {
+            allocated = true;
+            vec![0u8; n]
+        });
+        match r {
+            Err(Some(why)) => assert!(why.contains("exceeds the limit of 4096"), "{why}"),
+            other => panic!("{:?}", other.map(|(h, _)| h)),
+        }
+        assert!(!allocated);
+    }
+
+    #[test]
+    fn a_length_beyond_the_ring_is_never_lent_and_a_cut_frame_is_an_error() {
+        // Legal (frames stream through the ring), but it can never be
+        // whole in the ring: the in-place path must not lend it, and a
+        // sender that stops half-way is reported.
+        let ring = Ring::heap(CAP);
+        publish(&ring, &header(3 * CAP, 0).encode());
+        publish(&ring, &[1; 100]);
+        let (h, p) = ring.peek_frame(1 << 20).unwrap().unwrap();
+        assert_eq!(h.len, 3 * CAP as u64);
+        assert!(!p.holds(HEADER_LEN + 3 * CAP));
+        assert!(ring
+            .lend(&p, HEADER_LEN, 3 * CAP, |_| unreachable!())
+            .is_none());
+        assert!(ring.lend(&p, usize::MAX, 2, |_| unreachable!()).is_none());
+        assert!(!ring.peek(&p, 1, &mut [0; CAP]));
+        assert!(!ring.consume(&p, CAP + 1));
+        ring.close(SENDER_CLOSED);
+        let why = read_err(&ring);
+        assert!(why.contains("closed in the middle of a frame"), "{why}");
+    }
+
+    #[test]
+    fn a_sleeping_receiver_is_woken_and_a_stop_is_seen() {
+        // Not eager: the receiver goes straight to the futex, so the
+        // wake-up path (sleeping flag, sequence word) is what delivers.
+        let ring = Arc::new(Ring::heap(CAP));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (took, taken) = std::sync::mpsc::channel();
+        let rx = {
+            let (ring, stop) = (ring.clone(), stop.clone());
+            std::thread::spawn(move || {
+                ring.wait_data(&stop, false).unwrap();
+                let p = ring.published().unwrap();
+                let mut b = [0u8; 5];
+                assert!(ring.peek(&p, 0, &mut b) && ring.consume(&p, 5));
+                took.send(b).unwrap();
+                // now nothing comes: only the stop ends the wait
+                ring.wait_data(&stop, false)
+            })
+        };
+        assert!(ring.try_write(&[b"hello"]));
+        let got = taken.recv_timeout(Duration::from_secs(60));
+        assert_eq!(got.as_ref().map(|b| &b[..]), Ok(&b"hello"[..]));
+        stop.store(true, Ordering::Release);
+        assert_eq!(rx.join().unwrap(), Err("endpoint stopped".into()));
+    }
+}
