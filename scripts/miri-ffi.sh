@@ -25,8 +25,8 @@ cargo +nightly miri test -p kungfu-ffi --lib
 
 # The tests with threads again, under 32 schedules each: a race that
 # one schedule misses shows up in another.
-echo "== miri: kungfu-ffi thread tests, 32 schedules"
-MIRIFLAGS="${MIRIFLAGS:-} -Zmiri-many-seeds=0..32" \
+echo "== miri: kungfu-ffi thread tests, seeds ${MIRI_FFI_SEEDS:-0..32}"
+MIRIFLAGS="${MIRIFLAGS:-} -Zmiri-many-seeds=${MIRI_FFI_SEEDS:-0..32}" \
   cargo +nightly miri test -p kungfu-ffi --lib -- \
   output_and_callback_of_another_thread the_last_error_is_per_thread \
   groups_hold_this_threads_allreduces

@@ -17,4 +17,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 seeds="${MIRI_SEEDS:-0..16}"
 export MIRIFLAGS="${MIRIFLAGS:-} -Zmiri-many-seeds=${seeds}"
+echo "== miri: the shm ring, seeds ${seeds}"
 exec cargo +nightly miri test -p kungfu-transport --lib shm::ring

@@ -2,7 +2,8 @@
 # The whole test suite, on a fresh Debian machine with Rust installed:
 # installs the system packages the tests need, then checks formatting,
 # lints and docs, runs every test, builds and smoke-runs the benches, and
-# runs every command block of README.md and docs/ (scripts/doc-commands.py).
+# runs the unsafe code that Miri can run under Miri, and every command
+# block of README.md and docs/ (scripts/doc-commands.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,5 +42,7 @@ echo "== cargo test"
 cargo test --workspace --locked
 echo "== benches (one quick pass each, so they never rot)"
 cargo test --workspace --benches --locked
+echo "== Miri: the shm ring and the C ABI layer (scripts/miri.sh --quick)"
+scripts/miri.sh --quick
 echo "== the commands of README.md and docs/ (release builds, then each block)"
 python3 scripts/doc-commands.py

@@ -164,6 +164,48 @@ pub fn divide(dtype: DType, a: &[u8], n: usize) -> Vec<u8> {
     out
 }
 
+/// The number of [`OpKind`]s that [`op_shape`] picks from.
+pub const OP_KINDS: usize = 7;
+
+/// One op on one cluster, from indices (as property tests draw them): `n`
+/// workers on hosts of `per` (the last host may have fewer), the
+/// `kind`-th of the [`OP_KINDS`] op kinds with root `root`, the `op`-th
+/// reduction of [`ReduceOp::ALL`] (`Sum` where the type has no such
+/// reduction) and the `dtype`-th type of [`DType::ALL`].
+///
+/// # Panics
+/// If `per` is 0 or an index is out of range (a test's own mistake).
+pub fn op_shape(
+    n: usize,
+    per: usize,
+    kind: usize,
+    root: usize,
+    op: usize,
+    dtype: usize,
+    count: usize,
+) -> (Vec<usize>, OpSpec) {
+    let dtype = DType::ALL[dtype];
+    let op = Some(ReduceOp::ALL[op])
+        .filter(|o| o.supports(dtype))
+        .unwrap_or(ReduceOp::Sum);
+    let root = kungfu_topology::Rank(u32::try_from(root).expect("a rank"));
+    let kind = match kind {
+        0 => OpKind::Allreduce(op),
+        1 => OpKind::Reduce { op, root },
+        2 => OpKind::Broadcast { root },
+        3 => OpKind::Allgather,
+        4 => OpKind::Gather { root },
+        5 => OpKind::ReduceScatter(op),
+        6 => OpKind::Alltoall,
+        _ => panic!("op kind {kind} of {OP_KINDS}"),
+    };
+    let mut hosts = vec![per; n / per];
+    if !n.is_multiple_of(per) {
+        hosts.push(n % per);
+    }
+    (hosts, OpSpec { kind, dtype, count })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -37,7 +37,7 @@ fn case() -> impl proptest::strategy::Strategy<Value = Case> {
                 Just(n),
                 1..=n,
                 0..Strategy::ALL.len(),
-                0usize..7,
+                0..crate::reference::OP_KINDS,
                 0..n,
                 0..ReduceOp::ALL.len(),
                 0..DType::ALL.len(),
@@ -46,28 +46,11 @@ fn case() -> impl proptest::strategy::Strategy<Value = Case> {
             )
         })
         .prop_map(|(n, per, s, kind, root, op, dtype, count, chunk_bytes)| {
-            let dtype = DType::ALL[dtype];
-            let op = Some(ReduceOp::ALL[op])
-                .filter(|o| o.supports(dtype))
-                .unwrap_or(ReduceOp::Sum);
-            let root = Rank(root as u32);
-            let kind = match kind {
-                0 => OpKind::Allreduce(op),
-                1 => OpKind::Reduce { op, root },
-                2 => OpKind::Broadcast { root },
-                3 => OpKind::Allgather,
-                4 => OpKind::Gather { root },
-                5 => OpKind::ReduceScatter(op),
-                _ => OpKind::Alltoall,
-            };
-            let mut hosts = vec![per; n / per];
-            if n % per != 0 {
-                hosts.push(n % per);
-            }
+            let (hosts, spec) = crate::reference::op_shape(n, per, kind, root, op, dtype, count);
             Case {
                 hosts,
                 strategy: Strategy::ALL[s],
-                spec: OpSpec { kind, dtype, count },
+                spec,
                 chunk_bytes,
             }
         })

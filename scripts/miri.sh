@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The unsafe code under Miri, where Miri can run it:
+#   - the shared-memory ring (transport/src/shm/ring.rs) over a heap buffer:
+#     scripts/miri-shm.sh (the SPSC protocol, futex wake-ups, hostile input;
+#     each seed another schedule of the two threads);
+#   - the C ABI layer's runtime-free code (ffi/src): scripts/miri-ffi.sh
+#     (handles, completions, unaligned output, per-thread state).
+#
+#   scripts/miri.sh            # everything, with the scripts' own seed counts
+#   scripts/miri.sh --quick    # fewer seeds (what scripts/test.sh runs in CI)
+#
+# Installs Miri into the nightly toolchain if it is missing. The first run
+# builds Miri's sysroot and the dependencies (about 5 minutes on 2 cores),
+# later runs take about a minute (--quick) to two.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! cargo +nightly miri --version >/dev/null 2>&1; then
+  echo "== installing Miri (rustup component add miri rust-src --toolchain nightly)"
+  rustup toolchain install nightly --profile minimal --component miri,rust-src
+fi
+if [ "${1:-}" = "--quick" ]; then
+  export MIRI_SEEDS="${MIRI_SEEDS:-0..4}" MIRI_FFI_SEEDS="${MIRI_FFI_SEEDS:-0..8}"
+fi
+scripts/miri-shm.sh
+scripts/miri-ffi.sh
