@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Runs the shared-memory ring's tests (transport/src/shm/ring.rs) under Miri:
-# the SPSC protocol between two threads, wake-ups through the futex, and the
-# hostile-input cases (corrupt indices, headers and lengths), over a heap
-# buffer, since Miri cannot map files. Miri reports any access outside the
-# buffer, any data race, and, with its weak-memory emulation, orderings
-# that are too weak; each seed is another schedule of the two threads.
+# Runs the shared-memory ring's tests (transport/src/shm/ring/tests.rs)
+# under Miri: the SPSC protocol between two threads, wake-ups through the
+# futex, and the hostile-input cases (corrupt indices, headers and
+# lengths), over a heap buffer, since Miri cannot map files. Miri reports
+# any access outside the buffer, any data race, and, with its weak-memory
+# emulation, orderings that are too weak; each seed is another schedule of
+# the two threads.
 #
 #   scripts/miri-shm.sh            # seeds 0..16 (about 45 s here once built)
 #   MIRI_SEEDS=0..64 scripts/miri-shm.sh

@@ -18,8 +18,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kungfu_topology::{PeerList, Rank};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -28,16 +27,16 @@ use crate::mailbox::Mailbox;
 use crate::pool::FramePool;
 use crate::{
     Capabilities, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
-    HEADER_LEN,
 };
+
+use self::io::{read_loop, write_loop, Outgoing, WriterMsg};
+
+mod io;
 
 const HELLO_MAGIC: [u8; 2] = *b"KH";
 const HELLO_VERSION: u8 = 1;
 const HELLO_LEN: usize = 32;
 const ACK_LEN: usize = 24;
-/// Frames a writer coalesces into one flush.
-const WRITE_BATCH: usize = 64;
-const IO_BUFFER: usize = 64 * 1024;
 
 /// Settings of a TCP endpoint.
 #[derive(Clone)]
@@ -266,18 +265,6 @@ pub struct TcpTransport {
     spin: Duration,
     /// More ranks on this host than cores: spinning yields to the OS.
     oversubscribed: bool,
-}
-
-enum WriterMsg {
-    Frame(Outgoing),
-    /// Flush, send FIN, and stop.
-    Finish(oneshot::Sender<()>),
-}
-
-struct Outgoing {
-    header: [u8; HEADER_LEN],
-    payload: Bytes,
-    done: oneshot::Sender<Result<(), TransportError>>,
 }
 
 impl TcpTransport {
@@ -532,109 +519,6 @@ async fn answer_hello(cfg: &TcpConfig, mut s: TcpStream) -> Result<(Rank, TcpStr
             // Best effort: the refusal is reported here either way.
             let _ = s.write_all(&ack.encode()).await;
             Err(why)
-        }
-    }
-}
-
-async fn read_loop(
-    rd: OwnedReadHalf,
-    peer: Rank,
-    mailbox: Arc<Mailbox>,
-    max_frame: usize,
-    frames: Arc<FramePool>,
-) {
-    let mut rd = BufReader::with_capacity(IO_BUFFER, rd);
-    loop {
-        let mut hb = [0u8; HEADER_LEN];
-        if let Err(e) = rd.read_exact(&mut hb).await {
-            let why = if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                "connection closed by peer".to_string()
-            } else {
-                format!("read: {e}")
-            };
-            mailbox.fail_peer(peer, why);
-            return;
-        }
-        let header = match Header::decode(&hb, max_frame) {
-            Ok(h) => h,
-            Err(e) => {
-                // The stream cannot be resynchronised after a bad header.
-                mailbox.fail_peer(peer, format!("protocol violation: {e}"));
-                return;
-            }
-        };
-        let len = header.len as usize; // checked against max_frame by decode
-        let mut buf = frames.take(len);
-        if let Err(e) = rd.read_exact(buf.as_mut()).await {
-            let why = if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                "connection closed in the middle of a frame".to_string()
-            } else {
-                format!("read: {e}")
-            };
-            mailbox.fail_peer(peer, why);
-            return;
-        }
-        match mailbox.deliver(peer, header, buf.freeze()).await {
-            // Refused frames are counted by the mailbox; the connection goes on.
-            Ok(()) | Err(TransportError::StaleEpoch { .. }) => {}
-            Err(_) => return,
-        }
-    }
-}
-
-async fn write_loop(
-    wr: OwnedWriteHalf,
-    peer: Rank,
-    mut rx: mpsc::Receiver<WriterMsg>,
-    mailbox: Arc<Mailbox>,
-) {
-    let mut wr = BufWriter::with_capacity(IO_BUFFER, wr);
-    let mut lost: Option<TransportError> = None;
-    let mut batch: Vec<oneshot::Sender<Result<(), TransportError>>> = Vec::new();
-    let mut finish: Option<oneshot::Sender<()>> = None;
-    while let Some(first) = rx.recv().await {
-        let mut next = Some(first);
-        while let Some(msg) = next.take() {
-            let msg = match msg {
-                WriterMsg::Frame(m) => m,
-                WriterMsg::Finish(done) => {
-                    finish = Some(done);
-                    break;
-                }
-            };
-            if lost.is_none() {
-                let res = async {
-                    wr.write_all(&msg.header).await?;
-                    wr.write_all(&msg.payload).await
-                }
-                .await;
-                if let Err(e) = res {
-                    lost = Some(mailbox.lose_writer(peer, e));
-                }
-            }
-            batch.push(msg.done);
-            if batch.len() < WRITE_BATCH {
-                next = rx.try_recv().ok();
-            }
-        }
-        if lost.is_none() {
-            if let Err(e) = wr.flush().await {
-                lost = Some(mailbox.lose_writer(peer, e));
-            }
-        }
-        for done in batch.drain(..) {
-            // The sender may have given up waiting; that is fine.
-            let _ = done.send(match &lost {
-                None => Ok(()),
-                Some(e) => Err(e.clone()),
-            });
-        }
-        if let Some(done) = finish.take() {
-            // FIN after the last frame: the peer reads everything we sent,
-            // then end of stream.
-            let _ = wr.shutdown().await;
-            let _ = done.send(());
-            return;
         }
     }
 }

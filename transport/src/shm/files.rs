@@ -1,0 +1,239 @@
+//! The ring files: their names, creating, opening and removing them, and
+//! setting up the rings of one endpoint (see "Lifetime of the files" in
+//! the module docs).
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kungfu_topology::Rank;
+use memmap2::MmapMut;
+
+use super::hooks::{kill_point, Stage};
+use super::ring::{Ring, CTL};
+use super::ShmConfig;
+use crate::{Epoch, TransportError};
+
+/// Where ring files live unless [`ShmConfig::dir`] says otherwise.
+pub const RING_DIR: &str = "/dev/shm";
+
+/// The start of the names of every ring file of cluster `cluster_id`, of
+/// every epoch: `kungfu-<id, 16 hex digits>-`.
+pub fn ring_file_prefix(cluster_id: u64) -> String {
+    format!("kungfu-{cluster_id:016x}-")
+}
+
+fn ring_path(dir: &Path, cluster: u64, epoch: Epoch, from: Rank, to: Rank) -> PathBuf {
+    dir.join(format!(
+        "{}{}-{}-{}",
+        ring_file_prefix(cluster),
+        epoch.0,
+        from.0,
+        to.0
+    ))
+}
+
+/// Removes every ring file of cluster `cluster_id` from `dir` and returns
+/// their names. For a launcher, once every process of the job has exited:
+/// a process killed while connecting leaves the rings it created, or that
+/// were created for it, behind (see "Lifetime of the files"); removing
+/// them while the job still connects would break its set-up.
+pub fn remove_cluster_files(dir: &Path, cluster_id: u64) -> std::io::Result<Vec<String>> {
+    let prefix = ring_file_prefix(cluster_id);
+    let mut removed = Vec::new();
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        // no such directory: no rings either
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(removed),
+        Err(e) => return Err(e),
+    };
+    for entry in entries {
+        let Ok(name) = entry?.file_name().into_string() else {
+            continue;
+        };
+        if !name.starts_with(&prefix) {
+            continue;
+        }
+        match std::fs::remove_file(dir.join(&name)) {
+            Ok(()) => removed.push(name),
+            // gone in the meantime (unlinked by its sender)
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(removed)
+}
+
+/// Removes the ring files this endpoint created if connecting fails.
+struct Created(Vec<PathBuf>);
+
+impl Drop for Created {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+fn map_file(file: &std::fs::File, len: usize) -> std::io::Result<MmapMut> {
+    // SAFETY: the file is a ring of this job, mapped shared by exactly two
+    // processes that access it only through atomics and the SPSC protocol
+    // (see `Ring`); nobody truncates it while mapped.
+    let map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(file) }?;
+    Ok(map)
+}
+
+fn create_inbound(
+    cfg: &ShmConfig,
+    cap: usize,
+    from: Rank,
+    created: &mut Created,
+) -> Result<Ring, String> {
+    let path = ring_path(&cfg.dir, cfg.cluster_id, cfg.epoch, from, cfg.rank);
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .map_err(|e| format!("create {}: {e}", path.display()))?;
+    created.0.push(path.clone());
+    file.set_len((CTL + cap) as u64)
+        .map_err(|e| format!("size {}: {e}", path.display()))?;
+    let map = map_file(&file, CTL + cap).map_err(|e| format!("map {}: {e}", path.display()))?;
+    let ring = Ring::new(map, cap);
+    ring.init(cfg.cluster_id, cfg.epoch.0, from.0, cfg.rank.0);
+    Ok(ring)
+}
+
+fn open_outbound(
+    cfg: &ShmConfig,
+    cap: usize,
+    to: Rank,
+    deadline: std::time::Instant,
+) -> Result<Ring, String> {
+    let path = ring_path(&cfg.dir, cfg.cluster_id, cfg.epoch, cfg.rank, to);
+    let mut nap = Duration::from_micros(250);
+    loop {
+        if let Ok(file) = OpenOptions::new().read(true).write(true).open(&path) {
+            let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+            if len == (CTL + cap) as u64 {
+                let map = map_file(&file, CTL + cap)
+                    .map_err(|e| format!("map {}: {e}", path.display()))?;
+                let ring = Ring::new(map, cap);
+                let ours = ring
+                    .check_identity(cfg.cluster_id, cfg.epoch.0, cfg.rank.0, to.0)
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                if ours {
+                    // Both sides have it mapped now: the name has done its
+                    // job. Unlinking it here, at the earliest point, leaves
+                    // a file behind only if a process dies between creating
+                    // a ring and its peer mapping it (the launcher removes
+                    // those). The receiver's `Created` guard may try again;
+                    // the name is this ring's alone (cluster, epoch, pair),
+                    // so that removes nothing else.
+                    let _ = std::fs::remove_file(&path);
+                    kill_point(cfg, Stage::Opened);
+                    ring.attach();
+                    return Ok(ring);
+                }
+            }
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(format!(
+                "{} did not appear before the deadline",
+                path.display()
+            ));
+        }
+        std::thread::sleep(nap);
+        // Short naps: a job that resizes waits here for its new peers, and
+        // each nap is latency (an open that fails costs a few us).
+        nap = (nap * 2).min(Duration::from_millis(2));
+    }
+}
+
+pub(super) type Rings = Vec<Option<Arc<Ring>>>;
+
+pub(super) fn setup(cfg: &ShmConfig, cap: usize) -> Result<(Rings, Rings), TransportError> {
+    let n = cfg.size;
+    let deadline = std::time::Instant::now() + cfg.connect_timeout;
+    let fail = |peer: Option<Rank>, reason: String| TransportError::Handshake {
+        peer,
+        addr: cfg.dir.display().to_string(),
+        reason,
+    };
+    let mut created = Created(Vec::new());
+    let peer = |j: usize| {
+        j != cfg.rank.idx()
+            && cfg
+                .local
+                .as_ref()
+                .is_none_or(|l| l.contains(Rank(j as u32)))
+    };
+    let mut inbound: Rings = vec![None; n];
+    for (j, slot) in inbound.iter_mut().enumerate().filter(|(j, _)| peer(*j)) {
+        let ring = create_inbound(cfg, cap, Rank(j as u32), &mut created)
+            .map_err(|e| fail(Some(Rank(j as u32)), e))?;
+        *slot = Some(Arc::new(ring));
+        if created.0.len() == 1 {
+            kill_point(cfg, Stage::Created);
+        }
+    }
+    let mut outbound: Rings = vec![None; n];
+    for (j, slot) in outbound.iter_mut().enumerate().filter(|(j, _)| peer(*j)) {
+        let ring = open_outbound(cfg, cap, Rank(j as u32), deadline)
+            .map_err(|e| fail(Some(Rank(j as u32)), e))?;
+        *slot = Some(Arc::new(ring));
+    }
+    for (j, ring) in inbound.iter().enumerate() {
+        let Some(ring) = ring else { continue };
+        while !ring.attached() {
+            if std::time::Instant::now() >= deadline {
+                return Err(fail(
+                    Some(Rank(j as u32)),
+                    "did not attach to its ring before the deadline".into(),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    // Every sender unlinked its ring's file before attaching: nothing of
+    // this endpoint is left to remove.
+    created.0.clear();
+    populate_in_background(inbound.iter().chain(&outbound).flatten().cloned().collect());
+    Ok((inbound, outbound))
+}
+
+/// Faults every page of the rings in, writably, on a thread of its own:
+/// a fresh ring's pages are otherwise allocated and zeroed one fault at a
+/// time during the first lap of traffic (measured: the first ~50
+/// allreduces of 64 KiB on 2 ranks took 90-180 us instead of 15), while
+/// doing it before returning made connecting slow (4 ranks on 2 cores:
+/// 15-20 ms to zero their 4 MiB rings, most of an elastic resize). Even
+/// in the background it is most of what a resize costs here: 2 -> 4 -> 3
+/// -> 1 -> 3 took 9-11 ms per resize on average with it, 2-3 ms without.
+fn populate_in_background(rings: Vec<Arc<Ring>>) {
+    let _ = std::thread::Builder::new()
+        .name("kungfu-shm-populate".into())
+        .spawn(move || {
+            // Lowest priority: connecting and the first ops come first.
+            // SAFETY: gettid and setpriority take no pointers; this only
+            // changes this thread's nice value.
+            unsafe {
+                let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+                libc::setpriority(libc::PRIO_PROCESS, tid, 19);
+            }
+            // In pieces: populating holds the process's memory-map lock,
+            // which spawning a thread (its stack) also needs.
+            const PIECE: usize = 256 << 10;
+            for map in rings.iter().filter_map(|r| r.map()) {
+                let len = map.len();
+                for off in (0..len).step_by(PIECE) {
+                    let _ =
+                        map.advise_range(memmap2::Advice::PopulateWrite, off, PIECE.min(len - off));
+                }
+            }
+        });
+}

@@ -1,0 +1,306 @@
+//! The threads and the polling that move frames through the rings: the
+//! reader and writer threads of each ring, and the rings polled by a
+//! receiving task itself.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc as std_mpsc, Arc};
+use std::time::Duration;
+
+use bytes::Bytes;
+use kungfu_topology::Rank;
+use tokio::sync::oneshot;
+
+use super::ring::{Ring, SENDER_CLOSED};
+use super::ShmTransport;
+use crate::mailbox::{Mailbox, Pump};
+use crate::pool::FramePool;
+use crate::{Header, OpTag, PeerSet, TransportError, HEADER_LEN};
+
+/// A reader thread leaves frames to the receiving tasks for this long after
+/// they last polled the rings.
+const DEFER_TO_POLLER: Duration = Duration::from_micros(300);
+
+/// When a receiving task of this process last polled the inbound rings.
+pub(super) struct PollClock {
+    start: std::time::Instant,
+    /// Nanoseconds after `start`.
+    at: AtomicU64,
+}
+
+impl PollClock {
+    pub(super) fn new() -> PollClock {
+        PollClock {
+            start: std::time::Instant::now(),
+            at: AtomicU64::new(0),
+        }
+    }
+
+    fn now(&self) -> u64 {
+        self.start.elapsed().as_nanos() as u64
+    }
+
+    fn touch(&self) {
+        self.at.store(self.now(), Ordering::Relaxed);
+    }
+
+    /// No task polls any more (one went to sleep): readers take over now.
+    fn clear(&self) {
+        self.at.store(0, Ordering::Relaxed);
+    }
+
+    /// Time since the last poll (long if there was none).
+    fn since(&self) -> Duration {
+        match self.at.load(Ordering::Relaxed) {
+            0 => Duration::MAX,
+            at => Duration::from_nanos(self.now().saturating_sub(at)),
+        }
+    }
+}
+
+pub(super) enum WriterMsg {
+    Frame(
+        [u8; HEADER_LEN],
+        Bytes,
+        oneshot::Sender<Result<(), TransportError>>,
+    ),
+    Finish(oneshot::Sender<()>),
+}
+
+/// Runs a future to completion on this (non-runtime) thread.
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    struct Unpark(std::thread::Thread);
+    impl std::task::Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = std::task::Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut f = std::pin::pin!(f);
+    loop {
+        if let std::task::Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+            return v;
+        }
+        std::thread::park();
+    }
+}
+
+/// How an idle reader thread behaves.
+#[derive(Clone)]
+pub(super) struct ReadPolicy {
+    pub(super) max_frame: usize,
+    pub(super) frames: Arc<FramePool>,
+    /// Spin before sleeping (ranks have a core each).
+    pub(super) eager: bool,
+    pub(super) polled: Arc<PollClock>,
+}
+
+pub(super) fn read_loop(
+    ring: &Ring,
+    lock: &std::sync::Mutex<()>,
+    peer: Rank,
+    mailbox: &Mailbox,
+    stop: &AtomicBool,
+    policy: &ReadPolicy,
+) {
+    let (max_frame, eager, polled) = (policy.max_frame, policy.eager, &policy.polled);
+    loop {
+        // Wait without the lock, so receivers may take frames themselves.
+        // The close flag before the data (see `Ring::read_exact`).
+        let closed = ring.closed() & SENDER_CLOSED != 0;
+        if !ring.has_data() {
+            if closed {
+                return mailbox.fail_peer(peer, "connection closed by peer");
+            }
+            if let Err(why) = ring.wait_data(stop, eager) {
+                return mailbox.fail_peer(peer, why);
+            }
+            continue;
+        }
+        // A receiving task that polled the rings lately takes the frames
+        // itself (applying them in place, with no copy): between two of its
+        // receives it is busy reducing or sending, so leave them a while.
+        let since = polled.since();
+        if since < DEFER_TO_POLLER {
+            if stop.load(Ordering::Acquire) {
+                return;
+            }
+            ring.nap(DEFER_TO_POLLER - since);
+            continue;
+        }
+        let frame = {
+            let _taking = lock.lock().unwrap_or_else(|e| e.into_inner());
+            if !ring.has_data() {
+                continue; // a receiver took it
+            }
+            match ring.read_frame(max_frame, stop, |len| policy.frames.take(len)) {
+                Ok(frame) => frame,
+                Err(e) => {
+                    return mailbox.fail_peer(
+                        peer,
+                        e.unwrap_or_else(|| "connection closed by peer".into()),
+                    )
+                }
+            }
+        };
+        // The mailbox may make us wait for space (back-pressure): this
+        // thread stops reading the ring, and the sender stops when it fills.
+        match block_on(mailbox.deliver(peer, frame.0, frame.1.freeze())) {
+            Ok(()) | Err(TransportError::StaleEpoch { .. }) => {}
+            Err(_) => return,
+        }
+    }
+}
+
+/// Marks the inbound rings polled while a receiving task spins on them,
+/// so senders skip waking the reader threads. A frame published while a
+/// sender saw the flag set, and left in the ring when the poller stopped,
+/// is taken by the next receive or by the reader thread after its bounded
+/// nap (`DEFER_TO_POLLER`, at most `NAP`).
+pub(super) struct Polling<'a>(&'a ShmTransport);
+
+impl<'a> Polling<'a> {
+    pub(super) fn start(t: &'a ShmTransport) -> Polling<'a> {
+        t.polled.touch();
+        if t.polling.fetch_add(1, Ordering::SeqCst) == 0 {
+            t.set_polling(1);
+        }
+        Polling(t)
+    }
+}
+
+impl Drop for Polling<'_> {
+    fn drop(&mut self) {
+        // the clock counts from the end of a spin phase (a receive that
+        // goes to sleep clears it afterwards)
+        self.0.polled.touch();
+        if self.0.polling.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.set_polling(0);
+        }
+    }
+}
+
+impl ShmTransport {
+    /// As [`ShmTransport::pump`], but a frame of `tag` from a rank in
+    /// `from` is first lent in place to `apply`; if it consumes the frame,
+    /// it leaves the ring with no copy, and this returns at once.
+    pub(super) fn pump_for<F>(&self, tag: OpTag, from: &PeerSet, apply: &mut F) -> Pump
+    where
+        F: FnMut(Rank, &Header, &[&[u8]]) -> bool,
+    {
+        let mut res = Pump::Idle;
+        for (peer, ring) in self.inbound.iter().enumerate() {
+            let Some(ring) = ring else { continue };
+            if !ring.has_data() {
+                continue;
+            }
+            let Ok(_taking) = self.in_locks[peer].try_lock() else {
+                continue;
+            };
+            let sender = Rank(peer as u32);
+            // A corrupt ring or a bad header is left for the reader thread
+            // to report.
+            while let Ok(Some((header, p))) = ring.peek_frame(self.max_frame) {
+                let len = header.len as usize;
+                let whole = HEADER_LEN + len; // len <= max_frame: no overflow
+                if !p.holds(whole) {
+                    break;
+                }
+                if header.tag == tag
+                    && from.contains(sender)
+                    && ring.lend(&p, HEADER_LEN, len, |parts| apply(sender, &header, parts))
+                        == Some(true)
+                {
+                    ring.consume(&p, whole);
+                    self.lent.fetch_add(1, Ordering::Relaxed);
+                    return Pump::Consumed;
+                }
+                if !self.mailbox.has_room(len) {
+                    break;
+                }
+                let mut payload = self.frames.take(len);
+                if !ring.peek(&p, HEADER_LEN, payload.as_mut()) {
+                    break;
+                }
+                ring.consume(&p, whole);
+                match self.mailbox.deliver_now(sender, header, payload.freeze()) {
+                    Ok(()) | Err(TransportError::StaleEpoch { .. }) => res = Pump::Moved,
+                    Err(_) => return res,
+                }
+            }
+        }
+        res
+    }
+
+    /// A receiving task stops polling and will sleep until a reader thread
+    /// delivers its frame: the readers must not wait for it any longer.
+    pub(super) fn going_to_sleep(&self) {
+        self.polled.clear();
+        for ring in self.inbound.iter().flatten() {
+            if ring.has_data() {
+                ring.wake_reader();
+            }
+        }
+    }
+
+    fn set_polling(&self, v: u32) {
+        for ring in self.inbound.iter().flatten() {
+            ring.set_polling(v);
+        }
+    }
+
+    /// Moves every whole frame that is already in an inbound ring into the
+    /// mailbox, without waiting and without the reader threads (a ring
+    /// whose reader is busy is skipped). Returns whether it moved any.
+    pub(super) fn pump(&self) -> bool {
+        let none = PeerSet::new();
+        let tag = OpTag {
+            epoch: self.mailbox.epoch(),
+            op: crate::OpId(0),
+            seq: 0,
+        };
+        self.pump_for(tag, &none, &mut |_, _, _| false) != Pump::Idle
+    }
+}
+
+pub(super) fn write_loop(
+    ring: &Ring,
+    lock: &std::sync::Mutex<()>,
+    peer: Rank,
+    rx: &std_mpsc::Receiver<WriterMsg>,
+    mailbox: &Mailbox,
+    stop: &AtomicBool,
+) {
+    let mut lost: Option<TransportError> = None;
+    loop {
+        let msg = match rx.recv_timeout(Duration::from_millis(50)) {
+            Ok(m) => m,
+            Err(std_mpsc::RecvTimeoutError::Timeout) => {
+                if stop.load(Ordering::Acquire) {
+                    return;
+                }
+                continue;
+            }
+            Err(std_mpsc::RecvTimeoutError::Disconnected) => return,
+        };
+        match msg {
+            WriterMsg::Frame(h, payload, done) => {
+                if lost.is_none() {
+                    let _frame = lock.lock().unwrap_or_else(|e| e.into_inner());
+                    let r = ring
+                        .write_all(&h, stop)
+                        .and_then(|()| ring.write_all(&payload, stop));
+                    if let Err(why) = r {
+                        lost = Some(mailbox.lose_writer(peer, why));
+                    }
+                }
+                let _ = done.send(lost.clone().map_or(Ok(()), Err));
+            }
+            WriterMsg::Finish(done) => {
+                ring.close(SENDER_CLOSED);
+                let _ = done.send(());
+                return;
+            }
+        }
+    }
+}
