@@ -1,0 +1,127 @@
+//! A data op from its C arguments to its completion: the checked buffers
+//! and copied input (`Request`), starting it (or holding it in the
+//! thread's open group), and writing its output to the caller's buffer.
+
+use std::ffi::{c_char, c_void};
+
+use kungfu_collectives::{OpKind, OpSpec};
+
+use crate::handles::{Completion, OutPtr};
+use crate::{
+    ctx, dtype_of, fail_of, group, guard, invalid, kf_callback, kf_dtype, kf_handle, kf_status,
+    name_of, size_now, Ctx, Fail, Res, KF_ERR_INTERNAL,
+};
+
+/// `len` bytes at `p`, copied (`p` may be unaligned; NULL only if empty).
+pub(crate) fn read_input(p: *const c_void, len: usize, what: &str) -> Res<Vec<u8>> {
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    if p.is_null() {
+        return Err(invalid(format!("{what} is NULL")));
+    }
+    // SAFETY: the caller passed a buffer of at least `len` bytes; u8 has
+    // no alignment requirement.
+    Ok(unsafe { std::slice::from_raw_parts(p as *const u8, len) }.to_vec())
+}
+
+/// A data op: what to start, and where its output goes.
+pub(crate) struct Request {
+    pub(crate) name: String,
+    pub(crate) spec: OpSpec,
+    pub(crate) input: Vec<u8>,
+    /// Where this rank's output goes, and its length (None: no output here).
+    pub(crate) out: Option<(OutPtr, usize)>,
+}
+
+/// Checks the buffers of `spec` for this rank and copies the input.
+fn request(
+    ctx: &Ctx,
+    name: String,
+    spec: OpSpec,
+    send: *const c_void,
+    recv: *mut c_void,
+) -> Res<Request> {
+    let n = ctx.session.size();
+    let me = ctx.session.rank();
+    spec.validate(n).map_err(invalid)?;
+    let in_len = spec.input_len(n).expect("validated");
+    let input = match spec.kind {
+        // only the root's input matters; others may pass NULL
+        OpKind::Broadcast { root } if root != me && send.is_null() => vec![0; in_len],
+        _ => read_input(send, in_len, "send buffer")?,
+    };
+    let out = match spec.output_range(me, n) {
+        Some(r) if !r.is_empty() => {
+            if recv.is_null() {
+                return Err(invalid("recv buffer is NULL"));
+            }
+            Some((OutPtr(recv as *mut u8), r.len()))
+        }
+        _ => None,
+    };
+    Ok(Request {
+        name,
+        spec,
+        input,
+        out,
+    })
+}
+
+/// Writes an op's output (`got`, if this rank has one) to the caller's
+/// buffer.
+pub(crate) fn deliver(out: Option<(OutPtr, usize)>, got: Option<&[u8]>) -> Res<()> {
+    if let (Some((p, len)), Some(bytes)) = (out, got) {
+        if bytes.len() != len {
+            return Err(Fail(
+                KF_ERR_INTERNAL,
+                format!("output of {} bytes, expected {len}", bytes.len()),
+            ));
+        }
+        // SAFETY: the caller's recv buffer holds `len` bytes and stays
+        // valid until completion (the ABI's contract); the source is ours.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p.get(), len) };
+    }
+    Ok(())
+}
+
+/// Starts `req` (or holds it in the thread's open group) and returns at
+/// once.
+fn submit(ctx: &Ctx, req: Request, done: Completion) {
+    let Some((req, done)) = group::hold(req, done) else {
+        return;
+    };
+    let h = ctx.session.submit(&req.name, req.spec, &req.input);
+    let out = req.out;
+    ctx.rt.spawn(async move {
+        let r = match h.await {
+            Ok(got) => deliver(out, got.bytes()),
+            Err(e) => Err(fail_of(&e)),
+        };
+        done.finish(r);
+    });
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn start_op(
+    kind: impl FnOnce(usize) -> Res<OpKind>,
+    dtype: kf_dtype,
+    count: usize,
+    send: *const c_void,
+    recv: *mut c_void,
+    name: *const c_char,
+    cb: kf_callback,
+    user: *mut c_void,
+    out: *mut kf_handle,
+) -> kf_status {
+    guard(|| {
+        let name = name_of(name)?;
+        let dtype = dtype_of(dtype)?;
+        let kind = kind(size_now()?)?;
+        let ctx = ctx()?;
+        let spec = OpSpec { kind, dtype, count };
+        let req = request(&ctx, name, spec, send, recv)?;
+        submit(&ctx, req, Completion::new(cb, user, out));
+        Ok(())
+    })
+}
