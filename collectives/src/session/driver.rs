@@ -1,0 +1,124 @@
+//! Spawns ops and reports their completions; sends aborts and watches
+//! strays.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kungfu_topology::Rank;
+use kungfu_transport::{FrameKind, Header, Instant, OpTag, Transport, TransportError};
+
+use super::{lock, Callback, Inner, Session};
+use crate::abort::{Abort, AbortReason};
+use crate::OpSpec;
+
+impl<T: Transport> Session<T> {
+    pub(super) fn start_now(
+        &self,
+        name: Arc<str>,
+        spec: OpSpec,
+        input: &[u8],
+        done: Callback,
+        internal: bool,
+    ) {
+        match self.prepare(name.clone(), spec, input, internal) {
+            Ok(mut op) => {
+                let inner = self.inner.clone();
+                inner
+                    .inflight
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                self.inner.runtime.spawn(async move {
+                    let started = std::time::Instant::now();
+                    let r = op.run(&inner).await;
+                    if r.is_ok() {
+                        lock(&inner.stats)
+                            .entry(op.strategy)
+                            .or_default()
+                            .add(op.spec.block_bytes().unwrap_or(0), started.elapsed());
+                        let mut ps = lock(&inner.peer_stats);
+                        for (p, &(frames, bytes, last)) in ps.iter_mut().zip(&op.arrivals) {
+                            if frames > 0 {
+                                p.ops += 1;
+                                p.frames += frames;
+                                p.bytes += bytes;
+                                p.last_frame += last;
+                            }
+                        }
+                    }
+                    inner.transport.retire(op.tag);
+                    lock(&inner.tombstones).insert(op.tag, op.digest, op.spec);
+                    lock(&inner.names).end(op.tag.op);
+                    if let Err(e) = &r {
+                        op.notify_failure(&inner, e);
+                    }
+                    done(r);
+                    if inner
+                        .inflight
+                        .fetch_sub(1, std::sync::atomic::Ordering::SeqCst)
+                        == 1
+                    {
+                        inner.drained.notify_waiters();
+                    }
+                });
+            }
+            Err(e) => done(Err(e)),
+        }
+    }
+}
+
+/// Sends `abort` for op `tag` to every other rank. Best effort: the local
+/// error stands either way; each send is bounded by the op timeout.
+pub(super) fn send_aborts<T: Transport>(inner: &Inner<T>, tag: OpTag, digest: u32, abort: &Abort) {
+    let t = &inner.transport;
+    let me = t.rank();
+    let payload = abort.encode();
+    let header = Header {
+        kind: FrameKind::Abort,
+        tag,
+        chunk: 0,
+        step: 0,
+        digest,
+        len: 0,
+    };
+    for r in (0..t.size() as u32).map(Rank).filter(|&r| r != me) {
+        if t.check_peers(&[r].into_iter().collect()).is_err() {
+            continue;
+        }
+        let t = t.clone();
+        let payload = payload.clone();
+        let budget = inner.config.op_timeout;
+        inner.runtime.spawn(async move {
+            let _ = tokio::time::timeout(budget, t.send(r, header, payload)).await;
+        });
+    }
+}
+
+/// Reads strays (frames of finished ops) and tells every rank when one
+/// reveals a disagreeing peer. Ends when the session is dropped or the
+/// transport closes.
+pub(super) async fn watch_strays<T: Transport>(weak: std::sync::Weak<Inner<T>>) {
+    loop {
+        let Some(inner) = weak.upgrade() else { return };
+        let t = inner.transport.clone();
+        drop(inner);
+        // Wake up now and then to notice that the session is gone.
+        let f = match t
+            .recv_stray(Instant::now() + Duration::from_millis(500))
+            .await
+        {
+            Ok(f) => f,
+            Err(TransportError::Timeout { .. }) => continue,
+            Err(_) => return,
+        };
+        if f.header.kind != FrameKind::Data {
+            continue;
+        }
+        let Some(inner) = weak.upgrade() else { return };
+        let tomb = lock(&inner.tombstones).map.get(&f.header.tag).copied();
+        if let Some((digest, spec)) = tomb {
+            if f.header.digest != digest {
+                let abort = Abort::new(AbortReason::Mismatch, t.rank(), f.from, &spec);
+                send_aborts(&inner, f.header.tag, digest, &abort);
+            }
+        }
+    }
+}
