@@ -1,0 +1,334 @@
+//! Bad input and faults: disagreeing specs, lost and missing peers, stale
+//! and hostile frames, invalid arguments.
+
+use super::*;
+
+/// Rank 2 disagrees with the others on one property of the op. No rank
+/// hangs or sees corrupted data: every rank whose result depends on rank 2
+/// fails with a mismatch naming rank 2, fast; a rank whose part ended before
+/// any of rank 2's frames reached it (a reduce leaf, a broadcast root) may
+/// complete, with the result its own spec defines.
+#[test]
+fn disagreeing_specs_fail_everywhere_with_names() {
+    rt().block_on(async {
+        let n = 4;
+        let base = OpSpec {
+            kind: OpKind::Allreduce(ReduceOp::Sum),
+            dtype: DType::F32,
+            count: 8,
+        };
+        let bcast = |root| OpSpec {
+            kind: OpKind::Broadcast { root: Rank(root) },
+            ..base
+        };
+        let reduce = |root| OpSpec {
+            kind: OpKind::Reduce {
+                op: ReduceOp::Sum,
+                root: Rank(root),
+            },
+            ..base
+        };
+        let gather = OpSpec {
+            kind: OpKind::Gather { root: Rank(1) },
+            ..base
+        };
+        // (name, spec of the others, spec of rank 2, must every rank fail?)
+        let variants: [(&str, OpSpec, OpSpec, bool); 7] = [
+            ("count", base, OpSpec { count: 9, ..base }, true),
+            (
+                "op",
+                base,
+                OpSpec {
+                    kind: OpKind::Allreduce(ReduceOp::Max),
+                    ..base
+                },
+                true,
+            ),
+            // same byte count, other type: must not be reduced as f32
+            (
+                "dtype",
+                base,
+                OpSpec {
+                    dtype: DType::U32,
+                    ..base
+                },
+                true,
+            ),
+            ("zero-count", base, OpSpec { count: 0, ..base }, true),
+            ("root", bcast(0), bcast(1), false),
+            ("reduce-root", reduce(0), reduce(3), false),
+            ("gather-count", gather, OpSpec { count: 0, ..gather }, false),
+        ];
+        for strategy in [
+            Strategy::Star,
+            Strategy::Ring,
+            Strategy::BinaryTree,
+            Strategy::Clique,
+        ] {
+            for (name, normal, odd, all_fail) in variants {
+                let ss = sessions(n, strategy, 11, Duration::from_secs(20));
+                let started = std::time::Instant::now();
+                let specs: Vec<OpSpec> =
+                    (0..n).map(|r| if r == 2 { odd } else { normal }).collect();
+                let handles: Vec<_> = ss
+                    .iter()
+                    .zip(&specs)
+                    .enumerate()
+                    .map(|(r, (s, spec))| {
+                        s.submit(name, *spec, &vec![r as u8 + 1; spec.input_len(n).unwrap()])
+                    })
+                    .collect();
+                let mut failed = 0;
+                for (r, h) in handles.into_iter().enumerate() {
+                    match h.await {
+                        Err(CollectiveError::Mismatch {
+                            name: got,
+                            ranks,
+                            detail,
+                            ..
+                        }) => {
+                            assert_eq!(&*got, name);
+                            assert!(
+                                ranks.contains(&Rank(2)),
+                                "{strategy} {name}: rank {r}: {ranks:?} ({detail})"
+                            );
+                            failed += 1;
+                        }
+                        Ok(out) => {
+                            assert!(!all_fail, "{strategy} {name}: rank {r} completed");
+                            // only a result this rank's own spec defines
+                            match specs[r].kind {
+                                OpKind::Broadcast { root } => {
+                                    let want =
+                                        vec![root.0 as u8 + 1; specs[r].input_len(n).unwrap()];
+                                    assert_eq!(
+                                        out.bytes(),
+                                        Some(&want[..]),
+                                        "{strategy} {name} rank {r}"
+                                    );
+                                }
+                                _ => assert_eq!(
+                                    out.bytes(),
+                                    None,
+                                    "{strategy} {name} rank {r}: {out:?}"
+                                ),
+                            }
+                        }
+                        Err(e) => {
+                            panic!("{strategy} {name}: rank {r}: expected a mismatch, got {e}")
+                        }
+                    }
+                }
+                assert!(failed >= 1, "{strategy} {name}: nobody noticed");
+                assert!(
+                    started.elapsed() < Duration::from_secs(10),
+                    "{strategy} {name}: too slow"
+                );
+            }
+        }
+    });
+}
+
+/// A rank that dies: pending and later ops that need it fail with an error
+/// naming it, within the deadline.
+#[test]
+fn lost_peer_fails_pending_and_later_ops() {
+    rt().block_on(async {
+        let n = 4;
+        let ts = MemNetwork::new(n, MemConfig::default());
+        let ss: Vec<_> = ts
+            .iter()
+            .map(|t| {
+                Session::new(
+                    t.clone(),
+                    PeerList::local(n),
+                    SessionConfig {
+                        strategy: Strategy::Ring,
+                        op_timeout: Duration::from_secs(20),
+                        ..SessionConfig::default()
+                    },
+                )
+                .unwrap()
+            })
+            .collect();
+        // ranks 0..3 start an op; rank 3 never does, then dies
+        let pending: Vec<_> = ss[..3]
+            .iter()
+            .map(|s| s.allreduce("x", &[1.0f32; 64], ReduceOp::Sum))
+            .collect();
+        // Kill rank 3 once all three ops are waiting for it: in the ring of
+        // 64 floats (segments of 64 bytes) rank 2's third frame to rank 3
+        // needs rank 1's second, which needs rank 0's first, so with 192
+        // bytes queued for rank 3 every op has sent what it could.
+        let deadline = std::time::Instant::now() + LONG;
+        while ts[3].mailbox_stats().0 < 3 * 64 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the ops never started"
+            );
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(ts[3].mailbox_stats().0, 3 * 64, "nothing more can come");
+        let started = std::time::Instant::now();
+        ts[3].kill();
+        for h in pending {
+            match h.await {
+                Err(CollectiveError::PeerLost { peer, name, .. }) => {
+                    assert_eq!(peer, Rank(3));
+                    assert_eq!(&*name, "x");
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!(started.elapsed() < Duration::from_secs(5));
+        // a later op fails at once
+        match ss[0].allreduce("y", &[1.0f32], ReduceOp::Sum).await {
+            Err(CollectiveError::PeerLost { peer, .. }) => assert_eq!(peer, Rank(3)),
+            other => panic!("{other:?}"),
+        }
+    });
+}
+
+/// A rank that never joins an op: the others fail by the deadline, and the
+/// error names the rank they wait for (directly, or through the abort of the
+/// rank that timed out first).
+#[test]
+fn missing_rank_times_out_naming_it() {
+    rt().block_on(async {
+        let ss = sessions(3, Strategy::Star, 1, Duration::from_millis(300));
+        // rank 0 is the star's root: it waits for rank 2 by name; rank 1
+        // waits for the root's broadcast
+        let h0 = ss[0].allreduce("lonely", &[1u8], ReduceOp::Sum);
+        let h1 = ss[1].allreduce("lonely", &[1u8], ReduceOp::Sum);
+        let started = std::time::Instant::now();
+        let e0 = h0.await.unwrap_err();
+        let e1 = h1.await.unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(3));
+        for e in [&e0, &e1] {
+            match e {
+                CollectiveError::Timeout { waiting, .. } => {
+                    assert!(
+                        waiting == &vec![Rank(2)] || waiting == &vec![Rank(0)],
+                        "{e}"
+                    )
+                }
+                CollectiveError::Aborted { reason, .. } => {
+                    assert!(reason.contains("timed out waiting for rank"), "{e}")
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!(
+            e0.to_string().contains("[2]") || e1.to_string().contains("rank 2"),
+            "{e0} / {e1}"
+        );
+    });
+}
+
+/// Frames of an older epoch are refused and counted; a hostile frame for a
+/// live op fails that op with a protocol error naming the sender, on every
+/// rank, and never panics.
+#[test]
+fn stale_and_hostile_frames() {
+    rt().block_on(async {
+        let cfg = MemConfig {
+            epoch: Epoch(5),
+            ..MemConfig::default()
+        };
+        let ts = MemNetwork::new(2, cfg);
+        let ss: Vec<_> = ts
+            .iter()
+            .map(|t| {
+                // A star: rank 1 needs rank 0's result, so it cannot finish
+                // before rank 0's abort reaches it (with recursive doubling
+                // it would finish, correctly, from rank 0's first frame).
+                let cfg = SessionConfig {
+                    strategy: Strategy::Star,
+                    ..SessionConfig::default()
+                };
+                Session::new(t.clone(), PeerList::local(2), cfg).unwrap()
+            })
+            .collect();
+        let tag = OpTag {
+            epoch: Epoch(4),
+            op: kungfu_collectives::names::op_id("v"),
+            seq: 0,
+        };
+        let h = Header {
+            kind: FrameKind::Data,
+            tag,
+            chunk: 0,
+            step: 0,
+            digest: 0,
+            len: 0,
+        };
+        let r = ts[0].inject(Rank(1), h, Bytes::from_static(b"junk")).await;
+        assert!(
+            matches!(r, Err(kungfu_transport::TransportError::StaleEpoch { .. })),
+            "{r:?}"
+        );
+        assert_eq!(ts[0].mailbox_stats(), (0, 1));
+
+        // a data frame with the right digest but a chunk the plan does not
+        // expect, while rank 0 runs the op alone (the transport holds frames
+        // by tag, so it reaches the op whenever the op asks)
+        let h0 = ss[0].allreduce("v", &[1.0f32; 4], ReduceOp::Sum);
+        let spec = OpSpec {
+            kind: OpKind::Allreduce(ReduceOp::Sum),
+            dtype: DType::F32,
+            count: 4,
+        };
+        let topo = ss[0].topology(kungfu_topology::Root::Any, 16);
+        let bad = Header {
+            tag: OpTag {
+                epoch: Epoch(5),
+                ..tag
+            },
+            chunk: 99,
+            digest: spec.digest(&topo).short(),
+            ..h
+        };
+        ts[0].inject(Rank(1), bad, Bytes::new()).await.unwrap();
+        match h0.await {
+            Err(CollectiveError::Protocol { peer, reason, .. }) => {
+                assert_eq!(peer, Rank(1));
+                assert!(reason.contains("unexpected frame"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // rank 1 then joins and learns of the failure from rank 0's abort
+        match ss[1].allreduce("v", &[1.0f32; 4], ReduceOp::Sum).await {
+            Err(CollectiveError::Aborted { by, reason, .. }) => {
+                assert_eq!(by, Rank(0));
+                assert!(reason.contains("protocol violation by rank 1"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+    });
+}
+
+#[test]
+fn invalid_arguments_fail_at_once() {
+    rt().block_on(async {
+        let ss = sessions(2, Strategy::Auto, 1, LONG);
+        let s = &ss[0];
+        let e = s.allreduce("i", &[1i32], ReduceOp::Avg).await.unwrap_err();
+        assert!(matches!(e, CollectiveError::InvalidArgument { .. }), "{e}");
+        let e = s.broadcast("b", &[1i32], Rank(7)).await.unwrap_err();
+        assert!(e.to_string().contains("root 7"), "{e}");
+        let e = s
+            .reduce_scatter("rs", &[1i32; 3], ReduceOp::Sum)
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("equal blocks"), "{e}");
+        let e = s.allreduce("", &[1i32], ReduceOp::Sum).await.unwrap_err();
+        assert!(e.to_string().contains("empty"), "{e}");
+        let spec = OpSpec {
+            kind: OpKind::Allreduce(ReduceOp::Sum),
+            dtype: DType::F64,
+            count: 3,
+        };
+        let e = s.submit("raw", spec, &[0u8; 23]).await.unwrap_err();
+        assert!(e.to_string().contains("24 input bytes"), "{e}");
+    });
+}

@@ -1,0 +1,50 @@
+//! The scheduler over the in-memory transport: ops in flight in any order,
+//! bad input, faults, and the API surfaces (async, blocking, callbacks).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kungfu_collectives::{
+    CollectiveError, DType, OpKind, OpSpec, ReduceOp, Session, SessionConfig,
+};
+use kungfu_topology::{PeerList, Rank, Strategy};
+use kungfu_transport::mem::{MemConfig, MemNetwork, MemTransport, SeededRng};
+use kungfu_transport::{Epoch, FrameKind, Header, OpTag};
+
+mod failures;
+mod ops;
+mod stats;
+mod swap;
+
+fn sessions(
+    n: usize,
+    strategy: Strategy,
+    seed: u64,
+    timeout: Duration,
+) -> Vec<Session<MemTransport>> {
+    let mem = MemConfig {
+        delay: Some((seed, Duration::from_micros(300))),
+        ..MemConfig::default()
+    };
+    let cfg = SessionConfig {
+        strategy,
+        chunk_bytes: 256,
+        op_timeout: timeout,
+        ..SessionConfig::default()
+    };
+    Session::local_cluster(n, mem, cfg)
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+const LONG: Duration = Duration::from_secs(30);

@@ -1,0 +1,150 @@
+//! Workers that fail, are killed or hang: the job stops, names the worker,
+//! and nothing hangs.
+
+use super::*;
+
+#[test]
+fn a_worker_that_exits_3_stops_the_job() {
+    let out = run_bounded(
+        kungfu_run_failing(&[
+            "-np", "4", SELFTEST, "--steps", "100000", "--size", "1024", "--exit", "2:20:3",
+        ]),
+        Duration::from_secs(90),
+    );
+    let t = text(&out);
+    // the survivors fail too (their allreduce needs rank 2), and which exit
+    // the launcher reaps first is up to the kernel: any non-zero status
+    assert!(!out.status.success(), "{t}");
+    assert_noticed(&t);
+    assert!(t.contains("kungfu-run: rank 2 exited with status 3"), "{t}");
+    // every line of a worker is prefixed with its rank
+    assert!(
+        t.contains("[2] step 20: exiting with status 3 as asked"),
+        "{t}"
+    );
+}
+
+#[test]
+fn a_worker_killed_during_allreduce_is_named_and_nothing_hangs_tcp() {
+    kill_rank_two_mid_allreduce("tcp");
+}
+
+/// Over shared memory no socket reports the death: the rings carry the
+/// peers' pids, and a waiting side checks them.
+#[test]
+fn a_worker_killed_during_allreduce_is_named_and_nothing_hangs_shm() {
+    kill_rank_two_mid_allreduce("shm");
+}
+
+fn kill_rank_two_mid_allreduce(transport: &str) {
+    let mut c = kungfu_run_failing(&[
+        "-np",
+        "4",
+        "--transport",
+        transport,
+        SELFTEST,
+        "--steps",
+        "1000000",
+        "--size",
+        "262144",
+    ]);
+    c.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = c.spawn().expect("spawn kungfu-run");
+    let stdout = child.stdout.take().expect("piped");
+    let stderr = child.stderr.take().expect("piped");
+    let guard = Guard(vec![child]);
+    let (tx, rx) = mpsc::channel::<String>();
+    let tx2 = tx.clone();
+    std::thread::spawn(move || {
+        for l in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
+    std::thread::spawn(move || {
+        for l in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx2.send(l);
+        }
+    });
+    let mut lines = Vec::new();
+    let mut pid: Option<i32> = None;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    // wait until rank 2 is known and the job is well into its loop
+    while Instant::now() < deadline {
+        let Ok(l) = rx.recv_timeout(Duration::from_secs(1)) else {
+            continue;
+        };
+        if l.starts_with("[2] pid ") {
+            pid = l.split(' ').nth(2).and_then(|p| p.parse().ok());
+        }
+        let go = l.contains("step 10 ok") && pid.is_some();
+        lines.push(l);
+        if go {
+            break;
+        }
+    }
+    let pid = pid.unwrap_or_else(|| panic!("rank 2 never started:\n{}", lines.join("\n")));
+    let killed_at = Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let mut guard = guard;
+    let mut child = guard.0.pop().expect("child");
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        // past the 30 s grace: an unnoticed loss shows as a SIGTERM
+        assert!(
+            killed_at.elapsed() < Duration::from_secs(90),
+            "kungfu-run still running"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // drain the output
+    while let Ok(l) = rx.recv_timeout(Duration::from_millis(500)) {
+        lines.push(l);
+    }
+    let all = lines.join("\n");
+    assert!(!status.success(), "{all}");
+    assert_noticed(&all);
+    assert!(
+        all.contains("kungfu-run: rank 2 was killed by signal 9 (SIGKILL)"),
+        "{all}"
+    );
+    // the survivors' allreduce failed with an error naming rank 2
+    let named = lines
+        .iter()
+        .filter(|l| !l.starts_with("[2]") && l.contains("error") && l.contains("rank 2"))
+        .count();
+    assert!(named >= 1, "no survivor named rank 2:\n{all}");
+}
+
+#[test]
+fn the_job_timeout_bounds_a_hung_worker() {
+    let started = Instant::now();
+    let mut c = Command::new(RUN);
+    c.args([
+        "--timeout",
+        "3s",
+        "-np",
+        "2",
+        SELFTEST,
+        "--steps",
+        "1000",
+        "--hang",
+        "1:2",
+    ])
+    .env("KUNGFU_OP_TIMEOUT_MS", "600000");
+    let out = run_bounded(c, Duration::from_secs(90));
+    assert_eq!(out.status.code(), Some(124), "{}", text(&out));
+    assert!(
+        text(&out).contains("did not finish within"),
+        "{}",
+        text(&out)
+    );
+    // 3 s, then SIGTERM and SIGKILL 3 s later; the hung op alone would
+    // wait ten minutes: only the order of magnitude matters
+    assert!(started.elapsed() < Duration::from_secs(60));
+}
