@@ -2,26 +2,20 @@
 //! -np 2`: the schedule's resizes happen at their steps, the adaptive
 //! batch size acts only every 10 steps, and the workers end agreeing.
 
-use std::process::Command;
+use std::path::Path;
 use std::time::Duration;
 
-use kungfu_tests::{output_text, run_bounded, target_dir};
+use kungfu_tests::kungfu_run_ok;
 
 const LOOP: &str = env!("CARGO_BIN_EXE_kungfu-elastic-loop");
 
 #[test]
 fn the_readme_loop_feeds_its_policies() {
-    let run = target_dir().join("kungfu-run");
-    assert!(
-        run.exists(),
-        "{} is missing: build the workspace first",
-        run.display()
+    let t = kungfu_run_ok(
+        &["-w", "-np", "2"],
+        Path::new(LOOP),
+        Duration::from_secs(120),
     );
-    let mut c = Command::new(run);
-    c.args(["-w", "-np", "2", "--timeout", "120s"]).arg(LOOP);
-    let out = run_bounded(c, Duration::from_secs(150));
-    let t = output_text(&out);
-    assert!(out.status.success(), "{t}");
 
     let agreed = |rank: u32| -> Vec<(u64, String)> {
         t.lines()

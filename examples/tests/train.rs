@@ -14,10 +14,11 @@
 //!   tolerance.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use kungfu_tests::{output_text, run_bounded, target_dir};
+use kungfu_tests::{kungfu_run_ok, output_text, run_bounded};
 
 const TRAIN: &str = env!("CARGO_BIN_EXE_kungfu-train");
 
@@ -94,17 +95,11 @@ fn check_states(t: &str) -> usize {
 
 #[test]
 fn elastic_adaptive_training_matches_one_process() {
-    let run = target_dir().join("kungfu-run");
-    assert!(
-        run.exists(),
-        "{} is missing: build the workspace first",
-        run.display()
+    let t = kungfu_run_ok(
+        &["-w", "-np", "2"],
+        Path::new(TRAIN),
+        Duration::from_secs(120),
     );
-    let mut c = Command::new(run);
-    c.args(["-w", "-np", "2", "--timeout", "120s"]).arg(TRAIN);
-    let out = run_bounded(c, Duration::from_secs(150));
-    let t = output_text(&out);
-    assert!(out.status.success(), "{t}");
 
     // every epoch reports what the issue asks for
     for e in 1..=6 {

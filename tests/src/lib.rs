@@ -156,6 +156,27 @@ pub fn target_dir() -> std::path::PathBuf {
         .to_path_buf()
 }
 
+/// Runs `program` under the workspace's `kungfu-run` with `args` and a job
+/// `--timeout` of `limit`, bounded here by `limit` + 30 s; panics with the
+/// output unless the job succeeded, and returns the output.
+pub fn kungfu_run_ok(args: &[&str], program: &std::path::Path, limit: Duration) -> String {
+    let run = target_dir().join("kungfu-run");
+    assert!(
+        run.exists(),
+        "{} is missing: build the workspace first",
+        run.display()
+    );
+    let mut c = std::process::Command::new(run);
+    c.args(args)
+        .arg("--timeout")
+        .arg(format!("{}s", limit.as_secs()))
+        .arg(program);
+    let out = run_bounded(c, limit + Duration::from_secs(30));
+    let t = output_text(&out);
+    assert!(out.status.success(), "{t}");
+    t
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
