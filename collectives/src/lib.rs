@@ -60,6 +60,7 @@ pub mod blocking;
 mod dtype;
 mod error;
 pub mod names;
+pub mod op;
 pub mod p2p;
 pub mod plan;
 mod pool;

@@ -2,6 +2,8 @@
 //! strays.
 
 use std::sync::Arc;
+
+use bytes::Bytes;
 use std::time::Duration;
 
 use kungfu_topology::Rank;
@@ -31,25 +33,23 @@ impl<T: Transport> Session<T> {
                     let r = op.run(&inner).await;
                     if r.is_ok() {
                         lock(&inner.stats)
-                            .entry(op.strategy)
+                            .entry(op.m.strategy())
                             .or_default()
-                            .add(op.spec.block_bytes().unwrap_or(0), started.elapsed());
+                            .add(op.m.spec().block_bytes().unwrap_or(0), started.elapsed());
                         let mut ps = lock(&inner.peer_stats);
-                        for (p, &(frames, bytes, last)) in ps.iter_mut().zip(&op.arrivals) {
-                            if frames > 0 {
+                        for (p, a) in ps.iter_mut().zip(op.m.arrivals()) {
+                            if a.frames > 0 {
                                 p.ops += 1;
-                                p.frames += frames;
-                                p.bytes += bytes;
-                                p.last_frame += last;
+                                p.frames += a.frames;
+                                p.bytes += a.bytes;
+                                p.last_frame += a.last;
                             }
                         }
                     }
-                    inner.transport.retire(op.tag);
-                    lock(&inner.tombstones).insert(op.tag, op.digest, op.spec);
-                    lock(&inner.names).end(op.tag.op);
-                    if let Err(e) = &r {
-                        op.notify_failure(&inner, e);
-                    }
+                    let tag = op.m.tag();
+                    inner.transport.retire(tag);
+                    lock(&inner.tombstones).insert(tag, op.m.digest(), *op.m.spec());
+                    lock(&inner.names).end(tag.op);
                     done(r);
                     if inner
                         .inflight
@@ -65,9 +65,8 @@ impl<T: Transport> Session<T> {
     }
 }
 
-/// Sends `abort` for op `tag` to every other rank. Best effort: the local
-/// error stands either way; each send is bounded by the op timeout.
-pub(super) fn send_aborts<T: Transport>(inner: &Inner<T>, tag: OpTag, digest: u32, abort: &Abort) {
+/// Sends `abort` for op `tag` to every other rank.
+fn send_aborts<T: Transport>(inner: &Inner<T>, tag: OpTag, digest: u32, abort: &Abort) {
     let t = &inner.transport;
     let me = t.rank();
     let payload = abort.encode();
@@ -80,16 +79,23 @@ pub(super) fn send_aborts<T: Transport>(inner: &Inner<T>, tag: OpTag, digest: u3
         len: 0,
     };
     for r in (0..t.size() as u32).map(Rank).filter(|&r| r != me) {
-        if t.check_peers(&[r].into_iter().collect()).is_err() {
-            continue;
-        }
-        let t = t.clone();
-        let payload = payload.clone();
-        let budget = inner.config.op_timeout;
-        inner.runtime.spawn(async move {
-            let _ = tokio::time::timeout(budget, t.send(r, header, payload)).await;
-        });
+        send_abort(inner, r, header, payload.clone());
     }
+}
+
+/// Sends one abort frame to `to`, unless it is known lost. Best effort:
+/// the local error stands either way; the send is bounded by the op
+/// timeout.
+pub(super) fn send_abort<T: Transport>(inner: &Inner<T>, to: Rank, header: Header, payload: Bytes) {
+    let t = &inner.transport;
+    if t.check_peers(&[to].into_iter().collect()).is_err() {
+        return;
+    }
+    let t = t.clone();
+    let budget = inner.config.op_timeout;
+    inner.runtime.spawn(async move {
+        let _ = tokio::time::timeout(budget, t.send(to, header, payload)).await;
+    });
 }
 
 /// Reads strays (frames of finished ops) and tells every rank when one

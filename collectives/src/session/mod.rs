@@ -25,6 +25,7 @@ use kungfu_transport::{Epoch, OpTag, Transport};
 use tokio::sync::oneshot;
 
 use crate::names::{check_name, NameTable};
+use crate::op::{MachineConfig, OpInstance, OpMachine};
 use crate::plan::build::{build, PlanInput};
 use crate::pool::{BufPool, PooledBuf};
 use crate::{CollectiveError, DType, Element, OpKind, OpSpec, ReduceOp};
@@ -684,7 +685,7 @@ impl<T: Transport> Session<T> {
         let (op, seq) = lock(&self.inner.names).begin(&name)?;
         let mut work = self.inner.pool.take(spec.work_len(n).expect("validated"));
         spec.init_work_into(input, me, n, work.vec_mut());
-        Ok(RunningOp {
+        let op = OpInstance {
             name,
             spec,
             tag: OpTag {
@@ -693,12 +694,15 @@ impl<T: Transport> Session<T> {
                 seq,
             },
             digest,
-            work,
-            plan,
-            remote_abort: false,
             strategy: topo.strategy(),
-            started: std::time::Instant::now(),
-            arrivals: vec![(0, 0, Duration::ZERO); n],
+        };
+        let cfg = MachineConfig {
+            timeout: self.inner.config.op_timeout,
+            max_inflight_bytes: self.inner.config.max_inflight_bytes,
+        };
+        Ok(RunningOp {
+            m: OpMachine::new(op, plan, me, n, cfg, kungfu_transport::Instant::now()),
+            work,
         })
     }
 

@@ -1,0 +1,485 @@
+//! One op in flight as a sans-IO state machine, in the style of
+//! quinn-proto: it does no I/O and reads no clock.
+//!
+//! The driver (the async session, or the seeded simulation) feeds it what
+//! happened ([`OpMachine::handle_frame`], [`OpMachine::try_apply`],
+//! [`OpMachine::handle_sent`], [`OpMachine::handle_peer_lost`],
+//! [`OpMachine::handle_timeout`], [`OpMachine::handle_error`]), each with
+//! the current time, and asks it what to do ([`OpMachine::poll_transmit`],
+//! [`OpMachine::poll_timeout`], [`OpMachine::poll_event`]). Everything an op
+//! decides lives here, so a test or the simulation can drive it on virtual
+//! time:
+//!
+//! - the send window (bytes of frames handed out and not yet sent);
+//! - the digest check: a data frame for another op spec is a mismatch;
+//! - abort frames: decoded into the peer's error, and never echoed back;
+//! - the aborts this rank sends when it fails, to every rank not known lost;
+//! - the one inactivity deadline: it moves only when a frame arrives or a
+//!   send completes;
+//! - the rule for a lost peer: it fails the op only while the op still
+//!   waits for frames from it.
+//!
+//! The working buffer stays the driver's: handlers that may touch it take
+//! it as an argument, so the machine can later run on memory it does not
+//! own (a caller's buffer, registered memory).
+
+mod errors;
+#[cfg(test)]
+mod tests;
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kungfu_topology::{Rank, Strategy};
+use kungfu_transport::{FrameKind, Header, Instant, OpTag, PeerSet, TransportError};
+
+use crate::abort::Abort;
+use crate::dtype::scale_down;
+use crate::plan::{ActionId, Plan};
+use crate::{CollectiveError, OpSpec, ReduceOp};
+
+/// Data frames received from one peer for one op.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Arrivals {
+    pub frames: u64,
+    pub bytes: u64,
+    /// When the last one arrived, counted from the op's start.
+    pub last: Duration,
+}
+
+/// Who an op is: what every rank must agree on, and where it runs.
+#[derive(Clone, Debug)]
+pub struct OpInstance {
+    pub name: Arc<str>,
+    pub spec: OpSpec,
+    pub tag: OpTag,
+    /// The short digest of (spec, topology) carried in every data frame.
+    pub digest: u32,
+    /// The strategy the op runs on (`AUTO` resolved).
+    pub strategy: Strategy,
+}
+
+/// The limits an op runs under.
+#[derive(Clone, Copy, Debug)]
+pub struct MachineConfig {
+    /// The op fails when nothing arrives and no send completes for this long.
+    pub timeout: Duration,
+    /// Bytes of frames handed out and not yet sent, at most (one frame is
+    /// always allowed, however large).
+    pub max_inflight_bytes: usize,
+}
+
+/// What the driver must send.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Transmit {
+    /// `range` of the working buffer, as one frame. The range stays the
+    /// op's to read until the driver reports it with
+    /// [`OpMachine::handle_copied`] or [`OpMachine::handle_sent`].
+    Data {
+        id: ActionId,
+        to: Rank,
+        header: Header,
+        range: std::ops::Range<usize>,
+    },
+    /// Tells `to` that this op failed here. Best effort: the driver need
+    /// not report its completion, and the op's error stands either way.
+    Abort {
+        to: Rank,
+        header: Header,
+        payload: Bytes,
+    },
+}
+
+/// How an op ended. Polled once.
+#[derive(Debug)]
+pub enum OpEvent {
+    /// Every action ran and every send completed; the output is in the
+    /// working buffer at [`OpMachine::output_range`].
+    Done,
+    Failed(CollectiveError),
+}
+
+/// A send handed out and not yet completed.
+#[derive(Clone, Copy, Debug)]
+struct Outstanding {
+    id: ActionId,
+    len: usize,
+    /// The range was copied (or sent from place): the plan may overwrite it.
+    released: bool,
+}
+
+enum State {
+    Running,
+    /// Done or failed; the event is still to be polled.
+    Ended(OpEvent),
+    /// The event was polled.
+    Finished,
+}
+
+/// One op in flight. See the module docs.
+pub struct OpMachine {
+    op: OpInstance,
+    me: Rank,
+    size: usize,
+    cfg: MachineConfig,
+    plan: Plan,
+    /// Ranks the plan sends to or receives from.
+    needed: PeerSet,
+    /// Ranks whose frames the driver should wait for: every other rank
+    /// (aborts may come from any), less lost ones this op does not need.
+    listen: PeerSet,
+    /// Ranks known lost: no abort is sent to them.
+    lost: PeerSet,
+    started: Instant,
+    deadline: Instant,
+    arrivals: Vec<Arrivals>,
+    outstanding: Vec<Outstanding>,
+    inflight: usize,
+    /// The op failed because a peer said so: not to be echoed back.
+    remote_abort: bool,
+    aborts: VecDeque<Transmit>,
+    state: State,
+}
+
+impl OpMachine {
+    /// A machine for `op`, running `plan` as rank `me` of `size`, started
+    /// at `now`.
+    pub fn new(
+        op: OpInstance,
+        plan: Plan,
+        me: Rank,
+        size: usize,
+        cfg: MachineConfig,
+        now: Instant,
+    ) -> OpMachine {
+        let needed = plan.peers().clone();
+        let listen = (0..size as u32).map(Rank).filter(|&r| r != me).collect();
+        OpMachine {
+            op,
+            me,
+            size,
+            cfg,
+            plan,
+            needed,
+            listen,
+            lost: PeerSet::new(),
+            started: now,
+            deadline: now + cfg.timeout,
+            arrivals: vec![Arrivals::default(); size],
+            outstanding: Vec::new(),
+            inflight: 0,
+            remote_abort: false,
+            aborts: VecDeque::new(),
+            state: State::Running,
+        }
+    }
+
+    pub fn name(&self) -> &Arc<str> {
+        &self.op.name
+    }
+
+    pub fn spec(&self) -> &OpSpec {
+        &self.op.spec
+    }
+
+    pub fn tag(&self) -> OpTag {
+        self.op.tag
+    }
+
+    pub fn digest(&self) -> u32 {
+        self.op.digest
+    }
+
+    pub fn strategy(&self) -> Strategy {
+        self.op.strategy
+    }
+
+    /// Ranks the plan sends to or receives from.
+    pub fn needed(&self) -> &PeerSet {
+        &self.needed
+    }
+
+    /// Ranks the plan sends to.
+    pub fn targets(&self) -> &PeerSet {
+        self.plan.targets()
+    }
+
+    /// Ranks whose frames (data or aborts) the driver should wait for.
+    pub fn listening(&self) -> &PeerSet {
+        &self.listen
+    }
+
+    /// Data frames received, by sender.
+    pub fn arrivals(&self) -> &[Arrivals] {
+        &self.arrivals
+    }
+
+    /// Where this rank's output lies in the working buffer (None for
+    /// non-roots of reduce and gather).
+    pub fn output_range(&self) -> Option<std::ops::Range<usize>> {
+        self.op.spec.output_range(self.me, self.size)
+    }
+
+    /// Whether the op still runs (its end not yet polled).
+    pub fn is_running(&self) -> bool {
+        matches!(self.state, State::Running)
+    }
+
+    /// The ranks this op still waits for frames from.
+    pub fn waiting_for(&self) -> Vec<Rank> {
+        self.plan.waiting_for()
+    }
+
+    /// The next frame to send: a data frame the plan made ready (while the
+    /// window has room), or, once the op failed, an abort.
+    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        if !self.is_running() {
+            return self.aborts.pop_front();
+        }
+        if self.inflight >= self.cfg.max_inflight_bytes && !self.outstanding.is_empty() {
+            return None;
+        }
+        let tx = self.plan.poll_transmit()?;
+        let len = tx.range.len();
+        self.outstanding.push(Outstanding {
+            id: tx.id,
+            len,
+            released: false,
+        });
+        self.inflight += len;
+        Some(Transmit::Data {
+            id: tx.id,
+            to: tx.to,
+            header: self.header(FrameKind::Data, tx.chunk, tx.step),
+            range: tx.range,
+        })
+    }
+
+    /// When the op fails unless something happens first.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.is_running().then_some(self.deadline)
+    }
+
+    /// How the op ended, once. On [`OpEvent::Done`] the output was scaled
+    /// (an average) in `work`.
+    pub fn poll_event(&mut self, work: &mut [u8]) -> Option<OpEvent> {
+        if self.is_running() && self.plan.is_done() && self.outstanding.is_empty() {
+            if let (Some(ReduceOp::Avg), Some(r)) =
+                (self.op.spec.kind.reduce_op(), self.output_range())
+            {
+                scale_down(self.op.spec.dtype, &mut work[r], self.size);
+            }
+            self.state = State::Ended(OpEvent::Done);
+        }
+        match std::mem::replace(&mut self.state, State::Finished) {
+            State::Ended(e) => Some(e),
+            s => {
+                self.state = s;
+                None
+            }
+        }
+    }
+
+    /// The bytes of a handed-out data frame were copied: the plan may
+    /// overwrite its range. The send itself is still in flight (it counts
+    /// against the window until [`OpMachine::handle_sent`]).
+    pub fn handle_copied(&mut self, id: ActionId, work: &mut [u8]) {
+        if let Some(o) = self.outstanding.iter_mut().find(|o| o.id == id) {
+            if !o.released {
+                o.released = true;
+                self.plan.handle_sent(id, work);
+            }
+        }
+    }
+
+    /// A handed-out data frame was sent (handed whole to the transport),
+    /// or its send failed.
+    pub fn handle_sent(
+        &mut self,
+        now: Instant,
+        id: ActionId,
+        result: Result<(), TransportError>,
+        work: &mut [u8],
+    ) {
+        if !self.is_running() {
+            return;
+        }
+        let Some(i) = self.outstanding.iter().position(|o| o.id == id) else {
+            return;
+        };
+        let o = self.outstanding.swap_remove(i);
+        self.inflight -= o.len;
+        if let Err(e) = result {
+            self.fail(self.transport_error(e));
+            return;
+        }
+        if !o.released {
+            self.plan.handle_sent(id, work);
+        }
+        self.progress(now);
+    }
+
+    /// A frame of this op arrived, owned.
+    pub fn handle_frame(
+        &mut self,
+        now: Instant,
+        from: Rank,
+        header: &Header,
+        payload: Bytes,
+        work: &mut [u8],
+    ) {
+        if !self.is_running() {
+            return;
+        }
+        self.progress(now);
+        match header.kind {
+            FrameKind::Abort => {
+                let e = self.decode_abort(from, &payload);
+                self.fail(e);
+            }
+            FrameKind::Data if header.digest != self.op.digest => {
+                let e = self.mismatch(from, header.digest);
+                self.fail(e);
+            }
+            FrameKind::Data => {
+                self.arrived(now, from, payload.len());
+                if let Err(e) =
+                    self.plan
+                        .handle_frame(from, header.chunk, header.step, payload, work)
+                {
+                    let e = self.protocol(from, e.to_string());
+                    self.fail(e);
+                }
+            }
+        }
+    }
+
+    /// A frame of this op offered in place (in one or more pieces, e.g. a
+    /// shared-memory ring that wraps): true when it was applied, so the
+    /// caller may drop it; false when the caller must pass it, owned, to
+    /// [`OpMachine::handle_frame`] (an abort, another digest, a frame
+    /// ahead of its dependencies, a piece that splits an element, a frame
+    /// the plan does not expect).
+    pub fn try_apply(
+        &mut self,
+        now: Instant,
+        from: Rank,
+        header: &Header,
+        parts: &[&[u8]],
+        work: &mut [u8],
+    ) -> bool {
+        if !self.is_running() || header.kind != FrameKind::Data || header.digest != self.op.digest {
+            return false;
+        }
+        let taken = matches!(
+            self.plan
+                .try_apply(from, header.chunk, header.step, parts, work),
+            Ok(true)
+        );
+        if taken {
+            self.progress(now);
+            self.arrived(now, from, parts.iter().map(|p| p.len()).sum());
+        }
+        taken
+    }
+
+    /// `peer` was lost (`e` says how). The op fails if it still waits for
+    /// frames from it; otherwise (it never needed the peer, or everything
+    /// the peer owed it arrived before the connection closed) it stops
+    /// listening to it. A send still owed to the peer fails on its own.
+    pub fn handle_peer_lost(&mut self, now: Instant, peer: Rank, e: TransportError) {
+        let _ = now;
+        if !self.is_running() {
+            return;
+        }
+        self.lost.insert(peer);
+        if self.needed.contains(peer) && self.plan.waiting_for().contains(&peer) {
+            self.fail(self.transport_error(e));
+        } else {
+            self.listen.remove(peer);
+        }
+    }
+
+    /// The driver's wait ended at `now` with nothing to report: the op
+    /// fails if its deadline has passed.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if !self.is_running() || now < self.deadline {
+            return;
+        }
+        // Once the plan is done only sends are left: no rank to wait for.
+        let waiting = if self.plan.is_done() {
+            Vec::new()
+        } else {
+            self.plan.waiting_for()
+        };
+        let e = CollectiveError::Timeout {
+            name: self.op.name.clone(),
+            epoch: self.op.tag.epoch,
+            after: self.cfg.timeout,
+            waiting,
+        };
+        self.fail(e);
+    }
+
+    /// The transport failed for this op (a lost peer at the start, a
+    /// closed endpoint, a protocol error below the op).
+    pub fn handle_error(&mut self, e: TransportError) {
+        if self.is_running() {
+            self.fail(self.transport_error(e));
+        }
+    }
+
+    fn progress(&mut self, now: Instant) {
+        self.deadline = now + self.cfg.timeout;
+    }
+
+    fn arrived(&mut self, now: Instant, from: Rank, len: usize) {
+        let since = now.saturating_duration_since(self.started);
+        if let Some(a) = self.arrivals.get_mut(from.idx()) {
+            a.frames += 1;
+            a.bytes += len as u64;
+            a.last = since;
+        }
+    }
+
+    fn header(&self, kind: FrameKind, chunk: u32, step: u16) -> Header {
+        Header {
+            kind,
+            tag: self.op.tag,
+            chunk,
+            step,
+            digest: self.op.digest,
+            len: 0,
+        }
+    }
+
+    /// Ends the op with `e`, and queues an abort to every rank not known
+    /// lost, unless the error came from a peer's abort or concerns no one
+    /// else.
+    fn fail(&mut self, e: CollectiveError) {
+        if let Some(abort) = self.abort_for(&e) {
+            let payload = abort.encode();
+            let header = self.header(FrameKind::Abort, 0, 0);
+            for to in (0..self.size as u32).map(Rank) {
+                if to != self.me && !self.lost.contains(to) {
+                    self.aborts.push_back(Transmit::Abort {
+                        to,
+                        header,
+                        payload: payload.clone(),
+                    });
+                }
+            }
+        }
+        self.state = State::Ended(OpEvent::Failed(e));
+    }
+
+    fn abort_for(&self, e: &CollectiveError) -> Option<Abort> {
+        if self.remote_abort {
+            return None;
+        }
+        errors::abort_reason(e, self.me)
+            .map(|(reason, offender)| Abort::new(reason, self.me, offender, &self.op.spec))
+    }
+}
