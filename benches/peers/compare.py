@@ -4,7 +4,7 @@
     benches/peers/compare.py [--np 2 4] [--ops allreduce broadcast allgather]
                              [--rounds 5] [--transport default|tcp]
                              [--min 4] [--max 64M] [--iters 20] [--warmup 5]
-                             [--plot DIR]
+                             [--plot DIR] [--kungfu LABEL=DIR ...] [--no-mpi]
 
 Builds kungfu-bench (release) and benches/peers/mpi_bench.c (mpicc), then
 for each np and op runs the two one after the other, --rounds times, and
@@ -19,6 +19,14 @@ memory inside the host); tcp: Open MPI forced onto TCP over loopback
 (--mca btl tcp,self --mca btl_tcp_if_include lo) against KungFu-rs's TCP
 transport. Machines are shared and noisy: read the ratios,
 and the spread between rounds, not single numbers.
+
+--kungfu LABEL=DIR (repeatable) compares builds of KungFu-rs with each other
+instead of (or, without --no-mpi, besides) this tree's: each DIR holds a
+kungfu-run and a kungfu-bench (e.g. the release binaries of an older
+commit, copied aside), and each runs under its own kungfu-run. Every round
+runs each build once, in the order given, so the builds alternate. Ratios
+are against the first series (Open MPI, or with --no-mpi the first build);
+a busbw ratio below 0.90 is flagged with "!".
 """
 
 import argparse
@@ -45,16 +53,14 @@ def run(cmd, env=None, timeout=1800):
     return r.stdout
 
 
-def build(workdir):
-    run(["cargo", "build", "--release", "--locked", "-q", "-p", "kungfu-tools", "--bins"])
+def build_mpi(workdir):
     exe = os.path.join(workdir, "mpi_bench")
     run(["mpicc", "-O2", "-o", exe, os.path.join(ROOT, "benches", "peers", "mpi_bench.c")])
     return exe
 
 
-def kungfu(np_, op, a, workdir):
+def kungfu(np_, op, a, workdir, rel):
     out = os.path.join(workdir, "kf.json")
-    rel = os.path.join(ROOT, "target", "release")
     transport = "tcp" if a.transport == "tcp" else "auto"
     run([os.path.join(rel, "kungfu-run"), "-np", str(np_), "--timeout", "20m", "--transport", transport,
          os.path.join(rel, "kungfu-bench"), op, "-b", str(a.min), "-e", str(a.max), "-f", "4",
@@ -122,37 +128,67 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--plot", help="write one SVG per np and op into this directory")
+    p.add_argument("--kungfu", action="append", default=[], metavar="LABEL=DIR",
+                   help="a build to compare: DIR holds kungfu-run and kungfu-bench")
+    p.add_argument("--no-mpi", action="store_true", help="leave Open MPI out")
     a = p.parse_args()
+    builds = []
+    for kv in a.kungfu:
+        label, sep, d = kv.partition("=")
+        if not sep or not all(os.access(os.path.join(d, b), os.X_OK) for b in ("kungfu-run", "kungfu-bench")):
+            sys.exit(f"--kungfu {kv}: want LABEL=DIR, DIR holding kungfu-run and kungfu-bench")
+        builds.append((label, os.path.abspath(d)))
+    if a.no_mpi and len(builds) < 2:
+        sys.exit("--no-mpi needs at least two --kungfu builds to compare")
     if a.plot:
         os.makedirs(a.plot, exist_ok=True)
+    colours = ["#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
     with tempfile.TemporaryDirectory(prefix="kungfu-compare-") as workdir:
-        exe = build(workdir)
+        if not builds:
+            run(["cargo", "build", "--release", "--locked", "-q", "-p", "kungfu-tools", "--bins"])
+            builds = [("KungFu-rs", os.path.join(ROOT, "target", "release"))]
+        exe = None if a.no_mpi else build_mpi(workdir)
         for np_ in a.np:
             for op in a.ops:
-                kf, om = {}, {}
+                series = ([] if a.no_mpi else [("Open MPI", {})]) + [(l, {}) for l, _ in builds]
                 for _ in range(a.rounds):
-                    for s, v in kungfu(np_, op, a, workdir).items():
-                        kf.setdefault(s, []).append(v)
-                    for s, v in mpi(np_, op, a, exe).items():
-                        om.setdefault(s, []).append(v)
-                print(f"\n## {op}, np={np_}, transport {a.transport}, median of {a.rounds} rounds")
-                print(f"{'size':>10} {'kf busbw':>9} {'mpi busbw':>9} {'ratio':>6} "
-                      f"{'kf us':>9} {'mpi us':>9} {'t ratio':>7}")
-                for s in sorted(set(kf) & set(om)):
-                    kb = statistics.median(x[0] for x in kf[s])
-                    mb = statistics.median(x[0] for x in om[s])
-                    kt = statistics.median(x[1] for x in kf[s])
-                    mt = statistics.median(x[1] for x in om[s])
-                    ratio = f"{kb / mb:6.2f}" if mb > 0 else "     -"
-                    tr = f"{kt / mt:7.2f}" if s <= 1024 and mt > 0 else "      -"
-                    print(f"{s:>10} {kb:9.3f} {mb:9.3f} {ratio} {kt:9.1f} {mt:9.1f} {tr}")
+                    k = 0
+                    if not a.no_mpi:
+                        for s, v in mpi(np_, op, a, exe).items():
+                            series[0][1].setdefault(s, []).append(v)
+                        k = 1
+                    for j, (_, d) in enumerate(builds):
+                        for s, v in kungfu(np_, op, a, workdir, d).items():
+                            series[k + j][1].setdefault(s, []).append(v)
+                print(f"\n## {op}, np={np_}, transport {a.transport}, median of {a.rounds} rounds; "
+                      f"ratios against {series[0][0]}")
+                med = lambda d, i: {s: statistics.median(x[i] for x in v) for s, v in d.items()}
+                bw = [med(d, 0) for _, d in series]
+                us = [med(d, 1) for _, d in series]
+                head = f"{'size':>10}"
+                for l, _ in series:
+                    head += f" {l[:12] + ' GB/s':>17} {l[:12] + ' us':>15}"
+                for l, _ in series[1:]:
+                    head += f" {'bw ' + l[:10]:>14} {'t ' + l[:10]:>13}"
+                print(head)
+                for s in sorted(set.intersection(*(set(b) for b in bw))):
+                    row = f"{s:>10}"
+                    for b, t in zip(bw, us):
+                        row += f" {b[s]:17.3f} {t[s]:15.1f}"
+                    for b, t in zip(bw[1:], us[1:]):
+                        r = b[s] / bw[0][s] if bw[0][s] > 0 else float("nan")
+                        flag = "!" if r < 0.90 else " "
+                        tr = f"{t[s] / us[0][s]:13.2f}" if s <= 1024 and us[0][s] > 0 else f"{'-':>13}"
+                        row += f" {r:13.2f}{flag} {tr}"
+                    print(row)
                 sys.stdout.flush()
                 if a.plot:
-                    med = lambda d: {s: statistics.median(x[0] for x in v) for s, v in d.items()}
                     name = os.path.join(a.plot, f"{op}-np{np_}-{a.transport}.svg")
                     title = f"{op}, np={np_}, {a.transport} transport: busbw, median of {a.rounds}"
+                    pts = [(l, colours[i % len(colours)] if l != "Open MPI" else "#1f77b4", b)
+                           for i, ((l, _), b) in enumerate(zip(series, bw))]
                     with open(name, "w") as f:
-                        f.write(svg(title, [("KungFu-rs", "#d62728", med(kf)), ("Open MPI", "#1f77b4", med(om))]))
+                        f.write(svg(title, pts))
 
 
 if __name__ == "__main__":
