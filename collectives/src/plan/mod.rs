@@ -20,6 +20,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
+use std::sync::Arc;
 
 use bytes::Bytes;
 use kungfu_topology::Rank;
@@ -179,7 +180,7 @@ impl PlanBuilder {
         let n = self.actions.len();
         let mut dependents = vec![Vec::new(); n];
         let mut deps_left = vec![0u32; n];
-        let mut ready = VecDeque::new();
+        let mut ready = Vec::new();
         let mut peers = PeerSet::new();
         let mut targets = PeerSet::new();
         for (i, deps) in self.deps.iter().enumerate() {
@@ -188,7 +189,7 @@ impl PlanBuilder {
                 dependents[d.0 as usize].push(ActionId(i as u32));
             }
             if deps.is_empty() && matches!(self.actions[i], Action::Send { .. }) {
-                ready.push_back(ActionId(i as u32));
+                ready.push(ActionId(i as u32));
             }
             match &self.actions[i] {
                 Action::Send { to, .. } => {
@@ -198,20 +199,18 @@ impl PlanBuilder {
                 Action::Recv { from, .. } => peers.insert(*from),
             }
         }
-        Plan {
+        Arc::new(PlanGraph {
             actions: self.actions,
-            state: vec![State::Waiting; n],
             deps_left,
             dependents,
-            ready,
+            ready: ready.into_iter().collect(),
             recv_index: self.recv_index,
-            arrived: HashMap::new(),
-            done: 0,
             dtype,
             op,
             peers,
             targets,
-        }
+        })
+        .start()
     }
 }
 
@@ -221,45 +220,89 @@ impl Default for PlanBuilder {
     }
 }
 
-/// One rank's part of one op. See the module docs.
-pub struct Plan {
+/// The part of a plan that does not change while it runs: its actions and
+/// their dependencies. Built once per (spec, topology, rank), shared by
+/// every op of that shape ([`Plan::clone`] of a fresh plan costs a few
+/// vectors, not a build).
+#[derive(Debug)]
+pub struct PlanGraph {
     actions: Vec<Action>,
-    state: Vec<State>,
+    /// Dependencies left of each action at the start.
     deps_left: Vec<u32>,
     dependents: Vec<Vec<ActionId>>,
-    ready: VecDeque<ActionId>,
+    /// Sends ready at the start.
+    ready: Vec<ActionId>,
     recv_index: HashMap<(Rank, u32, u16), ActionId>,
-    arrived: HashMap<ActionId, Bytes>,
-    done: usize,
     dtype: DType,
     op: ReduceOp,
     peers: PeerSet,
     targets: PeerSet,
 }
 
+impl PlanGraph {
+    /// A fresh run of this graph.
+    pub fn start(self: Arc<Self>) -> Plan {
+        Plan {
+            state: vec![State::Waiting; self.actions.len()],
+            deps_left: self.deps_left.clone(),
+            ready: self.ready.iter().copied().collect(),
+            arrived: HashMap::new(),
+            done: 0,
+            graph: self,
+        }
+    }
+
+    fn apply(&self, id: ActionId, payload: &[u8], work: &mut [u8]) {
+        let Action::Recv {
+            ref range, reduce, ..
+        } = self.actions[id.0 as usize]
+        else {
+            unreachable!("apply on a receive");
+        };
+        let dst = &mut work[range.clone()];
+        match reduce {
+            Some(order) => reduce_into_ordered(self.dtype, self.op, dst, payload, order),
+            None => dst.copy_from_slice(payload),
+        }
+    }
+}
+
+/// One rank's part of one op: a [`PlanGraph`] and how far it ran. See the
+/// module docs. A clone of a plan that has not started is a fresh plan of
+/// the same graph.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    graph: Arc<PlanGraph>,
+    state: Vec<State>,
+    deps_left: Vec<u32>,
+    ready: VecDeque<ActionId>,
+    arrived: HashMap<ActionId, Bytes>,
+    done: usize,
+}
+
 impl Plan {
     /// Every rank this plan sends to or receives from.
     pub fn peers(&self) -> &PeerSet {
-        &self.peers
+        &self.graph.peers
     }
 
     /// Every rank this plan sends to.
     pub fn targets(&self) -> &PeerSet {
-        &self.targets
+        &self.graph.targets
     }
 
     /// How many actions the plan has (for tests and stats).
     pub fn len(&self) -> usize {
-        self.actions.len()
+        self.graph.actions.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.actions.is_empty()
+        self.graph.actions.is_empty()
     }
 
     /// Whether every action is complete.
     pub fn is_done(&self) -> bool {
-        self.done == self.actions.len()
+        self.done == self.graph.actions.len()
     }
 
     /// The next frame to send, if one is ready. The driver takes the bytes
@@ -271,7 +314,7 @@ impl Plan {
             chunk,
             step,
             ref range,
-        } = self.actions[id.0 as usize]
+        } = self.graph.actions[id.0 as usize]
         else {
             unreachable!("only sends are queued as ready");
         };
@@ -308,7 +351,7 @@ impl Plan {
         let id = self.expected(from, chunk, step, payload.len())?;
         let i = id.0 as usize;
         if self.deps_left[i] == 0 {
-            self.apply(id, &payload, work);
+            self.graph.apply(id, &payload, work);
             self.complete(id, work);
         } else {
             self.state[i] = State::Arrived;
@@ -334,13 +377,14 @@ impl Plan {
         let got: usize = parts.iter().map(|p| p.len()).sum();
         let id = self.expected(from, chunk, step, got)?;
         let i = id.0 as usize;
+        let g = &*self.graph;
         let Action::Recv {
             ref range, reduce, ..
-        } = self.actions[i]
+        } = g.actions[i]
         else {
             unreachable!("recv_index holds receives");
         };
-        let esize = self.dtype.size();
+        let esize = g.dtype.size();
         if self.deps_left[i] != 0 || parts.iter().any(|p| p.len() % esize != 0) {
             return Ok(false);
         }
@@ -348,7 +392,7 @@ impl Plan {
         for p in parts {
             let dst = &mut work[at..at + p.len()];
             match reduce {
-                Some(order) => reduce_into_ordered(self.dtype, self.op, dst, p, order),
+                Some(order) => reduce_into_ordered(g.dtype, g.op, dst, p, order),
                 None => dst.copy_from_slice(p),
             }
             at += p.len();
@@ -367,6 +411,7 @@ impl Plan {
         len: usize,
     ) -> Result<ActionId, PlanError> {
         let id = *self
+            .graph
             .recv_index
             .get(&(from, chunk, step))
             .ok_or(PlanError::Unexpected { from, chunk, step })?;
@@ -374,7 +419,7 @@ impl Plan {
         if self.state[i] != State::Waiting {
             return Err(PlanError::Duplicate { from, chunk, step });
         }
-        let Action::Recv { ref range, .. } = self.actions[i] else {
+        let Action::Recv { ref range, .. } = self.graph.actions[i] else {
             unreachable!("recv_index holds receives");
         };
         if len != range.len() {
@@ -392,6 +437,7 @@ impl Plan {
     /// The ranks from which frames are still expected (for timeout errors).
     pub fn waiting_for(&self) -> Vec<Rank> {
         let mut v: Vec<Rank> = self
+            .graph
             .actions
             .iter()
             .zip(&self.state)
@@ -405,39 +451,29 @@ impl Plan {
         v
     }
 
-    fn apply(&self, id: ActionId, payload: &[u8], work: &mut [u8]) {
-        let Action::Recv {
-            ref range, reduce, ..
-        } = self.actions[id.0 as usize]
-        else {
-            unreachable!("apply on a receive");
-        };
-        let dst = &mut work[range.clone()];
-        match reduce {
-            Some(order) => reduce_into_ordered(self.dtype, self.op, dst, payload, order),
-            None => dst.copy_from_slice(payload),
-        }
-    }
-
     /// Marks `id` complete and runs whatever that unblocks (iteratively, so
     /// long chains do not recurse).
     fn complete(&mut self, id: ActionId, work: &mut [u8]) {
-        let mut stack = vec![id];
-        while let Some(id) = stack.pop() {
+        let g = &*self.graph;
+        // Receives unblocked on the way (rare past the first), handled
+        // iteratively so long chains do not recurse; no allocation unless
+        // there is one.
+        let mut stack = Vec::new();
+        let mut next = Some(id);
+        while let Some(id) = next.take().or_else(|| stack.pop()) {
             self.state[id.0 as usize] = State::Done;
             self.done += 1;
-            for k in 0..self.dependents[id.0 as usize].len() {
-                let d = self.dependents[id.0 as usize][k];
+            for &d in &g.dependents[id.0 as usize] {
                 let di = d.0 as usize;
                 self.deps_left[di] -= 1;
                 if self.deps_left[di] != 0 {
                     continue;
                 }
-                match (&self.actions[di], self.state[di]) {
+                match (&g.actions[di], self.state[di]) {
                     (Action::Send { .. }, _) => self.ready.push_back(d),
                     (Action::Recv { .. }, State::Arrived) => {
                         let payload = self.arrived.remove(&d).expect("arrived payload");
-                        self.apply(d, &payload, work);
+                        g.apply(d, &payload, work);
                         stack.push(d);
                     }
                     _ => {}

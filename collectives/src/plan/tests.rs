@@ -86,15 +86,15 @@ fn check(c: &Case) -> Result<(), TestCaseError> {
         };
         prop_assert!(n == 1 || !plan.is_empty(), "rank {} takes no part", r);
         let mut tag_of: HashMap<ActionId, (Rank, u32, u16)> = HashMap::new();
-        for (&(from, chunk, step), &id) in &plan.recv_index {
+        for (&(from, chunk, step), &id) in &plan.graph.recv_index {
             prop_assert!(
                 tag_of.insert(id, (from, chunk, step)).is_none(),
                 "rank {}: one receive under two tags",
                 r
             );
         }
-        for (i, a) in plan.actions.iter().enumerate() {
-            for d in &plan.dependents[i] {
+        for (i, a) in plan.graph.actions.iter().enumerate() {
+            for d in &plan.graph.dependents[i] {
                 prop_assert!(
                     d.0 as usize > i,
                     "rank {}: action {} waits for a later one",
@@ -155,7 +155,8 @@ fn check(c: &Case) -> Result<(), TestCaseError> {
         }
         prop_assert_eq!(
             tag_of.len(),
-            plan.actions
+            plan.graph
+                .actions
                 .iter()
                 .filter(|a| matches!(a, Action::Recv { .. }))
                 .count()

@@ -8,6 +8,7 @@
 //! op's last progress.
 
 mod driver;
+mod plans;
 mod running;
 mod stats;
 mod swap;
@@ -159,6 +160,7 @@ struct Inner<T> {
     config: SessionConfig,
     names: Mutex<NameTable>,
     topologies: Mutex<HashMap<(Strategy, Root), Arc<Topology>>>,
+    plans: Mutex<plans::PlanCache>,
     tombstones: Mutex<Tombstones>,
     runtime: tokio::runtime::Handle,
     pool: Arc<BufPool>,
@@ -241,6 +243,7 @@ impl<T: Transport> Session<T> {
             config,
             names: Mutex::new(NameTable::default()),
             topologies: Mutex::new(HashMap::new()),
+            plans: Mutex::default(),
             tombstones: Mutex::new(Tombstones::default()),
             runtime,
             inflight: std::sync::atomic::AtomicUsize::new(0),
@@ -303,7 +306,12 @@ impl<T: Transport> Session<T> {
 
     /// The topology an op of `bytes` bytes per rank and `root` runs on.
     pub fn topology(&self, root: Root, bytes: usize) -> Arc<Topology> {
-        let s = match self.strategy() {
+        self.topology_of(self.strategy(), root, bytes)
+    }
+
+    /// [`Session::topology`] under strategy `s` rather than the session's.
+    fn topology_of(&self, s: Strategy, root: Root, bytes: usize) -> Arc<Topology> {
+        let s = match s {
             Strategy::Auto => {
                 Strategy::auto_choice_with(&self.inner.peers, root, bytes, &self.inner.config.auto)
             }
@@ -670,18 +678,33 @@ impl<T: Transport> Session<T> {
                 input.len()
             )));
         }
-        let bytes = spec.block_bytes().expect("validated");
-        let root = spec.kind.root();
-        let topo = self.topology(root, bytes);
-        let digest = spec.digest(&topo).short();
-        let plan = build(&PlanInput {
-            spec: &spec,
-            me,
-            size: n,
-            chunk_bytes: self.inner.config.chunk_bytes,
-            topology: &|r| self.topology(r, bytes),
-        })
-        .map_err(invalid)?;
+        let configured = self.strategy();
+        let cached = lock(&self.inner.plans).get(&spec, configured);
+        let plans::Cached {
+            plan,
+            digest,
+            strategy,
+        } = match cached {
+            Some(c) => c,
+            None => {
+                let bytes = spec.block_bytes().expect("validated");
+                let topo = self.topology_of(configured, spec.kind.root(), bytes);
+                let c = plans::Cached {
+                    plan: build(&PlanInput {
+                        spec: &spec,
+                        me,
+                        size: n,
+                        chunk_bytes: self.inner.config.chunk_bytes,
+                        topology: &|r| self.topology_of(configured, r, bytes),
+                    })
+                    .map_err(invalid)?,
+                    digest: spec.digest(&topo).short(),
+                    strategy: topo.strategy(),
+                };
+                lock(&self.inner.plans).insert(spec, configured, c.clone());
+                c
+            }
+        };
         let (op, seq) = lock(&self.inner.names).begin(&name)?;
         let mut work = self.inner.pool.take(spec.work_len(n).expect("validated"));
         spec.init_work_into(input, me, n, work.vec_mut());
@@ -694,7 +717,7 @@ impl<T: Transport> Session<T> {
                 seq,
             },
             digest,
-            strategy: topo.strategy(),
+            strategy,
         };
         let cfg = MachineConfig {
             timeout: self.inner.config.op_timeout,
