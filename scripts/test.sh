@@ -32,6 +32,8 @@ done
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
+echo "== no source file over 800 lines (scripts/check-lines.sh)"
+scripts/check-lines.sh
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== cargo doc (warnings are errors)"
