@@ -64,6 +64,8 @@ use std::sync::Arc;
 use bytes::Bytes;
 use kungfu_topology::Rank;
 
+mod peerset;
+pub use peerset::PeerSet;
 pub mod any;
 pub mod header;
 pub mod hybrid;
@@ -94,69 +96,6 @@ pub struct Frame {
     pub from: Rank,
     pub header: Header,
     pub payload: Bytes,
-}
-
-/// A set of ranks, as a bitset.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct PeerSet {
-    bits: Vec<u64>,
-}
-
-impl PeerSet {
-    pub fn new() -> PeerSet {
-        PeerSet::default()
-    }
-
-    /// Ranks `0..n`.
-    pub fn all(n: usize) -> PeerSet {
-        let mut s = PeerSet::new();
-        for r in 0..n {
-            s.insert(Rank(r as u32));
-        }
-        s
-    }
-
-    pub fn insert(&mut self, r: Rank) {
-        let (w, b) = (r.idx() / 64, r.idx() % 64);
-        if self.bits.len() <= w {
-            self.bits.resize(w + 1, 0);
-        }
-        self.bits[w] |= 1 << b;
-    }
-
-    pub fn remove(&mut self, r: Rank) {
-        let (w, b) = (r.idx() / 64, r.idx() % 64);
-        if let Some(x) = self.bits.get_mut(w) {
-            *x &= !(1 << b);
-        }
-    }
-
-    pub fn contains(&self, r: Rank) -> bool {
-        let (w, b) = (r.idx() / 64, r.idx() % 64);
-        self.bits.get(w).is_some_and(|x| x & (1 << b) != 0)
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.bits.iter().all(|&w| w == 0)
-    }
-
-    pub fn iter(&self) -> impl Iterator<Item = Rank> + '_ {
-        self.bits.iter().enumerate().flat_map(|(w, &bits)| {
-            (0..64)
-                .filter(move |b| bits & (1u64 << b) != 0)
-                .map(move |b| Rank((w * 64 + b) as u32))
-        })
-    }
-}
-
-impl FromIterator<Rank> for PeerSet {
-    fn from_iter<I: IntoIterator<Item = Rank>>(iter: I) -> PeerSet {
-        let mut s = PeerSet::new();
-        for r in iter {
-            s.insert(r);
-        }
-        s
-    }
 }
 
 /// What a backend can do, so algorithms and the scheduler can adapt
