@@ -12,7 +12,7 @@ use tokio::sync::oneshot;
 
 use super::ring::{Ring, SENDER_CLOSED};
 use super::ShmTransport;
-use crate::mailbox::{Mailbox, Pump};
+use crate::endpoint::{Matcher, Pump};
 use crate::pool::FramePool;
 use crate::{Header, OpTag, PeerSet, TransportError, HEADER_LEN};
 
@@ -99,7 +99,7 @@ pub(super) fn read_loop(
     ring: &Ring,
     lock: &std::sync::Mutex<()>,
     peer: Rank,
-    mailbox: &Mailbox,
+    matcher: &Matcher,
     stop: &AtomicBool,
     policy: &ReadPolicy,
 ) {
@@ -110,10 +110,10 @@ pub(super) fn read_loop(
         let closed = ring.closed() & SENDER_CLOSED != 0;
         if !ring.has_data() {
             if closed {
-                return mailbox.fail_peer(peer, "connection closed by peer");
+                return matcher.fail_peer(peer, "connection closed by peer");
             }
             if let Err(why) = ring.wait_data(stop, eager) {
-                return mailbox.fail_peer(peer, why);
+                return matcher.fail_peer(peer, why);
             }
             continue;
         }
@@ -136,16 +136,16 @@ pub(super) fn read_loop(
             match ring.read_frame(max_frame, stop, |len| policy.frames.take(len)) {
                 Ok(frame) => frame,
                 Err(e) => {
-                    return mailbox.fail_peer(
+                    return matcher.fail_peer(
                         peer,
                         e.unwrap_or_else(|| "connection closed by peer".into()),
                     )
                 }
             }
         };
-        // The mailbox may make us wait for space (back-pressure): this
+        // The matcher may make us wait for space (back-pressure): this
         // thread stops reading the ring, and the sender stops when it fills.
-        match block_on(mailbox.deliver(peer, frame.0, frame.1.freeze())) {
+        match block_on(matcher.deliver(peer, frame.0, frame.1.freeze())) {
             Ok(()) | Err(TransportError::StaleEpoch { .. }) => {}
             Err(_) => return,
         }
@@ -215,7 +215,7 @@ impl ShmTransport {
                     self.lent.fetch_add(1, Ordering::Relaxed);
                     return Pump::Consumed;
                 }
-                if !self.mailbox.has_room(len) {
+                if !self.matcher.has_room(len) {
                     break;
                 }
                 let mut payload = self.frames.take(len);
@@ -223,7 +223,7 @@ impl ShmTransport {
                     break;
                 }
                 ring.consume(&p, whole);
-                match self.mailbox.deliver_now(sender, header, payload.freeze()) {
+                match self.matcher.deliver_now(sender, header, payload.freeze()) {
                     Ok(()) | Err(TransportError::StaleEpoch { .. }) => res = Pump::Moved,
                     Err(_) => return res,
                 }
@@ -250,12 +250,12 @@ impl ShmTransport {
     }
 
     /// Moves every whole frame that is already in an inbound ring into the
-    /// mailbox, without waiting and without the reader threads (a ring
+    /// matcher, without waiting and without the reader threads (a ring
     /// whose reader is busy is skipped). Returns whether it moved any.
     pub(super) fn pump(&self) -> bool {
         let none = PeerSet::new();
         let tag = OpTag {
-            epoch: self.mailbox.epoch(),
+            epoch: self.matcher.epoch(),
             op: crate::OpId(0),
             seq: 0,
         };
@@ -268,7 +268,7 @@ pub(super) fn write_loop(
     lock: &std::sync::Mutex<()>,
     peer: Rank,
     rx: &std_mpsc::Receiver<WriterMsg>,
-    mailbox: &Mailbox,
+    matcher: &Matcher,
     stop: &AtomicBool,
 ) {
     let mut lost: Option<TransportError> = None;
@@ -291,7 +291,7 @@ pub(super) fn write_loop(
                         .write_all(&h, stop)
                         .and_then(|()| ring.write_all(&payload, stop));
                     if let Err(why) = r {
-                        lost = Some(mailbox.lose_writer(peer, why));
+                        lost = Some(matcher.lose_writer(peer, why));
                     }
                 }
                 let _ = done.send(lost.clone().map_or(Ok(()), Err));
