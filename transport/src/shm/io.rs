@@ -12,9 +12,9 @@ use tokio::sync::oneshot;
 
 use super::ring::{Ring, SENDER_CLOSED};
 use super::ShmTransport;
-use crate::endpoint::{Matcher, Pump};
+use crate::endpoint::{spin_recv, Matcher, Pump};
 use crate::pool::FramePool;
-use crate::{Header, OpTag, PeerSet, TransportError, HEADER_LEN};
+use crate::{Frame, Header, Instant, OpTag, PeerSet, TransportError, HEADER_LEN};
 
 /// A reader thread leaves frames to the receiving tasks for this long after
 /// they last polled the rings.
@@ -157,10 +157,10 @@ pub(super) fn read_loop(
 /// sender saw the flag set, and left in the ring when the poller stopped,
 /// is taken by the next receive or by the reader thread after its bounded
 /// nap (`DEFER_TO_POLLER`, at most `NAP`).
-pub(super) struct Polling<'a>(&'a ShmTransport);
+struct Polling<'a>(&'a ShmTransport);
 
 impl<'a> Polling<'a> {
-    pub(super) fn start(t: &'a ShmTransport) -> Polling<'a> {
+    fn start(t: &'a ShmTransport) -> Polling<'a> {
         t.polled.touch();
         if t.polling.fetch_add(1, Ordering::SeqCst) == 0 {
             t.set_polling(1);
@@ -232,9 +232,43 @@ impl ShmTransport {
         res
     }
 
+    /// A receive of `tag` that polls the rings itself with `pump` while it
+    /// spins (`Ok(None)`: `pump` consumed a frame of `tag` in place), then
+    /// sleeps until a reader thread delivers its frame or `deadline`.
+    pub(super) async fn recv_polling(
+        &self,
+        tag: OpTag,
+        from: &PeerSet,
+        deadline: Instant,
+        pump: impl FnMut() -> Pump + Send,
+    ) -> Result<Option<Frame>, TransportError> {
+        // Poll the rings ourselves while spinning. With more ranks than
+        // cores, yield to the OS between polls; measured on 2 cores, 4-byte
+        // allreduce: 4 ranks 280 -> 80..120 us, while 2 ranks are fastest
+        // without (5 us, against 30 us).
+        {
+            let _polling = Polling::start(self);
+            let spun = spin_recv(
+                &self.matcher,
+                tag,
+                from,
+                self.spin,
+                self.oversubscribed,
+                pump,
+            )
+            .await;
+            if let Some(r) = spun {
+                return r;
+            }
+            // the guard clears the polling flags as it drops
+        }
+        self.going_to_sleep();
+        self.matcher.recv(tag, from, deadline).await.map(Some)
+    }
+
     /// A receiving task stops polling and will sleep until a reader thread
     /// delivers its frame: the readers must not wait for it any longer.
-    pub(super) fn going_to_sleep(&self) {
+    fn going_to_sleep(&self) {
         self.polled.clear();
         for ring in self.inbound.iter().flatten() {
             if ring.has_data() {

@@ -71,9 +71,9 @@ use tokio::sync::oneshot;
 
 use self::files::setup;
 use self::hooks::{kill_point, stop_here, stops_at, Stage};
-use self::io::{read_loop, write_loop, PollClock, Polling, ReadPolicy, WriterMsg};
+use self::io::{read_loop, write_loop, PollClock, ReadPolicy, WriterMsg};
 use self::ring::{Ring, RECEIVER_CLOSED, SENDER_CLOSED};
-use crate::endpoint::{spin_recv, Matcher, Pump};
+use crate::endpoint::{Matcher, Pump};
 use crate::pool::FramePool;
 use crate::{
     Capabilities, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
@@ -393,29 +393,9 @@ impl Transport for ShmTransport {
         from: &PeerSet,
         deadline: Instant,
     ) -> Result<Frame, TransportError> {
-        // Poll the rings ourselves while spinning. With more ranks than
-        // cores, yield to the OS between polls; measured on 2 cores, 4-byte
-        // allreduce: 4 ranks 280 -> 80..120 us, while 2 ranks are fastest
-        // without (5 us, against 30 us).
-        {
-            let _polling = Polling::start(self);
-            let pump = || Pump::moved(self.pump());
-            let spun = spin_recv(
-                &self.matcher,
-                tag,
-                from,
-                self.spin,
-                self.oversubscribed,
-                pump,
-            )
-            .await;
-            if let Some(r) = spun {
-                return r.map(|f| f.expect("plain pumps consume nothing"));
-            }
-            // the guard clears the polling flags as it drops
-        }
-        self.going_to_sleep();
-        self.matcher.recv(tag, from, deadline).await
+        let pump = || Pump::moved(self.pump());
+        let r = self.recv_polling(tag, from, deadline, pump).await;
+        r.map(|f| f.expect("plain pumps consume nothing"))
     }
 
     async fn recv_in_place<'a, F>(
@@ -428,24 +408,8 @@ impl Transport for ShmTransport {
     where
         F: FnMut(Rank, &Header, &[&[u8]]) -> bool + Send + 'a,
     {
-        {
-            let _polling = Polling::start(self);
-            let pump = || self.pump_for(tag, from, &mut apply);
-            let spun = spin_recv(
-                &self.matcher,
-                tag,
-                from,
-                self.spin,
-                self.oversubscribed,
-                pump,
-            )
-            .await;
-            if let Some(r) = spun {
-                return r;
-            }
-        }
-        self.going_to_sleep();
-        self.matcher.recv(tag, from, deadline).await.map(Some)
+        let pump = || self.pump_for(tag, from, &mut apply);
+        self.recv_polling(tag, from, deadline, pump).await
     }
 
     async fn close(&self, linger: Duration) {
