@@ -9,12 +9,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use kungfu_topology::Rank;
 
+use crate::endpoint::Matcher;
 use crate::hybrid::HybridTransport;
 use crate::shm::ShmTransport;
 use crate::tcp::TcpTransport;
-use crate::{
-    Capabilities, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
-};
+use crate::{Capabilities, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError};
 
 /// A TCP, shared-memory or hybrid endpoint.
 pub enum AnyTransport {
@@ -44,12 +43,8 @@ impl Transport for AnyTransport {
         each!(self, t => t.size())
     }
 
-    fn epoch(&self) -> Epoch {
-        each!(self, t => t.epoch())
-    }
-
-    fn advance_epoch(&self, epoch: Epoch) {
-        each!(self, t => t.advance_epoch(epoch))
+    fn matcher(&self) -> &Matcher {
+        each!(self, t => t.matcher())
     }
 
     fn capabilities(&self) -> Capabilities {
@@ -89,26 +84,6 @@ impl Transport for AnyTransport {
         let f: Boxed<'a, _> =
             each!(self, t => Box::pin(t.recv_in_place(tag, from, deadline, apply)));
         f
-    }
-
-    fn recv_stray(
-        &self,
-        deadline: Instant,
-    ) -> impl Future<Output = Result<Frame, TransportError>> + Send + '_ {
-        let f: Boxed<'_, _> = each!(self, t => Box::pin(t.recv_stray(deadline)));
-        f
-    }
-
-    fn retire(&self, tag: OpTag) {
-        each!(self, t => t.retire(tag))
-    }
-
-    fn check_peers(&self, peers: &PeerSet) -> Result<(), TransportError> {
-        each!(self, t => t.check_peers(peers))
-    }
-
-    fn check_peers_for(&self, tag: OpTag, peers: &PeerSet) -> Result<(), TransportError> {
-        each!(self, t => t.check_peers_for(tag, peers))
     }
 
     fn try_send_now(

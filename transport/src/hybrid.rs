@@ -1,5 +1,5 @@
 //! Host-aware transport: shared memory to the ranks of this host, TCP to
-//! the others, one mailbox for both, so the layers above see one endpoint.
+//! the others, one matcher for both, so the layers above see one endpoint.
 //! Hierarchical strategies (`BINARY_TREE_STAR`, ...) then use both at once:
 //! the star inside a host over shared memory, the tree across hosts over
 //! TCP.
@@ -12,24 +12,22 @@ use bytes::Bytes;
 use kungfu_topology::{PeerList, Rank};
 use tokio::net::TcpListener;
 
-use crate::mailbox::Mailbox;
+use crate::endpoint::Matcher;
 use crate::shm::{ShmConfig, ShmTransport};
 use crate::tcp::{TcpConfig, TcpTransport};
-use crate::{
-    Capabilities, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
-};
+use crate::{Capabilities, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError};
 
 /// Shared memory inside the host, TCP across hosts.
 pub struct HybridTransport {
     tcp: Arc<TcpTransport>,
     shm: Arc<ShmTransport>,
     local: PeerSet,
-    mailbox: Arc<Mailbox>,
+    matcher: Arc<Matcher>,
 }
 
 impl HybridTransport {
     /// Connects both backends: `tcp` and `shm` give every setting but the
-    /// peer split and the mailbox, which this fills in from `peers` (the
+    /// peer split and the matcher, which this fills in from `peers` (the
     /// ranks on the host of `tcp.rank` go through shared memory).
     pub async fn connect(
         mut tcp: TcpConfig,
@@ -39,11 +37,11 @@ impl HybridTransport {
     ) -> Result<Arc<HybridTransport>, TransportError> {
         let me = tcp.rank;
         let local: PeerSet = peers.hosts()[peers.host_of(me)].iter().copied().collect();
-        let mailbox = Arc::new(Mailbox::new(tcp.epoch, tcp.mailbox_bytes));
+        let matcher = Arc::new(Matcher::new(tcp.epoch, tcp.mailbox_bytes));
         tcp.skip = local.clone();
-        tcp.mailbox = Some(mailbox.clone());
+        tcp.matcher = Some(matcher.clone());
         shm.local = Some(local.clone());
-        shm.mailbox = Some(mailbox.clone());
+        shm.matcher = Some(matcher.clone());
         let (t, s) = tokio::join!(
             TcpTransport::connect(tcp, listener),
             ShmTransport::connect(shm)
@@ -52,7 +50,7 @@ impl HybridTransport {
             tcp: t?,
             shm: s?,
             local,
-            mailbox,
+            matcher,
         }))
     }
 }
@@ -66,12 +64,8 @@ impl Transport for HybridTransport {
         self.tcp.size()
     }
 
-    fn epoch(&self) -> Epoch {
-        self.mailbox.epoch()
-    }
-
-    fn advance_epoch(&self, epoch: Epoch) {
-        self.mailbox.advance_epoch(epoch);
+    fn matcher(&self) -> &Matcher {
+        &self.matcher
     }
 
     fn capabilities(&self) -> Capabilities {
@@ -112,7 +106,7 @@ impl Transport for HybridTransport {
         from: &'a PeerSet,
         deadline: Instant,
     ) -> impl Future<Output = Result<Frame, TransportError>> + Send + 'a {
-        // The shared mailbox holds the frames of both backends; the shm
+        // The shared matcher holds the frames of both backends; the shm
         // side also polls its rings while it waits.
         self.shm.recv(tag, from, deadline)
     }
@@ -128,27 +122,8 @@ impl Transport for HybridTransport {
         F: FnMut(Rank, &Header, &[&[u8]]) -> bool + Send + 'a,
     {
         // Frames of the shm peers may be lent from their rings; tcp frames
-        // arrive owned through the shared mailbox.
+        // arrive owned through the shared matcher.
         self.shm.recv_in_place(tag, from, deadline, apply)
-    }
-
-    fn recv_stray(
-        &self,
-        deadline: Instant,
-    ) -> impl Future<Output = Result<Frame, TransportError>> + Send + '_ {
-        self.mailbox.recv_stray(deadline)
-    }
-
-    fn retire(&self, tag: OpTag) {
-        self.mailbox.retire(tag);
-    }
-
-    fn check_peers(&self, peers: &PeerSet) -> Result<(), TransportError> {
-        self.mailbox.check_peers(peers)
-    }
-
-    fn check_peers_for(&self, tag: OpTag, peers: &PeerSet) -> Result<(), TransportError> {
-        self.mailbox.check_peers_for(tag, peers)
     }
 
     async fn close(&self, linger: Duration) {

@@ -40,7 +40,7 @@
 //! Frames are matched on their [`OpTag`] (epoch, op id, per-name sequence
 //! number); the collective plan matches chunk and step inside an op and
 //! checks the spec digest. A frame that arrives before its op is posted is
-//! kept in a per-endpoint [`mailbox::Mailbox`] whose byte budget is bounded:
+//! kept in a per-endpoint [`endpoint::Matcher`] whose byte budget is bounded:
 //! when it is full the backend stops reading from that peer (back-pressure)
 //! instead of allocating. Frames of an older epoch are refused; frames of a
 //! retired op instance are dropped.
@@ -64,12 +64,14 @@ use std::sync::Arc;
 use bytes::Bytes;
 use kungfu_topology::Rank;
 
+use crate::endpoint::Matcher;
+
 mod peerset;
 pub use peerset::PeerSet;
 pub mod any;
+pub mod endpoint;
 pub mod header;
 pub mod hybrid;
-pub mod mailbox;
 pub mod mem;
 pub mod pool;
 // The only module with unsafe code: mapped memory, atomics in it, futexes.
@@ -151,6 +153,11 @@ pub enum TransportError {
 /// Implementations are cheap to share (`Arc`) and every method may be called
 /// from many tasks at once. Frames between one pair of ranks may arrive in
 /// any order (the collectives do not rely on order).
+///
+/// A backend implements the methods that move bytes and gives its
+/// [`Matcher`]; the methods that only read or change the matcher's state
+/// (epochs, retiring, strays, lost peers, and a receive that does not
+/// spin) are provided on top of it (see [`endpoint`]).
 pub trait Transport: Send + Sync + 'static {
     /// This endpoint's rank.
     fn rank(&self) -> Rank;
@@ -158,15 +165,24 @@ pub trait Transport: Send + Sync + 'static {
     /// The number of ranks.
     fn size(&self) -> usize;
 
+    /// The matcher that this endpoint's readers deliver into and its
+    /// receives take from: its epoch, unmatched frames, strays and lost
+    /// peers.
+    fn matcher(&self) -> &Matcher;
+
     /// The epoch of this endpoint: the one it was connected at, or the
     /// last it advanced to.
-    fn epoch(&self) -> Epoch;
+    fn epoch(&self) -> Epoch {
+        self.matcher().epoch()
+    }
 
     /// Advances to `epoch` (a consistency barrier passed: no op of an
     /// older epoch is in flight here). Frames of older epochs are refused
     /// from now on and queued ones dropped; frames of `epoch` that arrived
     /// early are kept. Never goes back.
-    fn advance_epoch(&self, epoch: Epoch);
+    fn advance_epoch(&self, epoch: Epoch) {
+        self.matcher().advance_epoch(epoch);
+    }
 
     fn capabilities(&self) -> Capabilities;
 
@@ -185,13 +201,16 @@ pub trait Transport: Send + Sync + 'static {
     /// `from`. Fails with [`TransportError::PeerLost`] once a rank in `from`
     /// is lost and no frame of `tag` is queued, and with
     /// [`TransportError::Timeout`] at `deadline`. Cancel-safe: dropping the
-    /// future loses no frame.
+    /// future loses no frame. The default waits on the matcher at once; a
+    /// backend that can move frames in while the receive spins overrides it.
     fn recv<'a>(
         &'a self,
         tag: OpTag,
         from: &'a PeerSet,
         deadline: Instant,
-    ) -> impl Future<Output = Result<Frame, TransportError>> + Send + 'a;
+    ) -> impl Future<Output = Result<Frame, TransportError>> + Send + 'a {
+        self.matcher().recv(tag, from, deadline)
+    }
 
     /// Like [`Transport::recv`], but a backend that holds frames in memory
     /// it can lend (shared memory: the ring) first offers the payload of a
@@ -217,7 +236,9 @@ pub trait Transport: Send + Sync + 'static {
     /// Ends op instance `tag` (done or failed): its queued and later frames
     /// no longer hold memory. Their headers become *strays*, readable with
     /// [`Transport::recv_stray`] (a bounded number of them).
-    fn retire(&self, tag: OpTag);
+    fn retire(&self, tag: OpTag) {
+        self.matcher().retire(tag);
+    }
 
     /// The next stray: the header of a frame (payload dropped) that arrived
     /// for a retired op instance. A late frame is how a rank learns that a
@@ -225,17 +246,20 @@ pub trait Transport: Send + Sync + 'static {
     fn recv_stray(
         &self,
         deadline: Instant,
-    ) -> impl Future<Output = Result<Frame, TransportError>> + Send + '_;
+    ) -> impl Future<Output = Result<Frame, TransportError>> + Send + '_ {
+        self.matcher().recv_stray(deadline)
+    }
 
     /// The first lost rank in `peers`, with the reason, if any.
-    fn check_peers(&self, peers: &PeerSet) -> Result<(), TransportError>;
+    fn check_peers(&self, peers: &PeerSet) -> Result<(), TransportError> {
+        self.matcher().check_peers(peers)
+    }
 
     /// Like [`Transport::check_peers`], for receiving op instance `tag`: a
     /// lost rank from which frames of `tag` are still queued is no reason
     /// to fail yet (a broadcast root may send everything and leave).
     fn check_peers_for(&self, tag: OpTag, peers: &PeerSet) -> Result<(), TransportError> {
-        let _ = tag;
-        self.check_peers(peers)
+        self.matcher().check_peers_for(tag, peers)
     }
 
     /// Sends a frame at once straight from the caller's bytes, if the

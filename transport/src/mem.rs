@@ -1,7 +1,7 @@
 //! An in-process transport for tests and simulation.
 //!
 //! Endpoints share one address space: a send delivers straight into the
-//! receiver's [`Mailbox`]. With [`MemConfig::delay`] set, each send first
+//! receiver's [`Matcher`]. With [`MemConfig::delay`] set, each send first
 //! sleeps a random time drawn from a seeded RNG, so frames overtake one
 //! another; [`MemTransport::kill`] makes a rank vanish as a crashed process
 //! would.
@@ -13,10 +13,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use kungfu_topology::Rank;
 
-use crate::mailbox::Mailbox;
-use crate::{
-    Capabilities, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
-};
+use crate::endpoint::Matcher;
+use crate::{Capabilities, Epoch, Header, Transport, TransportError};
 
 /// A small, seeded, reproducible RNG (SplitMix64) for fault injection and
 /// simulation. Not for cryptography.
@@ -66,7 +64,7 @@ impl Default for MemConfig {
 }
 
 struct Net {
-    mailboxes: Vec<Mailbox>,
+    matchers: Vec<Matcher>,
     dead: Vec<AtomicBool>,
     rng: Mutex<SeededRng>,
     config: MemConfig,
@@ -81,8 +79,8 @@ impl MemNetwork {
     pub fn new(n: usize, config: MemConfig) -> Vec<Arc<MemTransport>> {
         let seed = config.delay.map_or(0, |(s, _)| s);
         let net = Arc::new(Net {
-            mailboxes: (0..n)
-                .map(|_| Mailbox::new(config.epoch, config.mailbox_bytes))
+            matchers: (0..n)
+                .map(|_| Matcher::new(config.epoch, config.mailbox_bytes))
                 .collect(),
             dead: (0..n).map(|_| AtomicBool::new(false)).collect(),
             rng: Mutex::new(SeededRng::new(seed)),
@@ -106,20 +104,16 @@ pub struct MemTransport {
 }
 
 impl MemTransport {
-    fn mailbox(&self) -> &Mailbox {
-        &self.net.mailboxes[self.rank.idx()]
-    }
-
     /// Makes this rank vanish: every other endpoint sees it lost, and this
     /// endpoint is closed.
     pub fn kill(&self) {
         self.net.dead[self.rank.idx()].store(true, Ordering::SeqCst);
-        for (i, mb) in self.net.mailboxes.iter().enumerate() {
+        for (i, m) in self.net.matchers.iter().enumerate() {
             if i != self.rank.idx() {
-                mb.fail_peer(self.rank, "killed");
+                m.fail_peer(self.rank, "killed");
             }
         }
-        self.mailbox().close();
+        self.matcher().close();
     }
 
     /// Delivers a frame as if `from` had sent it, bypassing every check a
@@ -131,12 +125,13 @@ impl MemTransport {
         header: Header,
         payload: Bytes,
     ) -> Result<(), TransportError> {
-        self.mailbox().deliver(from, header, payload).await
+        self.matcher().deliver(from, header, payload).await
     }
 
-    /// The endpoint's mailbox, for inspection in tests.
+    /// The endpoint's matcher: unmatched bytes held and frames refused, for
+    /// inspection in tests.
     pub fn mailbox_stats(&self) -> (usize, u64) {
-        (self.mailbox().queued_bytes(), self.mailbox().refused())
+        (self.matcher().queued_bytes(), self.matcher().refused())
     }
 }
 
@@ -146,15 +141,11 @@ impl Transport for MemTransport {
     }
 
     fn size(&self) -> usize {
-        self.net.mailboxes.len()
+        self.net.matchers.len()
     }
 
-    fn epoch(&self) -> Epoch {
-        self.mailbox().epoch()
-    }
-
-    fn advance_epoch(&self, epoch: Epoch) {
-        self.mailbox().advance_epoch(epoch);
+    fn matcher(&self) -> &Matcher {
+        &self.net.matchers[self.rank.idx()]
     }
 
     fn capabilities(&self) -> Capabilities {
@@ -200,7 +191,7 @@ impl Transport for MemTransport {
                 reason: "killed".into(),
             });
         }
-        match self.net.mailboxes[to.idx()]
+        match self.net.matchers[to.idx()]
             .deliver(self.rank, header, payload)
             .await
         {
@@ -215,40 +206,12 @@ impl Transport for MemTransport {
         }
     }
 
-    fn recv<'a>(
-        &'a self,
-        tag: OpTag,
-        from: &'a PeerSet,
-        deadline: Instant,
-    ) -> impl std::future::Future<Output = Result<Frame, TransportError>> + Send + 'a {
-        self.mailbox().recv(tag, from, deadline)
-    }
-
-    fn recv_stray(
-        &self,
-        deadline: Instant,
-    ) -> impl std::future::Future<Output = Result<Frame, TransportError>> + Send + '_ {
-        self.mailbox().recv_stray(deadline)
-    }
-
-    fn retire(&self, tag: OpTag) {
-        self.mailbox().retire(tag);
-    }
-
-    fn check_peers(&self, peers: &PeerSet) -> Result<(), TransportError> {
-        self.mailbox().check_peers(peers)
-    }
-
-    fn check_peers_for(&self, tag: OpTag, peers: &PeerSet) -> Result<(), TransportError> {
-        self.mailbox().check_peers_for(tag, peers)
-    }
-
     async fn close(&self, _linger: Duration) {
         // Sends are delivered synchronously: nothing is in flight.
         self.shutdown();
     }
 
     fn shutdown(&self) {
-        self.mailbox().close();
+        self.matcher().close();
     }
 }

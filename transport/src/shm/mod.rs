@@ -71,9 +71,9 @@ use tokio::sync::oneshot;
 
 use self::files::setup;
 use self::hooks::{kill_point, stop_here, stops_at, Stage};
-use self::io::{read_loop, write_loop, PollClock, Polling, ReadPolicy, WriterMsg};
+use self::io::{read_loop, write_loop, PollClock, ReadPolicy, WriterMsg};
 use self::ring::{Ring, RECEIVER_CLOSED, SENDER_CLOSED};
-use crate::mailbox::{Mailbox, Pump};
+use crate::endpoint::{Matcher, Pump};
 use crate::pool::FramePool;
 use crate::{
     Capabilities, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
@@ -100,8 +100,8 @@ pub struct ShmConfig {
     /// The ranks reached through shared memory (this host's, this rank
     /// included); `None`: all of them.
     pub local: Option<PeerSet>,
-    /// A mailbox shared with another backend (see [`crate::hybrid`]).
-    pub mailbox: Option<Arc<Mailbox>>,
+    /// A matcher shared with another backend (see [`crate::hybrid`]).
+    pub matcher: Option<Arc<Matcher>>,
     /// Data bytes of each ring (rounded up to a power of two, at least 4 KiB).
     pub ring_bytes: usize,
     pub max_frame: usize,
@@ -124,7 +124,7 @@ impl ShmConfig {
             rank,
             size,
             local: None,
-            mailbox: None,
+            matcher: None,
             ring_bytes: 4 << 20,
             max_frame: 64 << 20,
             mailbox_bytes: 256 << 20,
@@ -140,7 +140,7 @@ pub struct ShmTransport {
     rank: Rank,
     size: usize,
     max_frame: usize,
-    mailbox: Arc<Mailbox>,
+    matcher: Arc<Matcher>,
     writers: Vec<Option<std_mpsc::Sender<WriterMsg>>>,
     inbound: Vec<Option<Arc<Ring>>>,
     outbound: Vec<Option<Arc<Ring>>>,
@@ -199,10 +199,10 @@ impl ShmTransport {
                 addr: cfg.dir.display().to_string(),
                 reason: format!("setup task: {e}"),
             })??;
-        let mailbox = cfg
-            .mailbox
+        let matcher = cfg
+            .matcher
             .clone()
-            .unwrap_or_else(|| Arc::new(Mailbox::new(cfg.epoch, cfg.mailbox_bytes)));
+            .unwrap_or_else(|| Arc::new(Matcher::new(cfg.epoch, cfg.mailbox_bytes)));
         let stop = Arc::new(AtomicBool::new(false));
         let mut writers = Vec::with_capacity(n);
         let mut readers_done = Vec::with_capacity(n);
@@ -216,11 +216,11 @@ impl ShmTransport {
             };
             let (tx, rx) = std_mpsc::channel();
             writers.push(Some(tx));
-            let (mb, stop, lock) = (mailbox.clone(), stop.clone(), out_locks[peer].clone());
+            let (m, stop, lock) = (matcher.clone(), stop.clone(), out_locks[peer].clone());
             let peer = Rank(peer as u32);
             std::thread::Builder::new()
                 .name(format!("kungfu-shm-w{}", peer.0))
-                .spawn(move || write_loop(&ring, &lock, peer, &rx, &mb, &stop))
+                .spawn(move || write_loop(&ring, &lock, peer, &rx, &m, &stop))
                 .map_err(|e| TransportError::Handshake {
                     peer: Some(peer),
                     addr: String::new(),
@@ -245,7 +245,7 @@ impl ShmTransport {
             let Some(ring) = ring.clone() else { continue };
             let done = Arc::new(AtomicBool::new(false));
             readers_done.push(done.clone());
-            let (mb, stop, lock) = (mailbox.clone(), stop.clone(), in_locks[peer].clone());
+            let (m, stop, lock) = (matcher.clone(), stop.clone(), in_locks[peer].clone());
             let peer = Rank(peer as u32);
             let policy = ReadPolicy {
                 max_frame: cfg.max_frame,
@@ -256,7 +256,7 @@ impl ShmTransport {
             std::thread::Builder::new()
                 .name(format!("kungfu-shm-r{}", peer.0))
                 .spawn(move || {
-                    read_loop(&ring, &lock, peer, &mb, &stop, &policy);
+                    read_loop(&ring, &lock, peer, &m, &stop, &policy);
                     done.store(true, Ordering::Release);
                 })
                 .map_err(|e| TransportError::Handshake {
@@ -271,7 +271,7 @@ impl ShmTransport {
             rank: cfg.rank,
             size: n,
             max_frame: cfg.max_frame,
-            mailbox,
+            matcher,
             writers,
             inbound,
             outbound,
@@ -313,12 +313,8 @@ impl Transport for ShmTransport {
         self.size
     }
 
-    fn epoch(&self) -> Epoch {
-        self.mailbox.epoch()
-    }
-
-    fn advance_epoch(&self, epoch: Epoch) {
-        self.mailbox.advance_epoch(epoch);
+    fn matcher(&self) -> &Matcher {
+        &self.matcher
     }
 
     fn capabilities(&self) -> Capabilities {
@@ -337,7 +333,7 @@ impl Transport for ShmTransport {
         payload: &[u8],
     ) -> Result<bool, TransportError> {
         let route = self.outbound.get(to.idx()).and_then(Option::as_ref);
-        self.mailbox.check_send(
+        self.matcher.check_send(
             to,
             self.size,
             route.is_some(),
@@ -368,7 +364,7 @@ impl Transport for ShmTransport {
         payload: Bytes,
     ) -> Result<(), TransportError> {
         let w = self.writers.get(to.idx()).and_then(Option::as_ref);
-        self.mailbox
+        self.matcher
             .check_send(to, self.size, w.is_some(), payload.len(), self.max_frame)?;
         let w = w.expect("checked");
         header.len = payload.len() as u64;
@@ -397,24 +393,9 @@ impl Transport for ShmTransport {
         from: &PeerSet,
         deadline: Instant,
     ) -> Result<Frame, TransportError> {
-        // Poll the rings ourselves while spinning. With more ranks than
-        // cores, yield to the OS between polls; measured on 2 cores, 4-byte
-        // allreduce: 4 ranks 280 -> 80..120 us, while 2 ranks are fastest
-        // without (5 us, against 30 us).
-        {
-            let _polling = Polling::start(self);
-            let pump = || Pump::moved(self.pump());
-            let spun = self
-                .mailbox
-                .spin_recv(tag, from, self.spin, self.oversubscribed, pump)
-                .await;
-            if let Some(r) = spun {
-                return r.map(|f| f.expect("plain pumps consume nothing"));
-            }
-            // the guard clears the polling flags as it drops
-        }
-        self.going_to_sleep();
-        self.mailbox.recv(tag, from, deadline).await
+        let pump = || Pump::moved(self.pump());
+        let r = self.recv_polling(tag, from, deadline, pump).await;
+        r.map(|f| f.expect("plain pumps consume nothing"))
     }
 
     async fn recv_in_place<'a, F>(
@@ -427,38 +408,8 @@ impl Transport for ShmTransport {
     where
         F: FnMut(Rank, &Header, &[&[u8]]) -> bool + Send + 'a,
     {
-        {
-            let _polling = Polling::start(self);
-            let pump = || self.pump_for(tag, from, &mut apply);
-            let spun = self
-                .mailbox
-                .spin_recv(tag, from, self.spin, self.oversubscribed, pump)
-                .await;
-            if let Some(r) = spun {
-                return r;
-            }
-        }
-        self.going_to_sleep();
-        self.mailbox.recv(tag, from, deadline).await.map(Some)
-    }
-
-    fn recv_stray(
-        &self,
-        deadline: Instant,
-    ) -> impl std::future::Future<Output = Result<Frame, TransportError>> + Send + '_ {
-        self.mailbox.recv_stray(deadline)
-    }
-
-    fn retire(&self, tag: OpTag) {
-        self.mailbox.retire(tag);
-    }
-
-    fn check_peers(&self, peers: &PeerSet) -> Result<(), TransportError> {
-        self.mailbox.check_peers(peers)
-    }
-
-    fn check_peers_for(&self, tag: OpTag, peers: &PeerSet) -> Result<(), TransportError> {
-        self.mailbox.check_peers_for(tag, peers)
+        let pump = || self.pump_for(tag, from, &mut apply);
+        self.recv_polling(tag, from, deadline, pump).await
     }
 
     async fn close(&self, linger: Duration) {
@@ -491,7 +442,7 @@ impl Transport for ShmTransport {
         for r in self.outbound.iter().flatten() {
             r.close(SENDER_CLOSED);
         }
-        self.mailbox.close();
+        self.matcher.close();
     }
 }
 

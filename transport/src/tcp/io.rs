@@ -8,7 +8,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::mailbox::Mailbox;
+use crate::endpoint::Matcher;
 use crate::pool::FramePool;
 use crate::{Header, TransportError, HEADER_LEN};
 
@@ -31,7 +31,7 @@ pub(super) struct Outgoing {
 pub(super) async fn read_loop(
     rd: OwnedReadHalf,
     peer: Rank,
-    mailbox: Arc<Mailbox>,
+    matcher: Arc<Matcher>,
     max_frame: usize,
     frames: Arc<FramePool>,
 ) {
@@ -44,14 +44,14 @@ pub(super) async fn read_loop(
             } else {
                 format!("read: {e}")
             };
-            mailbox.fail_peer(peer, why);
+            matcher.fail_peer(peer, why);
             return;
         }
         let header = match Header::decode(&hb, max_frame) {
             Ok(h) => h,
             Err(e) => {
                 // The stream cannot be resynchronised after a bad header.
-                mailbox.fail_peer(peer, format!("protocol violation: {e}"));
+                matcher.fail_peer(peer, format!("protocol violation: {e}"));
                 return;
             }
         };
@@ -63,11 +63,11 @@ pub(super) async fn read_loop(
             } else {
                 format!("read: {e}")
             };
-            mailbox.fail_peer(peer, why);
+            matcher.fail_peer(peer, why);
             return;
         }
-        match mailbox.deliver(peer, header, buf.freeze()).await {
-            // Refused frames are counted by the mailbox; the connection goes on.
+        match matcher.deliver(peer, header, buf.freeze()).await {
+            // Refused frames are counted by the matcher; the connection goes on.
             Ok(()) | Err(TransportError::StaleEpoch { .. }) => {}
             Err(_) => return,
         }
@@ -78,7 +78,7 @@ pub(super) async fn write_loop(
     wr: OwnedWriteHalf,
     peer: Rank,
     mut rx: mpsc::Receiver<WriterMsg>,
-    mailbox: Arc<Mailbox>,
+    matcher: Arc<Matcher>,
 ) {
     let mut wr = BufWriter::with_capacity(IO_BUFFER, wr);
     let mut lost: Option<TransportError> = None;
@@ -101,7 +101,7 @@ pub(super) async fn write_loop(
                 }
                 .await;
                 if let Err(e) = res {
-                    lost = Some(mailbox.lose_writer(peer, e));
+                    lost = Some(matcher.lose_writer(peer, e));
                 }
             }
             batch.push(msg.done);
@@ -111,7 +111,7 @@ pub(super) async fn write_loop(
         }
         if lost.is_none() {
             if let Err(e) = wr.flush().await {
-                lost = Some(mailbox.lose_writer(peer, e));
+                lost = Some(matcher.lose_writer(peer, e));
             }
         }
         for done in batch.drain(..) {

@@ -8,7 +8,7 @@
 //! until the connect deadline, so a stray process cannot break a job.
 //!
 //! After the handshake each connection has a reader task (frames into the
-//! [`Mailbox`]; it stops reading while the mailbox is full) and a writer task
+//! [`Matcher`]; it stops reading while the matcher is full) and a writer task
 //! fed by a queue, so a cancelled send never leaves half a frame on the
 //! wire, and frames queued together leave in one write.
 
@@ -23,7 +23,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
-use crate::mailbox::Mailbox;
+use crate::endpoint::{recv_spinning, Matcher};
 use crate::pool::FramePool;
 use crate::{
     Capabilities, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
@@ -55,8 +55,8 @@ pub struct TcpConfig {
     /// Ranks this endpoint does not connect to (another backend reaches
     /// them; see [`crate::hybrid`]). Every rank must skip the same pairs.
     pub skip: PeerSet,
-    /// A mailbox shared with another backend.
-    pub mailbox: Option<Arc<Mailbox>>,
+    /// A matcher shared with another backend.
+    pub matcher: Option<Arc<Matcher>>,
     /// How long a receive stays runnable (letting the runtime poll the
     /// sockets) before it sleeps. Measured on 2 cores, 4-byte allreduce:
     /// 2 ranks ~100 -> ~25 us; 4 ranks (more than cores, so the spin
@@ -77,7 +77,7 @@ impl TcpConfig {
             max_frame: 64 << 20,
             mailbox_bytes: 256 << 20,
             skip: PeerSet::new(),
-            mailbox: None,
+            matcher: None,
             spin: Duration::from_micros(50),
         }
     }
@@ -255,7 +255,7 @@ pub struct TcpTransport {
     rank: Rank,
     size: usize,
     max_frame: usize,
-    mailbox: Arc<Mailbox>,
+    matcher: Arc<Matcher>,
     writers: Vec<Option<mpsc::Sender<WriterMsg>>>,
     /// Writer tasks (they end on their own after a `Finish`).
     tasks: Mutex<Vec<JoinHandle<()>>>,
@@ -293,10 +293,10 @@ impl TcpTransport {
         let mut streams = dialed?;
         streams.extend(accepted?);
 
-        let mailbox = cfg
-            .mailbox
+        let matcher = cfg
+            .matcher
             .clone()
-            .unwrap_or_else(|| Arc::new(Mailbox::new(cfg.epoch, cfg.mailbox_bytes)));
+            .unwrap_or_else(|| Arc::new(Matcher::new(cfg.epoch, cfg.mailbox_bytes)));
         let mut writers = Vec::with_capacity(n);
         let mut tasks = Vec::with_capacity(n);
         let mut readers = Vec::with_capacity(n);
@@ -314,17 +314,17 @@ impl TcpTransport {
             readers.push(tokio::spawn(read_loop(
                 rd,
                 rank,
-                mailbox.clone(),
+                matcher.clone(),
                 cfg.max_frame,
                 frames.clone(),
             )));
-            tasks.push(tokio::spawn(write_loop(wr, rank, rx, mailbox.clone())));
+            tasks.push(tokio::spawn(write_loop(wr, rank, rx, matcher.clone())));
         }
         Ok(Arc::new(TcpTransport {
             rank: cfg.rank,
             size: n,
             max_frame: cfg.max_frame,
-            mailbox,
+            matcher,
             writers,
             tasks: Mutex::new(tasks),
             readers: Mutex::new(readers),
@@ -336,7 +336,7 @@ impl TcpTransport {
     /// How many frames were refused for carrying an older epoch, and the
     /// last such refusal.
     pub fn refusals(&self) -> (u64, Option<TransportError>) {
-        (self.mailbox.refused(), self.mailbox.last_refusal())
+        (self.matcher.refused(), self.matcher.last_refusal())
     }
 }
 
@@ -532,12 +532,8 @@ impl Transport for TcpTransport {
         self.size
     }
 
-    fn epoch(&self) -> Epoch {
-        self.mailbox.epoch()
-    }
-
-    fn advance_epoch(&self, epoch: Epoch) {
-        self.mailbox.advance_epoch(epoch);
+    fn matcher(&self) -> &Matcher {
+        &self.matcher
     }
 
     fn capabilities(&self) -> Capabilities {
@@ -556,7 +552,7 @@ impl Transport for TcpTransport {
         payload: Bytes,
     ) -> Result<(), TransportError> {
         let writer = self.writers.get(to.idx()).and_then(Option::as_ref);
-        self.mailbox.check_send(
+        self.matcher.check_send(
             to,
             self.size,
             writer.is_some(),
@@ -584,29 +580,15 @@ impl Transport for TcpTransport {
         from: &'a PeerSet,
         deadline: Instant,
     ) -> impl std::future::Future<Output = Result<Frame, TransportError>> + Send + 'a {
-        self.mailbox
-            .recv_spinning(tag, from, deadline, self.spin, self.oversubscribed, || {
-                false
-            })
-    }
-
-    fn recv_stray(
-        &self,
-        deadline: Instant,
-    ) -> impl std::future::Future<Output = Result<Frame, TransportError>> + Send + '_ {
-        self.mailbox.recv_stray(deadline)
-    }
-
-    fn retire(&self, tag: OpTag) {
-        self.mailbox.retire(tag);
-    }
-
-    fn check_peers(&self, peers: &PeerSet) -> Result<(), TransportError> {
-        self.mailbox.check_peers(peers)
-    }
-
-    fn check_peers_for(&self, tag: OpTag, peers: &PeerSet) -> Result<(), TransportError> {
-        self.mailbox.check_peers_for(tag, peers)
+        recv_spinning(
+            &self.matcher,
+            tag,
+            from,
+            deadline,
+            self.spin,
+            self.oversubscribed,
+            || false,
+        )
     }
 
     async fn close(&self, linger: Duration) {
@@ -635,7 +617,7 @@ impl Transport for TcpTransport {
     }
 
     fn shutdown(&self) {
-        self.mailbox.close();
+        self.matcher.close();
         let tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|e| e.into_inner()));
         let readers = std::mem::take(&mut *self.readers.lock().unwrap_or_else(|e| e.into_inner()));
         for t in tasks.into_iter().chain(readers) {

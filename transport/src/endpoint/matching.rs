@@ -1,9 +1,9 @@
 //! Matching of incoming frames to receives, with a bounded byte budget.
 //!
-//! Every stream-like backend (TCP, in-memory; later QUIC and shared memory)
-//! shares this: reader tasks [`Mailbox::deliver`] frames, ops
-//! [`Mailbox::recv`] them by [`OpTag`]. A frame is removed only inside a
-//! poll that returns it, so a dropped receive loses nothing.
+//! Every backend (TCP, shared memory, in-memory) shares this: reader tasks
+//! [`Matcher::deliver`] frames, ops [`Matcher::recv`] them by [`OpTag`]. A
+//! frame is removed only inside a poll that returns it, so a dropped
+//! receive loses nothing.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::poll_fn;
@@ -45,18 +45,18 @@ struct Inner {
 }
 
 /// Per-endpoint matching store. See the module docs.
-pub struct Mailbox {
+pub struct Matcher {
     inner: Mutex<Inner>,
     space: Notify,
     budget: usize,
 }
 
-impl Mailbox {
-    /// A mailbox at `epoch` that holds at most `budget` bytes of unmatched
-    /// payload (one frame is always admitted into an empty mailbox, so a
+impl Matcher {
+    /// A matcher at `epoch` that holds at most `budget` bytes of unmatched
+    /// payload (one frame is always admitted into an empty matcher, so a
     /// frame larger than the budget cannot wedge a peer).
-    pub fn new(epoch: Epoch, budget: usize) -> Mailbox {
-        Mailbox {
+    pub fn new(epoch: Epoch, budget: usize) -> Matcher {
+        Matcher {
             inner: Mutex::new(Inner {
                 epoch,
                 slots: HashMap::new(),
@@ -86,7 +86,7 @@ impl Mailbox {
     /// (the caller, a reader task, thereby stops reading that peer).
     ///
     /// Frames of an older epoch are refused: they are counted, remembered as
-    /// [`Mailbox::last_refusal`], and the error is returned so the reader
+    /// [`Matcher::last_refusal`], and the error is returned so the reader
     /// can log or act on it. Frames of retired ops are dropped.
     pub async fn deliver(
         &self,
@@ -141,7 +141,7 @@ impl Mailbox {
     }
 
     /// Queues a frame without waiting, over budget or not (the caller
-    /// checked [`Mailbox::has_room`]); otherwise as [`Mailbox::deliver`].
+    /// checked [`Matcher::has_room`]); otherwise as [`Matcher::deliver`].
     pub fn deliver_now(
         &self,
         from: Rank,
@@ -270,7 +270,7 @@ impl Mailbox {
         from: &PeerSet,
         deadline: Instant,
     ) -> Result<Frame, TransportError> {
-        struct Guard<'a>(&'a Mailbox, OpTag);
+        struct Guard<'a>(&'a Matcher, OpTag);
         impl Drop for Guard<'_> {
             fn drop(&mut self) {
                 self.0.forget_waiter(self.1);
@@ -282,66 +282,6 @@ impl Mailbox {
             Err(_) => Err(TransportError::Timeout {
                 what: format!("a frame of op {} seq {} ({})", tag.op, tag.seq, tag.epoch),
             }),
-        }
-    }
-
-    /// [`Mailbox::recv`], after staying runnable for `spin`: in between,
-    /// `pump` may move frames in (returning whether it did), and the task
-    /// yields to the runtime (which then polls its IO instead of parking
-    /// the thread) and, if `yield_os`, to the OS (ranks outnumber cores).
-    /// A frame that arrives during the spin costs no thread wake-up.
-    pub async fn recv_spinning(
-        &self,
-        tag: OpTag,
-        from: &PeerSet,
-        deadline: Instant,
-        spin: std::time::Duration,
-        yield_os: bool,
-        mut pump: impl FnMut() -> bool + Send,
-    ) -> Result<Frame, TransportError> {
-        let pump = || Pump::moved(pump());
-        match self.spin_recv(tag, from, spin, yield_os, pump).await {
-            Some(r) => r.map(|f| f.expect("plain pumps consume nothing")),
-            None => self.recv(tag, from, deadline).await,
-        }
-    }
-
-    /// The spinning phase of [`Mailbox::recv_spinning`]: `None` if nothing
-    /// came within `spin`; `Some(Ok(None))` when `pump` consumed a frame of
-    /// `tag` in place.
-    pub async fn spin_recv(
-        &self,
-        tag: OpTag,
-        from: &PeerSet,
-        spin: std::time::Duration,
-        yield_os: bool,
-        mut pump: impl FnMut() -> Pump + Send,
-    ) -> Option<Result<Option<Frame>, TransportError>> {
-        let spin_until = std::time::Instant::now() + spin;
-        let mut polls = 0u32;
-        loop {
-            if let Some(r) = self.try_recv(tag, from) {
-                return Some(r.map(Some));
-            }
-            match pump() {
-                Pump::Consumed => return Some(Ok(None)),
-                Pump::Moved => continue,
-                Pump::Idle => {}
-            }
-            // Yielding polls the runtime's IO (a system call), and reading
-            // the clock is not free either: do both every few polls only.
-            polls = polls.wrapping_add(1);
-            if !polls.is_multiple_of(16) {
-                std::hint::spin_loop();
-                continue;
-            }
-            if std::time::Instant::now() >= spin_until {
-                return None;
-            }
-            if yield_os {
-                std::thread::yield_now();
-            }
-            tokio::task::yield_now().await;
         }
     }
 
@@ -536,230 +476,5 @@ fn wake_all(inner: &mut Inner) {
         for w in slot.wakers.drain(..) {
             w.wake();
         }
-    }
-}
-
-/// What one poll of a backend's inbound queues did.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Pump {
-    /// Nothing new.
-    Idle,
-    /// Frames moved into the mailbox.
-    Moved,
-    /// A frame of the awaited op was consumed in place.
-    Consumed,
-}
-
-impl Pump {
-    pub fn moved(moved: bool) -> Pump {
-        if moved {
-            Pump::Moved
-        } else {
-            Pump::Idle
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::{FrameKind, OpId};
-    use std::time::Duration;
-
-    fn tag(op: u64) -> OpTag {
-        OpTag {
-            epoch: Epoch(1),
-            op: OpId(op),
-            seq: 0,
-        }
-    }
-
-    fn header(t: OpTag, len: usize) -> Header {
-        Header {
-            kind: FrameKind::Data,
-            tag: t,
-            chunk: 0,
-            step: 0,
-            digest: 0,
-            len: len as u64,
-        }
-    }
-
-    fn soon() -> Instant {
-        Instant::now() + Duration::from_secs(5)
-    }
-
-    #[tokio::test]
-    async fn early_frames_wait_for_their_receive() {
-        let mb = Mailbox::new(Epoch(1), 1 << 20);
-        mb.deliver(Rank(1), header(tag(5), 3), Bytes::from_static(b"abc"))
-            .await
-            .unwrap();
-        assert_eq!(mb.queued_bytes(), 3);
-        let f = mb.recv(tag(5), &PeerSet::all(4), soon()).await.unwrap();
-        assert_eq!(&f.payload[..], b"abc");
-        assert_eq!(mb.queued_bytes(), 0);
-    }
-
-    #[tokio::test]
-    async fn receive_only_from_the_named_peers() {
-        let mb = Mailbox::new(Epoch(1), 1 << 20);
-        mb.deliver(Rank(2), header(tag(5), 1), Bytes::from_static(b"x"))
-            .await
-            .unwrap();
-        let only1: PeerSet = [Rank(1)].into_iter().collect();
-        let r = mb
-            .recv(tag(5), &only1, Instant::now() + Duration::from_millis(20))
-            .await;
-        assert!(matches!(r, Err(TransportError::Timeout { .. })));
-        // the frame is still there for a receive that names rank 2
-        assert!(mb.recv(tag(5), &PeerSet::all(3), soon()).await.is_ok());
-    }
-
-    #[tokio::test]
-    async fn stale_epoch_is_refused_and_counted() {
-        let mb = Mailbox::new(Epoch(3), 1 << 20);
-        let old = OpTag {
-            epoch: Epoch(2),
-            ..tag(1)
-        };
-        let r = mb.deliver(Rank(0), header(old, 0), Bytes::new()).await;
-        assert!(matches!(r, Err(TransportError::StaleEpoch { .. })));
-        assert_eq!(mb.refused(), 1);
-        assert_eq!(mb.queued_bytes(), 0);
-    }
-
-    #[tokio::test]
-    async fn advancing_the_epoch_drops_old_frames_and_keeps_early_ones() {
-        let mb = Mailbox::new(Epoch(1), 1 << 20);
-        let next = OpTag {
-            epoch: Epoch(2),
-            ..tag(7)
-        };
-        mb.deliver(Rank(1), header(tag(5), 3), Bytes::from_static(b"old"))
-            .await
-            .unwrap();
-        mb.deliver(Rank(1), header(next, 5), Bytes::from_static(b"early"))
-            .await
-            .unwrap();
-        assert_eq!(mb.queued_bytes(), 8);
-        mb.advance_epoch(Epoch(2));
-        assert_eq!(mb.epoch(), Epoch(2));
-        assert_eq!(mb.queued_bytes(), 5, "the old frame is gone");
-        let f = mb.recv(next, &PeerSet::all(2), soon()).await.unwrap();
-        assert_eq!(&f.payload[..], b"early");
-        let r = mb.deliver(Rank(1), header(tag(5), 0), Bytes::new()).await;
-        assert!(matches!(r, Err(TransportError::StaleEpoch { .. })));
-        mb.advance_epoch(Epoch(1));
-        assert_eq!(mb.epoch(), Epoch(2), "an epoch never goes back");
-    }
-
-    #[tokio::test]
-    async fn budget_applies_back_pressure() {
-        let mb = Arc::new(Mailbox::new(Epoch(1), 10));
-        mb.deliver(Rank(0), header(tag(1), 8), Bytes::from(vec![0; 8]))
-            .await
-            .unwrap();
-        let mb2 = mb.clone();
-        let blocked = tokio::spawn(async move {
-            mb2.deliver(Rank(0), header(tag(2), 8), Bytes::from(vec![0; 8]))
-                .await
-        });
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        assert!(!blocked.is_finished(), "over budget must wait");
-        assert_eq!(mb.queued_bytes(), 8);
-        mb.recv(tag(1), &PeerSet::all(1), soon()).await.unwrap();
-        blocked.await.unwrap().unwrap();
-        assert_eq!(mb.queued_bytes(), 8);
-    }
-
-    #[tokio::test]
-    async fn lost_peer_fails_waiting_receive() {
-        let mb = Arc::new(Mailbox::new(Epoch(1), 1 << 20));
-        let mb2 = mb.clone();
-        let waiter = tokio::spawn(async move { mb2.recv(tag(1), &PeerSet::all(3), soon()).await });
-        tokio::time::sleep(Duration::from_millis(10)).await;
-        mb.fail_peer(Rank(2), "connection reset");
-        match waiter.await.unwrap() {
-            Err(TransportError::PeerLost { peer, reason }) => {
-                assert_eq!(peer, Rank(2));
-                assert_eq!(&*reason, "connection reset");
-            }
-            other => panic!("{other:?}"),
-        }
-        let only01: PeerSet = [Rank(0), Rank(1)].into_iter().collect();
-        assert!(mb.check_peers(&only01).is_ok());
-    }
-
-    #[tokio::test]
-    async fn retired_frames_become_strays_without_payload() {
-        let mb = Mailbox::new(Epoch(1), 1 << 20);
-        mb.deliver(Rank(0), header(tag(1), 4), Bytes::from(vec![0; 4]))
-            .await
-            .unwrap();
-        mb.retire(tag(1));
-        assert_eq!(mb.queued_bytes(), 0);
-        mb.deliver(Rank(2), header(tag(1), 4), Bytes::from(vec![0; 4]))
-            .await
-            .unwrap();
-        assert_eq!(mb.queued_bytes(), 0);
-        for from in [Rank(0), Rank(2)] {
-            let f = mb.recv_stray(soon()).await.unwrap();
-            assert_eq!((f.from, f.header.tag, f.payload.len()), (from, tag(1), 0));
-        }
-        let none = mb
-            .recv_stray(Instant::now() + Duration::from_millis(10))
-            .await;
-        assert!(matches!(none, Err(TransportError::Timeout { .. })));
-    }
-
-    #[tokio::test]
-    async fn non_waiting_paths() {
-        let mb = Mailbox::new(Epoch(1), 10);
-        let all = PeerSet::all(2);
-        assert!(mb.try_recv(tag(1), &all).is_none());
-        assert!(mb.has_room(100), "an empty mailbox admits any frame");
-        mb.deliver_now(Rank(1), header(tag(1), 8), Bytes::from(vec![1; 8]))
-            .unwrap();
-        assert!(!mb.has_room(8));
-        // forced past the budget
-        mb.deliver_now(Rank(1), header(tag(1), 8), Bytes::from(vec![2; 8]))
-            .unwrap();
-        assert_eq!(mb.queued_bytes(), 16);
-        assert_eq!(mb.try_recv(tag(1), &all).unwrap().unwrap().payload[0], 1);
-        assert_eq!(mb.try_recv(tag(1), &all).unwrap().unwrap().payload[0], 2);
-        mb.fail_peer(Rank(1), "gone");
-        assert!(matches!(
-            mb.try_recv(tag(1), &all),
-            Some(Err(TransportError::PeerLost { .. }))
-        ));
-    }
-
-    #[tokio::test]
-    async fn dropped_receive_loses_nothing() {
-        let mb = Mailbox::new(Epoch(1), 1 << 20);
-        let from = PeerSet::all(1);
-        {
-            let fut = mb.recv(tag(1), &from, soon());
-            tokio::pin!(fut);
-            assert!(futures_poll_once(fut.as_mut()).await.is_none());
-        }
-        mb.deliver(Rank(0), header(tag(1), 1), Bytes::from_static(b"z"))
-            .await
-            .unwrap();
-        assert_eq!(
-            &mb.recv(tag(1), &from, soon()).await.unwrap().payload[..],
-            b"z"
-        );
-    }
-
-    async fn futures_poll_once<F: std::future::Future + Unpin>(mut f: F) -> Option<F::Output> {
-        poll_fn(|cx| {
-            Poll::Ready(match std::pin::Pin::new(&mut f).poll(cx) {
-                Poll::Ready(v) => Some(v),
-                Poll::Pending => None,
-            })
-        })
-        .await
     }
 }

@@ -1,0 +1,128 @@
+//! The endpoint: what every backend shares above the bytes it moves.
+//!
+//! A backend moves frames through sockets, rings or in-process queues. The
+//! endpoint owns what is the same whichever backend moved them:
+//!
+//! - **Matching.** Frames are matched to receives by [`OpTag`] in the
+//!   [`Matcher`]; a frame leaves it only in the poll that returns it, so a
+//!   dropped receive loses nothing.
+//! - **Epochs.** Frames of an older epoch are refused and counted; frames
+//!   still queued for an older epoch are dropped when the endpoint
+//!   advances; an epoch never goes back.
+//! - **Strays.** Frames of a retired op instance keep only their header,
+//!   for the layer above to check (a late frame with another spec digest
+//!   reveals a rank that disagreed).
+//! - **The back-pressure budget.** Unmatched payload is bounded: when the
+//!   budget is spent, a reader waits, and so stops reading its peer,
+//!   instead of allocating. One frame always fits an empty matcher, so a
+//!   frame larger than the budget cannot wedge a peer.
+//! - **Lost peers.** A lost rank fails the receives that name it once
+//!   nothing of theirs is queued, and every send to it.
+//! - **The receive loop.** A receive first stays runnable for a while,
+//!   letting the backend move frames in (its *pump*: a task polling shared
+//!   memory rings itself, or the runtime polling sockets when the task
+//!   yields), then sleeps until a reader delivers or the deadline passes.
+//!
+//! Every backend still implements [`Transport`](crate::Transport) and owns
+//! a matcher, which [`Transport::matcher`](crate::Transport::matcher)
+//! returns. The trait's methods that only read or change the matcher's
+//! state (`epoch`, `advance_epoch`, `retire`, `recv_stray`, `check_peers`,
+//! `check_peers_for`, and a receive that does not spin) are provided on
+//! top of it, so a backend implements none of them. The hybrid backend
+//! gives one matcher to both of its backends.
+//!
+//! # Layer rule
+//!
+//! Backends call into this module; this module names no backend (not tcp,
+//! shm, mem or hybrid). What it needs from one comes in as an argument: the
+//! pump of the receive loop. Check that
+//! `grep -rn "crate::\(tcp\|shm\|mem\|hybrid\)" transport/src/endpoint`
+//! finds nothing.
+
+use crate::{Frame, Instant, OpTag, PeerSet, TransportError};
+
+mod matching;
+#[cfg(test)]
+mod tests;
+
+pub use self::matching::Matcher;
+
+/// What one poll of a backend's inbound queues did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Pump {
+    /// Nothing new.
+    Idle,
+    /// Frames moved into the matcher.
+    Moved,
+    /// A frame of the awaited op was consumed in place.
+    Consumed,
+}
+
+impl Pump {
+    pub(crate) fn moved(moved: bool) -> Pump {
+        if moved {
+            Pump::Moved
+        } else {
+            Pump::Idle
+        }
+    }
+}
+
+/// [`Matcher::recv`], after staying runnable for `spin`: in between,
+/// `pump` may move frames in (returning whether it did), and the task
+/// yields to the runtime (which then polls its IO instead of parking
+/// the thread) and, if `yield_os`, to the OS (ranks outnumber cores).
+/// A frame that arrives during the spin costs no thread wake-up.
+pub(crate) async fn recv_spinning(
+    matcher: &Matcher,
+    tag: OpTag,
+    from: &PeerSet,
+    deadline: Instant,
+    spin: std::time::Duration,
+    yield_os: bool,
+    mut pump: impl FnMut() -> bool + Send,
+) -> Result<Frame, TransportError> {
+    let pump = || Pump::moved(pump());
+    match spin_recv(matcher, tag, from, spin, yield_os, pump).await {
+        Some(r) => r.map(|f| f.expect("plain pumps consume nothing")),
+        None => matcher.recv(tag, from, deadline).await,
+    }
+}
+
+/// The spinning phase of [`recv_spinning`]: `None` if nothing came within
+/// `spin`; `Some(Ok(None))` when `pump` consumed a frame of `tag` in place.
+pub(crate) async fn spin_recv(
+    matcher: &Matcher,
+    tag: OpTag,
+    from: &PeerSet,
+    spin: std::time::Duration,
+    yield_os: bool,
+    mut pump: impl FnMut() -> Pump + Send,
+) -> Option<Result<Option<Frame>, TransportError>> {
+    let spin_until = std::time::Instant::now() + spin;
+    let mut polls = 0u32;
+    loop {
+        if let Some(r) = matcher.try_recv(tag, from) {
+            return Some(r.map(Some));
+        }
+        match pump() {
+            Pump::Consumed => return Some(Ok(None)),
+            Pump::Moved => continue,
+            Pump::Idle => {}
+        }
+        // Yielding polls the runtime's IO (a system call), and reading
+        // the clock is not free either: do both every few polls only.
+        polls = polls.wrapping_add(1);
+        if !polls.is_multiple_of(16) {
+            std::hint::spin_loop();
+            continue;
+        }
+        if std::time::Instant::now() >= spin_until {
+            return None;
+        }
+        if yield_os {
+            std::thread::yield_now();
+        }
+        tokio::task::yield_now().await;
+    }
+}

@@ -1,0 +1,410 @@
+//! The matcher's tests (they were the mailbox's), and the receive loop's.
+
+use std::future::poll_fn;
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kungfu_topology::Rank;
+
+use super::{recv_spinning, spin_recv, Matcher, Pump};
+use crate::{
+    Capabilities, Epoch, FrameKind, Header, Instant, OpId, OpTag, PeerSet, Transport,
+    TransportError,
+};
+
+fn tag(op: u64) -> OpTag {
+    OpTag {
+        epoch: Epoch(1),
+        op: OpId(op),
+        seq: 0,
+    }
+}
+
+fn header(t: OpTag, len: usize) -> Header {
+    Header {
+        kind: FrameKind::Data,
+        tag: t,
+        chunk: 0,
+        step: 0,
+        digest: 0,
+        len: len as u64,
+    }
+}
+
+fn soon() -> Instant {
+    Instant::now() + Duration::from_secs(5)
+}
+
+#[tokio::test]
+async fn early_frames_wait_for_their_receive() {
+    let mb = Matcher::new(Epoch(1), 1 << 20);
+    mb.deliver(Rank(1), header(tag(5), 3), Bytes::from_static(b"abc"))
+        .await
+        .unwrap();
+    assert_eq!(mb.queued_bytes(), 3);
+    let f = mb.recv(tag(5), &PeerSet::all(4), soon()).await.unwrap();
+    assert_eq!(&f.payload[..], b"abc");
+    assert_eq!(mb.queued_bytes(), 0);
+}
+
+#[tokio::test]
+async fn receive_only_from_the_named_peers() {
+    let mb = Matcher::new(Epoch(1), 1 << 20);
+    mb.deliver(Rank(2), header(tag(5), 1), Bytes::from_static(b"x"))
+        .await
+        .unwrap();
+    let only1: PeerSet = [Rank(1)].into_iter().collect();
+    let r = mb
+        .recv(tag(5), &only1, Instant::now() + Duration::from_millis(20))
+        .await;
+    assert!(matches!(r, Err(TransportError::Timeout { .. })));
+    // the frame is still there for a receive that names rank 2
+    assert!(mb.recv(tag(5), &PeerSet::all(3), soon()).await.is_ok());
+}
+
+#[tokio::test]
+async fn stale_epoch_is_refused_and_counted() {
+    let mb = Matcher::new(Epoch(3), 1 << 20);
+    let old = OpTag {
+        epoch: Epoch(2),
+        ..tag(1)
+    };
+    let r = mb.deliver(Rank(0), header(old, 0), Bytes::new()).await;
+    assert!(matches!(r, Err(TransportError::StaleEpoch { .. })));
+    assert_eq!(mb.refused(), 1);
+    assert_eq!(mb.queued_bytes(), 0);
+}
+
+#[tokio::test]
+async fn advancing_the_epoch_drops_old_frames_and_keeps_early_ones() {
+    let mb = Matcher::new(Epoch(1), 1 << 20);
+    let next = OpTag {
+        epoch: Epoch(2),
+        ..tag(7)
+    };
+    mb.deliver(Rank(1), header(tag(5), 3), Bytes::from_static(b"old"))
+        .await
+        .unwrap();
+    mb.deliver(Rank(1), header(next, 5), Bytes::from_static(b"early"))
+        .await
+        .unwrap();
+    assert_eq!(mb.queued_bytes(), 8);
+    mb.advance_epoch(Epoch(2));
+    assert_eq!(mb.epoch(), Epoch(2));
+    assert_eq!(mb.queued_bytes(), 5, "the old frame is gone");
+    let f = mb.recv(next, &PeerSet::all(2), soon()).await.unwrap();
+    assert_eq!(&f.payload[..], b"early");
+    let r = mb.deliver(Rank(1), header(tag(5), 0), Bytes::new()).await;
+    assert!(matches!(r, Err(TransportError::StaleEpoch { .. })));
+    mb.advance_epoch(Epoch(1));
+    assert_eq!(mb.epoch(), Epoch(2), "an epoch never goes back");
+}
+
+#[tokio::test]
+async fn budget_applies_back_pressure() {
+    let mb = Arc::new(Matcher::new(Epoch(1), 10));
+    mb.deliver(Rank(0), header(tag(1), 8), Bytes::from(vec![0; 8]))
+        .await
+        .unwrap();
+    let mb2 = mb.clone();
+    let blocked = tokio::spawn(async move {
+        mb2.deliver(Rank(0), header(tag(2), 8), Bytes::from(vec![0; 8]))
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(!blocked.is_finished(), "over budget must wait");
+    assert_eq!(mb.queued_bytes(), 8);
+    mb.recv(tag(1), &PeerSet::all(1), soon()).await.unwrap();
+    blocked.await.unwrap().unwrap();
+    assert_eq!(mb.queued_bytes(), 8);
+}
+
+#[tokio::test]
+async fn lost_peer_fails_waiting_receive() {
+    let mb = Arc::new(Matcher::new(Epoch(1), 1 << 20));
+    let mb2 = mb.clone();
+    let waiter = tokio::spawn(async move { mb2.recv(tag(1), &PeerSet::all(3), soon()).await });
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    mb.fail_peer(Rank(2), "connection reset");
+    match waiter.await.unwrap() {
+        Err(TransportError::PeerLost { peer, reason }) => {
+            assert_eq!(peer, Rank(2));
+            assert_eq!(&*reason, "connection reset");
+        }
+        other => panic!("{other:?}"),
+    }
+    let only01: PeerSet = [Rank(0), Rank(1)].into_iter().collect();
+    assert!(mb.check_peers(&only01).is_ok());
+}
+
+#[tokio::test]
+async fn retired_frames_become_strays_without_payload() {
+    let mb = Matcher::new(Epoch(1), 1 << 20);
+    mb.deliver(Rank(0), header(tag(1), 4), Bytes::from(vec![0; 4]))
+        .await
+        .unwrap();
+    mb.retire(tag(1));
+    assert_eq!(mb.queued_bytes(), 0);
+    mb.deliver(Rank(2), header(tag(1), 4), Bytes::from(vec![0; 4]))
+        .await
+        .unwrap();
+    assert_eq!(mb.queued_bytes(), 0);
+    for from in [Rank(0), Rank(2)] {
+        let f = mb.recv_stray(soon()).await.unwrap();
+        assert_eq!((f.from, f.header.tag, f.payload.len()), (from, tag(1), 0));
+    }
+    let none = mb
+        .recv_stray(Instant::now() + Duration::from_millis(10))
+        .await;
+    assert!(matches!(none, Err(TransportError::Timeout { .. })));
+}
+
+#[tokio::test]
+async fn non_waiting_paths() {
+    let mb = Matcher::new(Epoch(1), 10);
+    let all = PeerSet::all(2);
+    assert!(mb.try_recv(tag(1), &all).is_none());
+    assert!(mb.has_room(100), "an empty matcher admits any frame");
+    mb.deliver_now(Rank(1), header(tag(1), 8), Bytes::from(vec![1; 8]))
+        .unwrap();
+    assert!(!mb.has_room(8));
+    // forced past the budget
+    mb.deliver_now(Rank(1), header(tag(1), 8), Bytes::from(vec![2; 8]))
+        .unwrap();
+    assert_eq!(mb.queued_bytes(), 16);
+    assert_eq!(mb.try_recv(tag(1), &all).unwrap().unwrap().payload[0], 1);
+    assert_eq!(mb.try_recv(tag(1), &all).unwrap().unwrap().payload[0], 2);
+    mb.fail_peer(Rank(1), "gone");
+    assert!(matches!(
+        mb.try_recv(tag(1), &all),
+        Some(Err(TransportError::PeerLost { .. }))
+    ));
+}
+
+#[tokio::test]
+async fn dropped_receive_loses_nothing() {
+    let mb = Matcher::new(Epoch(1), 1 << 20);
+    let from = PeerSet::all(1);
+    {
+        let fut = mb.recv(tag(1), &from, soon());
+        tokio::pin!(fut);
+        assert!(futures_poll_once(fut.as_mut()).await.is_none());
+    }
+    mb.deliver(Rank(0), header(tag(1), 1), Bytes::from_static(b"z"))
+        .await
+        .unwrap();
+    assert_eq!(
+        &mb.recv(tag(1), &from, soon()).await.unwrap().payload[..],
+        b"z"
+    );
+}
+
+async fn futures_poll_once<F: std::future::Future + Unpin>(mut f: F) -> Option<F::Output> {
+    poll_fn(|cx| {
+        Poll::Ready(match std::pin::Pin::new(&mut f).poll(cx) {
+            Poll::Ready(v) => Some(v),
+            Poll::Pending => None,
+        })
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_lost_peer_with_frames_of_the_tag_queued_fails_that_tag_last() {
+    let mb = Matcher::new(Epoch(1), 1 << 20);
+    let all = PeerSet::all(3);
+    mb.deliver(Rank(2), header(tag(1), 1), Bytes::from_static(b"x"))
+        .await
+        .unwrap();
+    mb.fail_peer(Rank(2), "gone");
+    let lost2 = |r: Result<(), TransportError>| {
+        matches!(r, Err(TransportError::PeerLost { peer: Rank(2), .. }))
+    };
+    assert!(lost2(mb.check_peers(&all)));
+    // Its frame of tag 1 is still to be taken (a root that sent all and
+    // left), so receiving tag 1 from it is no reason to fail yet...
+    assert!(mb.check_peers_for(tag(1), &all).is_ok());
+    // ...but any other tag is.
+    assert!(lost2(mb.check_peers_for(tag(2), &all)));
+    let f = mb.recv(tag(1), &all, soon()).await.unwrap();
+    assert_eq!(f.from, Rank(2));
+    assert!(
+        lost2(mb.check_peers_for(tag(1), &all)),
+        "nothing queued now"
+    );
+    let only01: PeerSet = [Rank(0), Rank(1)].into_iter().collect();
+    assert!(mb.check_peers_for(tag(1), &only01).is_ok());
+    mb.close();
+    assert!(matches!(
+        mb.check_peers_for(tag(1), &only01),
+        Err(TransportError::Closed)
+    ));
+}
+
+/// A backend that implements only what the trait requires: its sends go
+/// to itself, other ranks' frames are delivered into its matcher by the
+/// test as a reader task would.
+struct Loopback {
+    matcher: Matcher,
+    size: usize,
+}
+
+impl Transport for Loopback {
+    fn rank(&self) -> Rank {
+        Rank(0)
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn matcher(&self) -> &Matcher {
+        &self.matcher
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            name: "loopback",
+            max_frame: usize::MAX,
+            zero_copy: false,
+            needs_registration: false,
+        }
+    }
+
+    async fn send(
+        &self,
+        to: Rank,
+        mut header: Header,
+        payload: Bytes,
+    ) -> Result<(), TransportError> {
+        if to != self.rank() {
+            return Err(TransportError::NoSuchPeer {
+                peer: to,
+                size: self.size,
+            });
+        }
+        header.len = payload.len() as u64;
+        self.matcher.deliver(to, header, payload).await
+    }
+
+    async fn close(&self, _linger: Duration) {
+        self.shutdown();
+    }
+
+    fn shutdown(&self) {
+        self.matcher.close();
+    }
+}
+
+#[tokio::test]
+async fn a_backend_gets_the_matcher_methods_provided() {
+    let t = Loopback {
+        matcher: Matcher::new(Epoch(1), 1 << 20),
+        size: 3,
+    };
+    provided_methods_act_on_the_matcher(&t).await;
+}
+
+/// Generic, so that only the trait's methods are called.
+async fn provided_methods_act_on_the_matcher<T: Transport>(t: &T) {
+    let all = PeerSet::all(t.size());
+    t.send(Rank(0), header(tag(1), 0), Bytes::from_static(b"self"))
+        .await
+        .unwrap();
+    let f = t.recv(tag(1), &all, soon()).await.unwrap();
+    assert_eq!((f.from, &f.payload[..]), (Rank(0), &b"self"[..]));
+
+    t.matcher()
+        .deliver(Rank(2), header(tag(2), 1), Bytes::from_static(b"x"))
+        .await
+        .unwrap();
+    t.matcher().fail_peer(Rank(2), "gone");
+    let lost2 = |r: Result<(), TransportError>| {
+        matches!(r, Err(TransportError::PeerLost { peer: Rank(2), .. }))
+    };
+    assert!(lost2(t.check_peers(&all)));
+    assert!(t.check_peers_for(tag(2), &all).is_ok(), "tag 2 is queued");
+    assert!(lost2(t.check_peers_for(tag(3), &all)));
+
+    t.retire(tag(2));
+    let s = t.recv_stray(soon()).await.unwrap();
+    assert_eq!(
+        (s.from, s.header.tag, s.payload.len()),
+        (Rank(2), tag(2), 0)
+    );
+    assert!(
+        lost2(t.check_peers_for(tag(2), &all)),
+        "retired: none queued"
+    );
+
+    assert_eq!(t.epoch(), Epoch(1));
+    t.advance_epoch(Epoch(2));
+    assert_eq!(t.epoch(), Epoch(2));
+    t.advance_epoch(Epoch(1));
+    assert_eq!(t.epoch(), Epoch(2), "never goes back");
+    let stale = t.send(Rank(0), header(tag(4), 0), Bytes::new()).await;
+    assert!(matches!(stale, Err(TransportError::StaleEpoch { .. })));
+
+    t.shutdown();
+    assert!(matches!(t.check_peers(&all), Err(TransportError::Closed)));
+}
+
+#[tokio::test]
+async fn a_spinning_receive_takes_what_the_pump_moves_in() {
+    let mb = Matcher::new(Epoch(1), 1 << 20);
+    let mut pumped = 0;
+    let pump = || {
+        pumped += 1;
+        // The third poll of the backend's queues finds a frame.
+        pumped == 3
+            && mb
+                .deliver_now(Rank(1), header(tag(1), 1), Bytes::from_static(b"p"))
+                .is_ok()
+    };
+    let spin = Duration::from_secs(5);
+    let f = recv_spinning(&mb, tag(1), &PeerSet::all(2), soon(), spin, false, pump)
+        .await
+        .unwrap();
+    assert_eq!((f.from, &f.payload[..]), (Rank(1), &b"p"[..]));
+    assert_eq!(pumped, 3, "taken in the poll after the pump moved it");
+}
+
+#[tokio::test]
+async fn a_spin_ends_when_the_pump_consumes_a_peer_is_lost_or_time_is_up() {
+    let mb = Matcher::new(Epoch(1), 1 << 20);
+    let all = PeerSet::all(2);
+    let long = Duration::from_secs(5);
+
+    let mut calls = 0;
+    let consume_second = || {
+        calls += 1;
+        if calls == 2 {
+            Pump::Consumed
+        } else {
+            Pump::Idle
+        }
+    };
+    let r = spin_recv(&mb, tag(1), &all, long, false, consume_second).await;
+    assert!(matches!(r, Some(Ok(None))), "{r:?}");
+    assert_eq!(calls, 2);
+
+    let short = Duration::from_millis(2);
+    let t0 = std::time::Instant::now();
+    let r = spin_recv(&mb, tag(1), &all, short, true, || Pump::Idle).await;
+    assert!(r.is_none(), "{r:?}");
+    assert!(t0.elapsed() >= short);
+
+    // After the spin the receive sleeps, until its deadline.
+    let deadline = Instant::now() + Duration::from_millis(20);
+    let r = recv_spinning(&mb, tag(1), &all, deadline, short, false, || false).await;
+    assert!(matches!(r, Err(TransportError::Timeout { .. })), "{r:?}");
+
+    mb.fail_peer(Rank(1), "gone");
+    let r = spin_recv(&mb, tag(1), &all, long, false, || Pump::Idle).await;
+    assert!(
+        matches!(r, Some(Err(TransportError::PeerLost { .. }))),
+        "{r:?}"
+    );
+}
