@@ -22,4 +22,5 @@ if [ "${1:-}" = "--quick" ]; then
   export MIRI_SEEDS="${MIRI_SEEDS:-0..4}" MIRI_FFI_SEEDS="${MIRI_FFI_SEEDS:-0..8}"
 fi
 scripts/miri-shm.sh
+scripts/miri-region.sh
 scripts/miri-ffi.sh

@@ -74,10 +74,14 @@ pub mod header;
 pub mod hybrid;
 pub mod mem;
 pub mod pool;
-// The only module with unsafe code: mapped memory, atomics in it, futexes.
+// Raw pointers into op memory, behind the share table.
+#[allow(unsafe_code)]
+pub mod region;
+// The other module with unsafe code: mapped memory, atomics in it, futexes.
 #[allow(unsafe_code)]
 pub mod shm;
 pub mod tcp;
+pub mod wire;
 
 pub use header::{FrameKind, Header, HeaderError, OpId, OpTag, HEADER_LEN};
 pub use tokio::time::Instant;

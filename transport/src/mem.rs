@@ -1,7 +1,8 @@
 //! An in-process transport for tests and simulation.
 //!
 //! Endpoints share one address space: a send delivers straight into the
-//! receiver's [`Matcher`]. With [`MemConfig::delay`] set, each send first
+//! receiver's [`Matcher`]. [`MemWire`] is the wire; [`MemTransport`] is the
+//! generic [`Endpoint`] over it. With [`MemConfig::delay`] set, each send first
 //! sleeps a random time drawn from a seeded RNG, so frames overtake one
 //! another; [`MemTransport::kill`] makes a rank vanish as a crashed process
 //! would.
@@ -13,8 +14,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use kungfu_topology::Rank;
 
-use crate::endpoint::Matcher;
-use crate::{Capabilities, Epoch, Header, Transport, TransportError};
+use crate::endpoint::{Endpoint, EndpointConfig, Matcher};
+use crate::wire::{Caps, Wire};
+use crate::{Epoch, Header, Transport, TransportError};
 
 /// A small, seeded, reproducible RNG (SplitMix64) for fault injection and
 /// simulation. Not for cryptography.
@@ -64,7 +66,7 @@ impl Default for MemConfig {
 }
 
 struct Net {
-    matchers: Vec<Matcher>,
+    matchers: Vec<Arc<Matcher>>,
     dead: Vec<AtomicBool>,
     rng: Mutex<SeededRng>,
     config: MemConfig,
@@ -80,7 +82,7 @@ impl MemNetwork {
         let seed = config.delay.map_or(0, |(s, _)| s);
         let net = Arc::new(Net {
             matchers: (0..n)
-                .map(|_| Matcher::new(config.epoch, config.mailbox_bytes))
+                .map(|_| Arc::new(Matcher::new(config.epoch, config.mailbox_bytes)))
                 .collect(),
             dead: (0..n).map(|_| AtomicBool::new(false)).collect(),
             rng: Mutex::new(SeededRng::new(seed)),
@@ -88,29 +90,42 @@ impl MemNetwork {
         });
         (0..n)
             .map(|i| {
-                Arc::new(MemTransport {
+                let rank = Rank(i as u32);
+                let wire = MemWire {
                     net: net.clone(),
-                    rank: Rank(i as u32),
-                })
+                    rank,
+                };
+                // Nothing to poll and no socket to give the runtime: a
+                // receive sleeps at once.
+                let cfg = EndpointConfig {
+                    spin: Duration::ZERO,
+                    oversubscribed: false,
+                };
+                let matcher = net.matchers[i].clone();
+                Arc::new(Endpoint::new(rank, n, "mem", matcher, vec![wire], cfg))
             })
             .collect()
     }
 }
 
 /// One endpoint of a [`MemNetwork`].
-pub struct MemTransport {
+pub type MemTransport = Endpoint<MemWire>;
+
+/// The wire of one rank of a [`MemNetwork`].
+pub struct MemWire {
     net: Arc<Net>,
     rank: Rank,
 }
 
-impl MemTransport {
+impl Endpoint<MemWire> {
     /// Makes this rank vanish: every other endpoint sees it lost, and this
     /// endpoint is closed.
     pub fn kill(&self) {
-        self.net.dead[self.rank.idx()].store(true, Ordering::SeqCst);
-        for (i, m) in self.net.matchers.iter().enumerate() {
-            if i != self.rank.idx() {
-                m.fail_peer(self.rank, "killed");
+        let (net, me) = (&self.wires()[0].net, self.rank());
+        net.dead[me.idx()].store(true, Ordering::SeqCst);
+        for (i, m) in net.matchers.iter().enumerate() {
+            if i != me.idx() {
+                m.fail_peer(me, "killed");
             }
         }
         self.matcher().close();
@@ -135,26 +150,21 @@ impl MemTransport {
     }
 }
 
-impl Transport for MemTransport {
-    fn rank(&self) -> Rank {
-        self.rank
-    }
-
-    fn size(&self) -> usize {
-        self.net.matchers.len()
-    }
-
-    fn matcher(&self) -> &Matcher {
-        &self.net.matchers[self.rank.idx()]
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        Capabilities {
+impl Wire for MemWire {
+    fn caps(&self) -> Caps {
+        Caps {
             name: "mem",
             max_frame: self.net.config.max_frame,
-            zero_copy: true,
+            inject: false,
+            holds_sends: false,
+            polled: false,
+            lends: false,
             needs_registration: false,
         }
+    }
+
+    fn reaches(&self, peer: Rank) -> bool {
+        peer != self.rank && peer.idx() < self.net.matchers.len()
     }
 
     async fn send(
@@ -163,16 +173,6 @@ impl Transport for MemTransport {
         mut header: Header,
         payload: Bytes,
     ) -> Result<(), TransportError> {
-        let size = self.size();
-        if to.idx() >= size {
-            return Err(TransportError::NoSuchPeer { peer: to, size });
-        }
-        if payload.len() > self.net.config.max_frame {
-            return Err(TransportError::FrameTooLarge {
-                len: payload.len(),
-                max: self.net.config.max_frame,
-            });
-        }
         if self.net.dead[self.rank.idx()].load(Ordering::SeqCst) {
             return Err(TransportError::Closed);
         }
@@ -208,10 +208,7 @@ impl Transport for MemTransport {
 
     async fn close(&self, _linger: Duration) {
         // Sends are delivered synchronously: nothing is in flight.
-        self.shutdown();
     }
 
-    fn shutdown(&self) {
-        self.matcher().close();
-    }
+    fn shutdown(&self) {}
 }

@@ -41,15 +41,17 @@
 
 use crate::{Frame, Instant, OpTag, PeerSet, TransportError};
 
+mod generic;
 mod matching;
 #[cfg(test)]
 mod tests;
 
+pub use self::generic::{Endpoint, EndpointConfig};
 pub use self::matching::Matcher;
 
 /// What one poll of a backend's inbound queues did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Pump {
+pub enum Pump {
     /// Nothing new.
     Idle,
     /// Frames moved into the matcher.
@@ -59,7 +61,7 @@ pub(crate) enum Pump {
 }
 
 impl Pump {
-    pub(crate) fn moved(moved: bool) -> Pump {
+    pub fn moved(moved: bool) -> Pump {
         if moved {
             Pump::Moved
         } else {

@@ -1,0 +1,265 @@
+//! [`Endpoint`]: the one [`Transport`] implementation, over any wires.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kungfu_topology::Rank;
+
+use super::{recv_spinning, spin_recv, Matcher, Pump};
+use crate::wire::{Caps, Wire};
+use crate::{Capabilities, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError};
+
+/// How an endpoint receives.
+#[derive(Clone, Copy, Debug)]
+pub struct EndpointConfig {
+    /// How long a receive stays runnable (polling wires that need it, and
+    /// letting the runtime poll sockets) before it sleeps.
+    pub spin: Duration,
+    /// More ranks on this host than cores: spinning yields to the OS.
+    pub oversubscribed: bool,
+}
+
+/// One rank's endpoint: a matcher, and one or more wires with a route per
+/// peer (the first wire that reaches it). Shared memory inside a host and
+/// TCP across is an endpoint over two wires, not a third backend.
+pub struct Endpoint<W> {
+    me: Rank,
+    size: usize,
+    name: &'static str,
+    matcher: Arc<Matcher>,
+    wires: Vec<W>,
+    /// The wire index of each rank; None for this rank and unreachable ones.
+    route: Vec<Option<usize>>,
+    /// Wires whose frames move only while a receiver polls.
+    polled: Vec<usize>,
+    cfg: EndpointConfig,
+}
+
+impl<W: Wire> Endpoint<W> {
+    /// The endpoint of rank `me` of `size` over `wires`, which deliver into
+    /// `matcher`. `name` is what [`Transport::capabilities`] reports.
+    pub fn new(
+        me: Rank,
+        size: usize,
+        name: &'static str,
+        matcher: Arc<Matcher>,
+        wires: Vec<W>,
+        cfg: EndpointConfig,
+    ) -> Endpoint<W> {
+        let route = (0..size as u32)
+            .map(Rank)
+            .map(|r| {
+                (r != me)
+                    .then(|| wires.iter().position(|w| w.reaches(r)))
+                    .flatten()
+            })
+            .collect();
+        let polled = (0..wires.len())
+            .filter(|&i| wires[i].caps().polled)
+            .collect();
+        Endpoint {
+            me,
+            size,
+            name,
+            matcher,
+            wires,
+            route,
+            polled,
+            cfg,
+        }
+    }
+
+    /// The wires, in routing order.
+    pub fn wires(&self) -> &[W] {
+        &self.wires
+    }
+
+    /// The wire that carries frames to `peer`, if any.
+    pub fn wire_to(&self, peer: Rank) -> Option<&W> {
+        let i = (*self.route.get(peer.idx())?)?;
+        Some(&self.wires[i])
+    }
+
+    fn caps_to(&self, peer: Rank) -> Option<Caps> {
+        self.wire_to(peer).map(Wire::caps)
+    }
+
+    /// The wire to `to`, after the checks every send makes.
+    fn checked(&self, to: Rank, len: usize) -> Result<&W, TransportError> {
+        let w = self.wire_to(to);
+        let max = w.map_or(usize::MAX, |w| w.caps().max_frame);
+        self.matcher
+            .check_send(to, self.size, w.is_some(), len, max)?;
+        Ok(w.expect("checked"))
+    }
+}
+
+/// Marks the polled wires as polled while it lives (also when the receive
+/// that made it is dropped mid-spin).
+struct Polling<'a, W: Wire>(&'a Endpoint<W>);
+
+impl<'a, W: Wire> Polling<'a, W> {
+    fn start(e: &'a Endpoint<W>) -> Polling<'a, W> {
+        for &i in &e.polled {
+            e.wires[i].set_polling(true);
+        }
+        Polling(e)
+    }
+}
+
+impl<W: Wire> Drop for Polling<'_, W> {
+    fn drop(&mut self) {
+        for &i in &self.0.polled {
+            self.0.wires[i].set_polling(false);
+        }
+    }
+}
+
+impl<W: Wire> Transport for Endpoint<W> {
+    fn rank(&self) -> Rank {
+        self.me
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn matcher(&self) -> &Matcher {
+        &self.matcher
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        let caps: Vec<Caps> = self.wires.iter().map(Wire::caps).collect();
+        Capabilities {
+            name: self.name,
+            max_frame: caps.iter().map(|c| c.max_frame).min().unwrap_or(usize::MAX),
+            zero_copy: !caps.is_empty() && caps.iter().all(|c| c.lends),
+            needs_registration: caps.iter().any(|c| c.needs_registration),
+        }
+    }
+
+    async fn send(&self, to: Rank, header: Header, payload: Bytes) -> Result<(), TransportError> {
+        self.checked(to, payload.len())?
+            .send(to, header, payload)
+            .await
+    }
+
+    fn try_send_now(
+        &self,
+        to: Rank,
+        header: Header,
+        payload: &[u8],
+    ) -> Result<bool, TransportError> {
+        let w = self.checked(to, payload.len())?;
+        if !w.caps().inject {
+            return Ok(false);
+        }
+        w.inject(to, header, payload)
+    }
+
+    fn sends_in_place(&self, to: Rank) -> bool {
+        self.caps_to(to).is_some_and(|c| c.holds_sends)
+    }
+
+    async fn recv(
+        &self,
+        tag: OpTag,
+        from: &PeerSet,
+        deadline: Instant,
+    ) -> Result<Frame, TransportError> {
+        if self.polled.is_empty() {
+            let (spin, os) = (self.cfg.spin, self.cfg.oversubscribed);
+            return recv_spinning(&self.matcher, tag, from, deadline, spin, os, || false).await;
+        }
+        let none = None::<fn(Rank, &Header, &[&[u8]]) -> bool>;
+        let f = self.recv_polling(tag, from, deadline, none).await?;
+        Ok(f.expect("nothing is lent without apply"))
+    }
+
+    async fn recv_in_place<'a, F>(
+        &'a self,
+        tag: OpTag,
+        from: &'a PeerSet,
+        deadline: Instant,
+        apply: F,
+    ) -> Result<Option<Frame>, TransportError>
+    where
+        F: FnMut(Rank, &Header, &[&[u8]]) -> bool + Send + 'a,
+    {
+        if self.polled.is_empty() {
+            drop(apply);
+            return self.recv(tag, from, deadline).await.map(Some);
+        }
+        self.recv_polling(tag, from, deadline, Some(apply)).await
+    }
+
+    async fn close(&self, linger: Duration) {
+        // All wires at once, each within the same linger.
+        let mut closes: Vec<std::pin::Pin<Box<dyn Future<Output = ()> + Send + '_>>> = self
+            .wires
+            .iter()
+            .map(|w| Box::pin(w.close(linger)) as _)
+            .collect();
+        std::future::poll_fn(|cx| {
+            closes.retain_mut(|c| c.as_mut().poll(cx).is_pending());
+            if closes.is_empty() {
+                std::task::Poll::Ready(())
+            } else {
+                std::task::Poll::Pending
+            }
+        })
+        .await;
+        self.matcher.close();
+    }
+
+    fn shutdown(&self) {
+        self.matcher.close();
+        for w in &self.wires {
+            w.shutdown();
+        }
+    }
+}
+
+impl<W: Wire> Endpoint<W> {
+    /// A receive that polls the polled wires itself while it spins (a
+    /// frame of `tag` first lent to `apply`, if given: `Ok(None)` when it
+    /// consumed one), then sleeps until a frame is delivered or `deadline`.
+    async fn recv_polling<F>(
+        &self,
+        tag: OpTag,
+        from: &PeerSet,
+        deadline: Instant,
+        mut apply: Option<F>,
+    ) -> Result<Option<Frame>, TransportError>
+    where
+        F: FnMut(Rank, &Header, &[&[u8]]) -> bool + Send,
+    {
+        {
+            let _polling = Polling::start(self);
+            let pump = || {
+                let mut moved = false;
+                for &i in &self.polled {
+                    let a = apply
+                        .as_mut()
+                        .map(|f| f as &mut (dyn FnMut(Rank, &Header, &[&[u8]]) -> bool + Send));
+                    match self.wires[i].pump(tag, from, a) {
+                        Pump::Consumed => return Pump::Consumed,
+                        Pump::Moved => moved = true,
+                        Pump::Idle => {}
+                    }
+                }
+                Pump::moved(moved)
+            };
+            let (spin, os) = (self.cfg.spin, self.cfg.oversubscribed);
+            if let Some(r) = spin_recv(&self.matcher, tag, from, spin, os, pump).await {
+                return r;
+            }
+        }
+        for &i in &self.polled {
+            self.wires[i].going_to_sleep();
+        }
+        self.matcher.recv(tag, from, deadline).await.map(Some)
+    }
+}

@@ -1,0 +1,120 @@
+//! The wire: the only thing a backend implements.
+//!
+//! A wire moves frames to the peers it has links to and pushes what
+//! arrives into the endpoint's [`Matcher`](crate::endpoint::Matcher),
+//! which it is given when it connects. Everything above the bytes
+//! (matching, epochs, strays, the back-pressure budget, lost peers, the
+//! receive loop, the choice of a wire per peer) is the
+//! [`Endpoint`](crate::endpoint::Endpoint)'s, written once.
+//!
+//! What a wire declares in its [`Caps`] is what the endpoint and the op
+//! driver act on; nothing else tells them which backend they run over:
+//!
+//! - `inject`: a small frame can go straight from the caller's bytes when
+//!   there is room (shared memory's ring; libfabric's `fi_inject`, verbs'
+//!   inline sends), so the driver tries [`Wire::inject`] before copying.
+//! - `holds_sends`: a frame that did not fit may wait in the caller's
+//!   memory and be injected again (a ring that drains as the peer reads);
+//!   the driver then keeps it instead of copying it into an owned payload.
+//! - `polled`: frames move only while someone polls (shared memory read
+//!   by the receiving task; libfabric's manual progress): a receive spins
+//!   calling [`Wire::pump`] before it sleeps.
+//! - `lends`: [`Wire::pump`] can offer a frame in place (in the ring's
+//!   memory, in pieces when it wraps), so an op applies it with no copy.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kungfu_topology::Rank;
+
+use crate::endpoint::Pump;
+use crate::region::Region;
+use crate::{Header, OpTag, PeerSet, TransportError};
+
+/// What a wire can do. See the module docs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Caps {
+    /// The backend's name (`"tcp"`, `"shm"`, `"mem"`, ...).
+    pub name: &'static str,
+    /// The largest payload one frame may carry.
+    pub max_frame: usize,
+    /// [`Wire::inject`] may succeed.
+    pub inject: bool,
+    /// A frame [`Wire::inject`] refused for lack of room may wait in the
+    /// caller's memory and be injected again.
+    pub holds_sends: bool,
+    /// Frames move only while a receiver calls [`Wire::pump`].
+    pub polled: bool,
+    /// [`Wire::pump`] lends frames in place.
+    pub lends: bool,
+    /// Memory must be registered ([`Wire::register`]) before the wire
+    /// moves it (RDMA).
+    pub needs_registration: bool,
+}
+
+/// A frame offered in place: `(sender, header, payload in pieces)`; true
+/// when the callee consumed it.
+pub type Apply<'a> = &'a mut (dyn FnMut(Rank, &Header, &[&[u8]]) -> bool + Send);
+
+/// A backend. See the module docs.
+pub trait Wire: Send + Sync + 'static {
+    fn caps(&self) -> Caps;
+
+    /// Whether this wire has a link to `peer`. An endpoint over several
+    /// wires sends to each peer through the first wire that reaches it.
+    fn reaches(&self, peer: Rank) -> bool;
+
+    /// Registers `region` for this wire's use (a no-op unless
+    /// [`Caps::needs_registration`]); the registration is kept in the
+    /// region.
+    fn register(&self, region: &Arc<Region>) -> Result<(), TransportError> {
+        let _ = region;
+        Ok(())
+    }
+
+    /// Sends a frame now, straight from `payload`, if it can without
+    /// waiting: `Ok(false)` when it cannot (no room, or the wire never
+    /// injects). `header.len` is set here.
+    fn inject(&self, to: Rank, header: Header, payload: &[u8]) -> Result<bool, TransportError> {
+        let _ = (to, header, payload);
+        Ok(false)
+    }
+
+    /// Sends one frame; resolves when it is handed whole to the wire
+    /// (`payload` may then be reused). Dropping the future does not cut a
+    /// frame in half. `header.len` is set here.
+    fn send(
+        &self,
+        to: Rank,
+        header: Header,
+        payload: Bytes,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send;
+
+    /// Moves what arrived into the matcher (for [`Caps::polled`] wires).
+    /// With `apply`, a frame of `tag` from a rank in `from` is first lent
+    /// in place; if `apply` consumes it, this returns [`Pump::Consumed`]
+    /// at once.
+    fn pump(&self, tag: OpTag, from: &PeerSet, apply: Option<Apply<'_>>) -> Pump {
+        let _ = (tag, from, apply);
+        Pump::Idle
+    }
+
+    /// A receiver starts (`true`) or stops (`false`) polling this wire:
+    /// its own readers may then leave the frames to it.
+    fn set_polling(&self, on: bool) {
+        let _ = on;
+    }
+
+    /// A receiver that polled is about to sleep until a frame is
+    /// delivered: the wire's readers must not leave frames to it.
+    fn going_to_sleep(&self) {}
+
+    /// Closes gracefully: frames already sent reach their peers, the peers
+    /// are told, and the wire waits up to `linger` for them.
+    fn close(&self, linger: Duration) -> impl Future<Output = ()> + Send + '_;
+
+    /// Stops at once; idempotent.
+    fn shutdown(&self);
+}
