@@ -13,7 +13,8 @@ use crate::hybrid::HybridTransport;
 use crate::shm::ShmTransport;
 use crate::tcp::TcpTransport;
 use crate::{
-    Capabilities, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
+    Capabilities, ClusterVersion, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport,
+    TransportError,
 };
 
 /// A TCP, shared-memory or hybrid endpoint.
@@ -42,6 +43,10 @@ impl Transport for AnyTransport {
 
     fn size(&self) -> usize {
         each!(self, t => t.size())
+    }
+
+    fn version(&self) -> ClusterVersion {
+        each!(self, t => t.version())
     }
 
     fn epoch(&self) -> Epoch {

@@ -16,7 +16,8 @@ use crate::mailbox::Mailbox;
 use crate::shm::{ShmConfig, ShmTransport};
 use crate::tcp::{TcpConfig, TcpTransport};
 use crate::{
-    Capabilities, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
+    Capabilities, ClusterVersion, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport,
+    TransportError,
 };
 
 /// Shared memory inside the host, TCP across hosts.
@@ -30,7 +31,9 @@ pub struct HybridTransport {
 impl HybridTransport {
     /// Connects both backends: `tcp` and `shm` give every setting but the
     /// peer split and the mailbox, which this fills in from `peers` (the
-    /// ranks on the host of `tcp.rank` go through shared memory).
+    /// ranks on the host of `tcp.rank` go through shared memory), and the
+    /// cluster version and starting epoch, which are `tcp`'s for both (one
+    /// mailbox, one epoch).
     pub async fn connect(
         mut tcp: TcpConfig,
         mut shm: ShmConfig,
@@ -40,6 +43,8 @@ impl HybridTransport {
         let me = tcp.rank;
         let local: PeerSet = peers.hosts()[peers.host_of(me)].iter().copied().collect();
         let mailbox = Arc::new(Mailbox::new(tcp.epoch, tcp.mailbox_bytes));
+        shm.version = tcp.version;
+        shm.epoch = tcp.epoch;
         tcp.skip = local.clone();
         tcp.mailbox = Some(mailbox.clone());
         shm.local = Some(local.clone());
@@ -64,6 +69,10 @@ impl Transport for HybridTransport {
 
     fn size(&self) -> usize {
         self.tcp.size()
+    }
+
+    fn version(&self) -> ClusterVersion {
+        self.tcp.version()
     }
 
     fn epoch(&self) -> Epoch {

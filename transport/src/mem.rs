@@ -15,7 +15,8 @@ use kungfu_topology::Rank;
 
 use crate::mailbox::Mailbox;
 use crate::{
-    Capabilities, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
+    Capabilities, ClusterVersion, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport,
+    TransportError,
 };
 
 /// A small, seeded, reproducible RNG (SplitMix64) for fault injection and
@@ -45,6 +46,10 @@ impl SeededRng {
 /// Settings of an in-memory network.
 #[derive(Clone, Debug)]
 pub struct MemConfig {
+    /// The cluster version every endpoint reports (a resize in a test is a
+    /// new network at a newer version).
+    pub version: ClusterVersion,
+    /// The epoch every endpoint starts at.
     pub epoch: Epoch,
     pub max_frame: usize,
     /// Unmatched bytes each endpoint holds before senders wait.
@@ -57,6 +62,7 @@ pub struct MemConfig {
 impl Default for MemConfig {
     fn default() -> MemConfig {
         MemConfig {
+            version: ClusterVersion(0),
             epoch: Epoch(0),
             max_frame: 64 << 20,
             mailbox_bytes: 256 << 20,
@@ -147,6 +153,10 @@ impl Transport for MemTransport {
 
     fn size(&self) -> usize {
         self.net.mailboxes.len()
+    }
+
+    fn version(&self) -> ClusterVersion {
+        self.net.config.version
     }
 
     fn epoch(&self) -> Epoch {
