@@ -206,6 +206,7 @@ impl RunningOp {
         Ok(OpOutput {
             work: std::mem::replace(&mut self.work, PooledBuf::unpooled(Vec::new())),
             range,
+            version: inner.transport.version(),
             epoch: self.tag.epoch,
             strategy: self.strategy,
         })
