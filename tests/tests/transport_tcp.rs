@@ -142,6 +142,39 @@ async fn handshake_mismatches_are_refused() {
     }
 }
 
+/// A peer that speaks hello version 1 (a shorter hello) is answered at
+/// once, not left waiting for bytes it will never send, and both sides
+/// say which versions differ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_hello_version_is_refused_at_once() {
+    let (mut ls, peers) = bind_loopback(2).await;
+    let mut cfg = TcpConfig::new(1, ClusterVersion(0), Epoch(0), Rank(0), peers.clone());
+    cfg.connect_timeout = Duration::from_millis(1500);
+    let server = tokio::spawn(TcpTransport::connect(cfg, ls.remove(0)));
+    let p0 = peers.peer(Rank(0)).unwrap().clone();
+    let mut s = TcpStream::connect((p0.host.as_str(), p0.port))
+        .await
+        .unwrap();
+    let mut hello = [0u8; 32];
+    hello[0..2].copy_from_slice(b"KH");
+    hello[2] = 1;
+    hello[3] = 1;
+    hello[4..8].copy_from_slice(&1u32.to_le_bytes());
+    s.write_all(&hello).await.unwrap();
+    let mut ack = [0u8; 32];
+    tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut ack))
+        .await
+        .expect("an answer before the deadline")
+        .expect("an answer, not a closed stream");
+    assert_eq!((&ack[0..4], ack[4]), (&b"KH\x02\x02"[..], 6), "malformed");
+    let e = server.await.unwrap().err().expect("rank 1 never connected");
+    assert!(
+        e.to_string()
+            .contains("hello version 1 (this build speaks 2)"),
+        "{e}"
+    );
+}
+
 /// Speaks the handshake as rank 1 of a 2-rank cluster whose rank 0 is a
 /// real endpoint, and returns the raw stream.
 async fn hostile_peer(epoch: u32, max_frame: usize) -> (std::sync::Arc<TcpTransport>, TcpStream) {
