@@ -2,8 +2,9 @@
 //!
 //! Rank `i` dials every rank below it and accepts every rank above it. The
 //! dialer opens with a hello (cluster id, cluster version, epoch, both
-//! ranks, the digest of the peer list); the acceptor answers with a status, and a mismatch is
-//! refused on both sides with an error that says what differs. A refused
+//! ranks, the digest of the peer list); the acceptor answers with a
+//! status, and a mismatch is refused on both sides with an error that says
+//! what differs (a version and an epoch apart). A refused
 //! connection does not stop the acceptor from waiting for the right peer
 //! until the connect deadline, so a stray process cannot break a job.
 //!
