@@ -51,7 +51,8 @@ pub struct WorkerEnv {
     pub discovery: Discovery,
     pub strategy: Strategy,
     pub transport: String,
-    /// The cluster version (the transport's epoch).
+    /// The cluster version (the config server's; the transport's
+    /// `ClusterVersion`, widened where it connects).
     pub cluster_version: u32,
     /// Set by kungfu-run; with a rendezvous, rank 0 chooses it.
     pub cluster_id: Option<u64>,

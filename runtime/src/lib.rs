@@ -29,7 +29,7 @@ use kungfu_transport::any::AnyTransport;
 use kungfu_transport::hybrid::HybridTransport;
 use kungfu_transport::shm::{ShmConfig, ShmTransport};
 use kungfu_transport::tcp::{TcpConfig, TcpTransport};
-use kungfu_transport::{Epoch, TransportError};
+use kungfu_transport::{ClusterVersion, Epoch, TransportError};
 use tokio::net::TcpListener;
 use tokio::time::Instant;
 
@@ -188,7 +188,8 @@ impl Worker {
         self.env.size
     }
 
-    /// The cluster version (the epoch of its transport).
+    /// The cluster version (the config server's; the session's
+    /// [`Session::generation`] pairs it with the swap epoch).
     pub fn version(&self) -> u32 {
         self.env.cluster_version
     }
@@ -263,9 +264,10 @@ impl Worker {
     /// Switches to the config server's current cluster, if it is newer: a
     /// collective (every worker calls it at the same step). Rank 0 reads
     /// the config and broadcasts it, so every worker takes the same one.
-    /// Workers in the new cluster connect at the new version (its epoch:
-    /// frames of the old one are refused) and get a new session; the
-    /// others are detached, their connections closed.
+    /// Workers in the new cluster connect at the new version (new
+    /// connections, which the handshake checks, so no frame of the old one
+    /// reaches them) and get a new session, at epoch 0; the others are
+    /// detached, their connections closed.
     pub async fn resize_from_config(&mut self) -> Result<Resized, BootstrapError> {
         self.follow(None).await
     }
@@ -418,10 +420,14 @@ async fn connect(
 ) -> Result<Session<AnyTransport>, BootstrapError> {
     let connect_timeout = deadline.saturating_duration_since(Instant::now());
     let one_host = peers.hosts().len() == 1;
+    // Every cluster version gets new connections, so its sessions start
+    // at epoch 0: swaps count from there (a Generation orders the two).
+    let version = ClusterVersion(u64::from(env.cluster_version));
     let shm_cfg = || {
         let mut c = ShmConfig::new(
             cluster_id,
-            Epoch(env.cluster_version),
+            version,
+            Epoch(0),
             Rank(env.rank as u32),
             env.size,
         );
@@ -434,7 +440,8 @@ async fn connect(
     let tcp_cfg = || {
         let mut c = TcpConfig::new(
             cluster_id,
-            Epoch(env.cluster_version),
+            version,
+            Epoch(0),
             Rank(env.rank as u32),
             peers.clone(),
         );

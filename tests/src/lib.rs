@@ -9,7 +9,7 @@ use std::time::Duration;
 use kungfu_topology::{Peer, PeerList, Rank};
 use kungfu_transport::shm::{ShmConfig, ShmTransport};
 use kungfu_transport::tcp::{TcpConfig, TcpTransport};
-use kungfu_transport::{Epoch, TransportError};
+use kungfu_transport::{ClusterVersion, Epoch, TransportError};
 use tokio::net::TcpListener;
 
 /// Binds `n` listeners on free loopback ports and returns them with the
@@ -47,7 +47,13 @@ pub async fn tcp_cluster_with(
         .into_iter()
         .enumerate()
         .map(|(i, l)| {
-            let mut cfg = TcpConfig::new(cluster_id, Epoch(0), Rank(i as u32), peers.clone());
+            let mut cfg = TcpConfig::new(
+                cluster_id,
+                ClusterVersion(0),
+                Epoch(0),
+                Rank(i as u32),
+                peers.clone(),
+            );
             cfg.connect_timeout = Duration::from_secs(20);
             tune(&mut cfg);
             tokio::spawn(TcpTransport::connect(cfg, l))
@@ -83,7 +89,7 @@ pub async fn shm_cluster(n: usize, ring_bytes: usize) -> Vec<Arc<ShmTransport>> 
     let id = unique_cluster_id();
     let tasks: Vec<_> = (0..n)
         .map(|i| {
-            let mut cfg = ShmConfig::new(id, Epoch(0), Rank(i as u32), n);
+            let mut cfg = ShmConfig::new(id, ClusterVersion(0), Epoch(0), Rank(i as u32), n);
             cfg.ring_bytes = ring_bytes;
             cfg.connect_timeout = Duration::from_secs(20);
             tokio::spawn(ShmTransport::connect(cfg))

@@ -10,7 +10,8 @@ use kungfu_topology::Rank;
 use kungfu_transport::shm::testing::RawPeer;
 use kungfu_transport::shm::{ring_file_prefix, ShmConfig, ShmTransport};
 use kungfu_transport::{
-    Epoch, FrameKind, Header, Instant, OpId, OpTag, PeerSet, Transport, TransportError, HEADER_LEN,
+    ClusterVersion, Epoch, FrameKind, Header, Instant, OpId, OpTag, PeerSet, Transport,
+    TransportError, HEADER_LEN,
 };
 
 fn tag(op: u64) -> OpTag {
@@ -98,7 +99,7 @@ async fn rings_leave_no_files_and_closing_is_seen() {
     let id = unique_cluster_id();
     let tasks: Vec<_> = (0..2)
         .map(|i| {
-            let mut cfg = ShmConfig::new(id, Epoch(0), Rank(i), 2);
+            let mut cfg = ShmConfig::new(id, ClusterVersion(0), Epoch(0), Rank(i), 2);
             cfg.ring_bytes = 8192;
             // no spin: a receive polled once is asleep, waiting for a wake-up
             cfg.spin = Duration::ZERO;
@@ -130,7 +131,7 @@ async fn rings_leave_no_files_and_closing_is_seen() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_peer_fails_the_connect_cleanly() {
     let id = unique_cluster_id();
-    let mut cfg = ShmConfig::new(id, Epoch(0), Rank(0), 2);
+    let mut cfg = ShmConfig::new(id, ClusterVersion(0), Epoch(0), Rank(0), 2);
     cfg.connect_timeout = Duration::from_millis(300);
     let e = ShmTransport::connect(cfg).await.err().expect("no peer");
     assert!(e.to_string().contains("did not appear"), "{e}");
@@ -199,7 +200,7 @@ async fn real_and_raw() -> (std::sync::Arc<ShmTransport>, RawPeer) {
     shm_thread_panics(); // installs the hook
     let id = unique_cluster_id();
     let cfg = move |r: u32| {
-        let mut c = ShmConfig::new(id, Epoch(0), Rank(r), 2);
+        let mut c = ShmConfig::new(id, ClusterVersion(0), Epoch(0), Rank(r), 2);
         c.ring_bytes = RING;
         c.max_frame = MAX_FRAME;
         c.connect_timeout = Duration::from_secs(20);

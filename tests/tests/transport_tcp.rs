@@ -8,7 +8,8 @@ use kungfu_tests::{bind_loopback, poll_once, tcp_cluster, tcp_cluster_with};
 use kungfu_topology::Rank;
 use kungfu_transport::tcp::{TcpConfig, TcpTransport};
 use kungfu_transport::{
-    Epoch, FrameKind, Header, Instant, OpId, OpTag, PeerSet, Transport, TransportError,
+    ClusterVersion, Epoch, FrameKind, Header, Instant, OpId, OpTag, PeerSet, Transport,
+    TransportError,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -60,24 +61,66 @@ async fn frames_flow_both_ways_in_any_order() {
     }
 }
 
-/// Endpoints of another job (cluster id) or another epoch are refused,
-/// with an error that says what differs, on both sides.
+/// Endpoints of another job (cluster id), another cluster version or
+/// another epoch are refused, with an error that says what differs (both
+/// values), on both sides.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handshake_mismatches_are_refused() {
-    for (what, id1, epoch1, expect) in [
-        ("cluster", 0xbad, 0, "cluster id differs"),
-        ("epoch", 0x600d, 3, "epoch differs"),
+    // rank 0 (the acceptor) is at cluster 0x600d, version 2, epoch 0; rank
+    // 1 dials it with one of them changed. `expect`: the dialer's error,
+    // then the acceptor's; `not`: what neither may claim.
+    for (what, id1, version1, epoch1, expect, not) in [
+        (
+            "cluster",
+            0xbad,
+            2,
+            0,
+            [
+                "cluster id differs",
+                "cluster id 0xbad differs from ours 0x600d",
+            ],
+            "version differs",
+        ),
+        (
+            "version",
+            0x600d,
+            3,
+            0,
+            [
+                "refused: cluster version differs (peer at version 2, we are at version 3)",
+                "cluster version differs: peer is at version 3, we are at version 2",
+            ],
+            "epoch differs",
+        ),
+        (
+            "epoch",
+            0x600d,
+            2,
+            3,
+            [
+                "refused: epoch differs (peer at epoch 0, we are at epoch 3, both of version 2)",
+                "epoch differs: peer is at epoch 3, we are at epoch 0 (of version 2)",
+            ],
+            "version differs",
+        ),
     ] {
         let (ls, peers) = bind_loopback(2).await;
         let mut ls = ls.into_iter();
-        let mut c0 = TcpConfig::new(0x600d, Epoch(0), Rank(0), peers.clone());
+        let mut c0 = TcpConfig::new(0x600d, ClusterVersion(2), Epoch(0), Rank(0), peers.clone());
         c0.connect_timeout = Duration::from_millis(1500);
-        let mut c1 = TcpConfig::new(id1, Epoch(epoch1), Rank(1), peers.clone());
+        let mut c1 = TcpConfig::new(
+            id1,
+            ClusterVersion(version1),
+            Epoch(epoch1),
+            Rank(1),
+            peers.clone(),
+        );
         c1.connect_timeout = Duration::from_millis(1500);
         let a = tokio::spawn(TcpTransport::connect(c0, ls.next().unwrap()));
         let b = tokio::spawn(TcpTransport::connect(c1, ls.next().unwrap()));
         let eb = b.await.unwrap().err().expect("dialer refused");
-        assert!(eb.to_string().contains(expect), "{what}: {eb}");
+        assert!(eb.to_string().contains(expect[0]), "{what}: {eb}");
+        assert!(!eb.to_string().contains(not), "{what}: {eb}");
         assert!(
             matches!(
                 eb,
@@ -94,18 +137,20 @@ async fn handshake_mismatches_are_refused() {
             "{what}: {ea}"
         );
         assert!(ea.to_string().contains("refused"), "{what}: {ea}");
+        assert!(ea.to_string().contains(expect[1]), "{what}: {ea}");
+        assert!(!ea.to_string().contains(not), "{what}: {ea}");
     }
 }
 
-/// Speaks the handshake as rank 1 of a 2-rank cluster whose rank 0 is a
-/// real endpoint, and returns the raw stream.
-async fn hostile_peer(epoch: u32, max_frame: usize) -> (std::sync::Arc<TcpTransport>, TcpStream) {
+/// A peer that speaks hello version 1 (a shorter hello) is answered at
+/// once, not left waiting for bytes it will never send, and both sides
+/// say which versions differ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_hello_version_is_refused_at_once() {
     let (mut ls, peers) = bind_loopback(2).await;
-    let mut cfg = TcpConfig::new(1, Epoch(epoch), Rank(0), peers.clone());
-    cfg.max_frame = max_frame;
-    cfg.connect_timeout = Duration::from_secs(10);
-    let l0 = ls.remove(0);
-    let server = tokio::spawn(TcpTransport::connect(cfg, l0));
+    let mut cfg = TcpConfig::new(1, ClusterVersion(0), Epoch(0), Rank(0), peers.clone());
+    cfg.connect_timeout = Duration::from_millis(1500);
+    let server = tokio::spawn(TcpTransport::connect(cfg, ls.remove(0)));
     let p0 = peers.peer(Rank(0)).unwrap().clone();
     let mut s = TcpStream::connect((p0.host.as_str(), p0.port))
         .await
@@ -115,12 +160,48 @@ async fn hostile_peer(epoch: u32, max_frame: usize) -> (std::sync::Arc<TcpTransp
     hello[2] = 1;
     hello[3] = 1;
     hello[4..8].copy_from_slice(&1u32.to_le_bytes());
+    s.write_all(&hello).await.unwrap();
+    let mut ack = [0u8; 32];
+    tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut ack))
+        .await
+        .expect("an answer before the deadline")
+        .expect("an answer, not a closed stream");
+    assert_eq!((&ack[0..4], ack[4]), (&b"KH\x02\x02"[..], 6), "malformed");
+    let e = server.await.unwrap().err().expect("rank 1 never connected");
+    assert!(
+        e.to_string()
+            .contains("hello version 1 (this build speaks 2)"),
+        "{e}"
+    );
+}
+
+/// Speaks the handshake as rank 1 of a 2-rank cluster whose rank 0 is a
+/// real endpoint, and returns the raw stream.
+async fn hostile_peer(epoch: u32, max_frame: usize) -> (std::sync::Arc<TcpTransport>, TcpStream) {
+    let (mut ls, peers) = bind_loopback(2).await;
+    let mut cfg = TcpConfig::new(1, ClusterVersion(0), Epoch(epoch), Rank(0), peers.clone());
+    cfg.max_frame = max_frame;
+    cfg.connect_timeout = Duration::from_secs(10);
+    let l0 = ls.remove(0);
+    let server = tokio::spawn(TcpTransport::connect(cfg, l0));
+    let p0 = peers.peer(Rank(0)).unwrap().clone();
+    let mut s = TcpStream::connect((p0.host.as_str(), p0.port))
+        .await
+        .unwrap();
+    // hello version 2: from, to, epoch, cluster id, peer list digest,
+    // cluster version
+    let mut hello = [0u8; 40];
+    hello[0..2].copy_from_slice(b"KH");
+    hello[2] = 2;
+    hello[3] = 1;
+    hello[4..8].copy_from_slice(&1u32.to_le_bytes());
     hello[8..12].copy_from_slice(&0u32.to_le_bytes());
     hello[12..16].copy_from_slice(&epoch.to_le_bytes());
     hello[16..24].copy_from_slice(&1u64.to_le_bytes());
     hello[24..32].copy_from_slice(&peers.digest().0.to_le_bytes());
+    hello[32..40].copy_from_slice(&0u64.to_le_bytes());
     s.write_all(&hello).await.unwrap();
-    let mut ack = [0u8; 24];
+    let mut ack = [0u8; 32];
     s.read_exact(&mut ack).await.unwrap();
     assert_eq!(ack[4], 0, "hello accepted");
     (server.await.unwrap().unwrap(), s)

@@ -13,7 +13,9 @@ use crate::endpoint::Matcher;
 use crate::hybrid::HybridTransport;
 use crate::shm::ShmTransport;
 use crate::tcp::TcpTransport;
-use crate::{Capabilities, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError};
+use crate::{
+    Capabilities, ClusterVersion, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
+};
 
 /// A TCP, shared-memory or hybrid endpoint.
 pub enum AnyTransport {
@@ -45,6 +47,10 @@ impl Transport for AnyTransport {
 
     fn matcher(&self) -> &Matcher {
         each!(self, t => t.matcher())
+    }
+
+    fn version(&self) -> ClusterVersion {
+        each!(self, t => t.version())
     }
 
     fn capabilities(&self) -> Capabilities {

@@ -17,12 +17,54 @@
 //! All fields little-endian. Decoding checks everything it can before a
 //! payload byte is read or allocated.
 
-use crate::Epoch;
-
 /// Length of an encoded [`Header`].
 pub const HEADER_LEN: usize = 40;
 const MAGIC: [u8; 2] = *b"KF";
 const VERSION: u8 = 1;
+
+/// Who the peers are: the config server's version of the cluster. Every
+/// version gets its own connections (the handshake and the shm ring files
+/// carry it), so no frame crosses versions and the frame header does not
+/// need it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct ClusterVersion(pub u64);
+
+impl std::fmt::Display for ClusterVersion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "version {}", self.0)
+    }
+}
+
+/// The swap generation inside one cluster version: 0 at connect, one more
+/// per strategy swap. Every frame header carries it; frames of an older
+/// epoch are refused. A separate counter from [`ClusterVersion`] because
+/// the two have different authorities: the version comes from the config
+/// server and a joining worker knows it, the swap count is agreed inside a
+/// session and a joining worker cannot know it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct Epoch(pub u32);
+
+impl std::fmt::Display for Epoch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "epoch {}", self.0)
+    }
+}
+
+/// Where a session is in its life: the cluster version, then the swap epoch
+/// inside it. Ordered lexicographically (the field order), so it never goes
+/// back: a resize to a newer version at epoch 0 is later than any epoch of
+/// the older version. Shown as `v2/e3`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct Generation {
+    pub version: ClusterVersion,
+    pub epoch: Epoch,
+}
+
+impl std::fmt::Display for Generation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "v{}/e{}", self.version.0, self.epoch.0)
+    }
+}
 
 /// The 64-bit identity of an op name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -167,6 +209,22 @@ mod tests {
             digest: 0x1234_5678,
             len: 1 << 33,
         }
+    }
+
+    #[test]
+    fn generations_order_by_version_then_epoch() {
+        let g = |v, e| Generation {
+            version: ClusterVersion(v),
+            epoch: Epoch(e),
+        };
+        // a resize (new version, epoch back at 0) is later than any swap
+        // of the version before it
+        assert!(g(1, 3) < g(2, 0));
+        assert!(g(1, u32::MAX) < g(2, 0));
+        assert!(g(2, 0) < g(2, 1));
+        assert_eq!(g(2, 3).max(g(1, 7)), g(2, 3));
+        assert_eq!(g(2, 3).to_string(), "v2/e3");
+        assert_eq!(ClusterVersion(2).to_string(), "version 2");
     }
 
     #[test]

@@ -15,7 +15,9 @@ use tokio::net::TcpListener;
 use crate::endpoint::Matcher;
 use crate::shm::{ShmConfig, ShmTransport};
 use crate::tcp::{TcpConfig, TcpTransport};
-use crate::{Capabilities, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError};
+use crate::{
+    Capabilities, ClusterVersion, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
+};
 
 /// Shared memory inside the host, TCP across hosts.
 pub struct HybridTransport {
@@ -28,7 +30,9 @@ pub struct HybridTransport {
 impl HybridTransport {
     /// Connects both backends: `tcp` and `shm` give every setting but the
     /// peer split and the matcher, which this fills in from `peers` (the
-    /// ranks on the host of `tcp.rank` go through shared memory).
+    /// ranks on the host of `tcp.rank` go through shared memory), and the
+    /// cluster version and starting epoch, which are `tcp`'s for both (one
+    /// matcher, one epoch).
     pub async fn connect(
         mut tcp: TcpConfig,
         mut shm: ShmConfig,
@@ -38,6 +42,8 @@ impl HybridTransport {
         let me = tcp.rank;
         let local: PeerSet = peers.hosts()[peers.host_of(me)].iter().copied().collect();
         let matcher = Arc::new(Matcher::new(tcp.epoch, tcp.mailbox_bytes));
+        shm.version = tcp.version;
+        shm.epoch = tcp.epoch;
         tcp.skip = local.clone();
         tcp.matcher = Some(matcher.clone());
         shm.local = Some(local.clone());
@@ -66,6 +72,10 @@ impl Transport for HybridTransport {
 
     fn matcher(&self) -> &Matcher {
         &self.matcher
+    }
+
+    fn version(&self) -> ClusterVersion {
+        self.tcp.version()
     }
 
     fn capabilities(&self) -> Capabilities {

@@ -7,8 +7,8 @@
 //!
 //! Backends here:
 //! - [`tcp::TcpTransport`]: tokio, one connection per peer pair,
-//!   `TCP_NODELAY`, a handshake that checks cluster id, epoch, ranks and the
-//!   peer list.
+//!   `TCP_NODELAY`, a handshake that checks cluster id, cluster version,
+//!   epoch, ranks and the peer list.
 //! - [`shm::ShmTransport`]: shared memory between the ranks of one host,
 //!   a ring per ordered pair with spin-then-futex waiting.
 //! - [`hybrid::HybridTransport`]: shared memory inside a host, TCP across.
@@ -83,18 +83,10 @@ pub mod shm;
 pub mod tcp;
 pub mod wire;
 
-pub use header::{FrameKind, Header, HeaderError, OpId, OpTag, HEADER_LEN};
+pub use header::{
+    ClusterVersion, Epoch, FrameKind, Generation, Header, HeaderError, OpId, OpTag, HEADER_LEN,
+};
 pub use tokio::time::Instant;
-
-/// The cluster version. Frames of an older epoch are refused.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
-pub struct Epoch(pub u32);
-
-impl std::fmt::Display for Epoch {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "epoch {}", self.0)
-    }
-}
 
 /// A received frame.
 #[derive(Clone, Debug)]
@@ -173,6 +165,10 @@ pub trait Transport: Send + Sync + 'static {
     /// receives take from: its epoch, unmatched frames, strays and lost
     /// peers.
     fn matcher(&self) -> &Matcher;
+
+    /// The cluster version this endpoint was connected at; fixed for its
+    /// life (a resize connects a new endpoint).
+    fn version(&self) -> ClusterVersion;
 
     /// The epoch of this endpoint: the one it was connected at, or the
     /// last it advanced to.

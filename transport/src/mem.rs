@@ -16,7 +16,7 @@ use kungfu_topology::Rank;
 
 use crate::endpoint::{Endpoint, EndpointConfig, Matcher};
 use crate::wire::{Caps, Wire};
-use crate::{Epoch, Header, Transport, TransportError};
+use crate::{ClusterVersion, Epoch, Header, Transport, TransportError};
 
 /// A small, seeded, reproducible RNG (SplitMix64) for fault injection and
 /// simulation. Not for cryptography.
@@ -45,6 +45,10 @@ impl SeededRng {
 /// Settings of an in-memory network.
 #[derive(Clone, Debug)]
 pub struct MemConfig {
+    /// The cluster version every endpoint reports (a resize in a test is a
+    /// new network at a newer version).
+    pub version: ClusterVersion,
+    /// The epoch every endpoint starts at.
     pub epoch: Epoch,
     pub max_frame: usize,
     /// Unmatched bytes each endpoint holds before senders wait.
@@ -57,6 +61,7 @@ pub struct MemConfig {
 impl Default for MemConfig {
     fn default() -> MemConfig {
         MemConfig {
+            version: ClusterVersion(0),
             epoch: Epoch(0),
             max_frame: 64 << 20,
             mailbox_bytes: 256 << 20,
@@ -102,7 +107,16 @@ impl MemNetwork {
                     oversubscribed: false,
                 };
                 let matcher = net.matchers[i].clone();
-                Arc::new(Endpoint::new(rank, n, "mem", matcher, vec![wire], cfg))
+                let version = net.config.version;
+                Arc::new(Endpoint::new(
+                    rank,
+                    n,
+                    version,
+                    "mem",
+                    matcher,
+                    vec![wire],
+                    cfg,
+                ))
             })
             .collect()
     }

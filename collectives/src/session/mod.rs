@@ -22,7 +22,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use kungfu_topology::{AutoThresholds, PeerList, Rank, Root, Strategy, Topology};
-use kungfu_transport::{Epoch, OpTag, Transport};
+use kungfu_transport::{ClusterVersion, Epoch, Generation, OpTag, Transport};
 use tokio::sync::oneshot;
 
 use crate::names::{check_name, NameTable};
@@ -75,11 +75,13 @@ impl Default for SessionConfig {
 
 /// The result of an op: the working buffer and where this rank's output
 /// lies in it (`None` for non-roots of reduce and gather), and where the op
-/// ran: its epoch and strategy.
+/// ran: its generation (cluster version and epoch) and strategy.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OpOutput {
     work: PooledBuf,
     range: Option<Range<usize>>,
+    /// The session's (a session never changes version).
+    version: ClusterVersion,
     epoch: Epoch,
     strategy: Strategy,
 }
@@ -89,6 +91,16 @@ impl OpOutput {
     /// for it and run at the new epoch.
     pub fn epoch(&self) -> Epoch {
         self.epoch
+    }
+
+    /// The cluster version and epoch the op ran at: later than those of
+    /// every op that finished before a swap or a resize that this op
+    /// followed.
+    pub fn generation(&self) -> Generation {
+        Generation {
+            version: self.version,
+            epoch: self.epoch,
+        }
     }
 
     /// The strategy the op ran on (`AUTO` resolved to its choice).
@@ -288,8 +300,19 @@ impl<T: Transport> Session<T> {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
 
+    /// The swap epoch inside this session's cluster version.
     pub fn epoch(&self) -> Epoch {
         self.inner.transport.epoch()
+    }
+
+    /// The cluster version this session was connected at (fixed: a resize
+    /// makes a new session) and its current epoch. Never goes back, across
+    /// swaps and resizes alike.
+    pub fn generation(&self) -> Generation {
+        Generation {
+            version: self.inner.transport.version(),
+            epoch: self.epoch(),
+        }
     }
 
     pub fn peers(&self) -> &PeerList {

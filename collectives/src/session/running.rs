@@ -133,6 +133,7 @@ impl RunningOp {
             OpEvent::Done => Ok(OpOutput {
                 work: std::mem::replace(&mut self.work, PooledBuf::unpooled(Vec::new())),
                 range: self.m.output_range(),
+                version: inner.transport.version(),
                 epoch: self.m.tag().epoch,
                 strategy: self.m.strategy(),
             }),

@@ -9,7 +9,9 @@ use kungfu_topology::Rank;
 
 use super::{recv_spinning, spin_recv, Matcher, Pump};
 use crate::wire::{Caps, Wire};
-use crate::{Capabilities, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError};
+use crate::{
+    Capabilities, ClusterVersion, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
+};
 
 /// How an endpoint receives.
 #[derive(Clone, Copy, Debug)]
@@ -27,6 +29,7 @@ pub struct EndpointConfig {
 pub struct Endpoint<W> {
     me: Rank,
     size: usize,
+    version: ClusterVersion,
     name: &'static str,
     matcher: Arc<Matcher>,
     wires: Vec<W>,
@@ -39,10 +42,11 @@ pub struct Endpoint<W> {
 
 impl<W: Wire> Endpoint<W> {
     /// The endpoint of rank `me` of `size` over `wires`, which deliver into
-    /// `matcher`. `name` is what [`Transport::capabilities`] reports.
+    /// `matcher`, at cluster version `version`. `name` is what [`Transport::capabilities`] reports.
     pub fn new(
         me: Rank,
         size: usize,
+        version: ClusterVersion,
         name: &'static str,
         matcher: Arc<Matcher>,
         wires: Vec<W>,
@@ -62,6 +66,7 @@ impl<W: Wire> Endpoint<W> {
         Endpoint {
             me,
             size,
+            version,
             name,
             matcher,
             wires,
@@ -128,6 +133,10 @@ impl<W: Wire> Transport for Endpoint<W> {
 
     fn matcher(&self) -> &Matcher {
         &self.matcher
+    }
+
+    fn version(&self) -> ClusterVersion {
+        self.version
     }
 
     fn capabilities(&self) -> Capabilities {

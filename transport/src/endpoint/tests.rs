@@ -264,6 +264,10 @@ impl Transport for Loopback {
         &self.matcher
     }
 
+    fn version(&self) -> crate::ClusterVersion {
+        crate::ClusterVersion(0)
+    }
+
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             name: "loopback",

@@ -14,22 +14,25 @@ use memmap2::MmapMut;
 use super::hooks::{kill_point, Stage};
 use super::ring::{Ring, CTL};
 use super::ShmConfig;
-use crate::{Epoch, TransportError};
+use crate::{ClusterVersion, TransportError};
 
 /// Where ring files live unless [`ShmConfig::dir`] says otherwise.
 pub const RING_DIR: &str = "/dev/shm";
 
 /// The start of the names of every ring file of cluster `cluster_id`, of
-/// every epoch: `kungfu-<id, 16 hex digits>-`.
+/// every cluster version: `kungfu-<id, 16 hex digits>-`.
 pub fn ring_file_prefix(cluster_id: u64) -> String {
     format!("kungfu-{cluster_id:016x}-")
 }
 
-fn ring_path(dir: &Path, cluster: u64, epoch: Epoch, from: Rank, to: Rank) -> PathBuf {
+/// `kungfu-<id>-<cluster version>-<from>-<to>`: the connections of each
+/// version are new (a resize reconnects), so the version keeps its rings
+/// apart from an older version's that a slow peer may still have.
+fn ring_path(dir: &Path, cluster: u64, version: ClusterVersion, from: Rank, to: Rank) -> PathBuf {
     dir.join(format!(
         "{}{}-{}-{}",
         ring_file_prefix(cluster),
-        epoch.0,
+        version.0,
         from.0,
         to.0
     ))
@@ -91,7 +94,7 @@ fn create_inbound(
     from: Rank,
     created: &mut Created,
 ) -> Result<Ring, String> {
-    let path = ring_path(&cfg.dir, cfg.cluster_id, cfg.epoch, from, cfg.rank);
+    let path = ring_path(&cfg.dir, cfg.cluster_id, cfg.version, from, cfg.rank);
     let file = OpenOptions::new()
         .read(true)
         .write(true)
@@ -104,7 +107,13 @@ fn create_inbound(
         .map_err(|e| format!("size {}: {e}", path.display()))?;
     let map = map_file(&file, CTL + cap).map_err(|e| format!("map {}: {e}", path.display()))?;
     let ring = Ring::new(map, cap);
-    ring.init(cfg.cluster_id, cfg.epoch.0, from.0, cfg.rank.0);
+    ring.init(
+        cfg.cluster_id,
+        cfg.version.0,
+        cfg.epoch.0,
+        from.0,
+        cfg.rank.0,
+    );
     Ok(ring)
 }
 
@@ -114,7 +123,7 @@ fn open_outbound(
     to: Rank,
     deadline: std::time::Instant,
 ) -> Result<Ring, String> {
-    let path = ring_path(&cfg.dir, cfg.cluster_id, cfg.epoch, cfg.rank, to);
+    let path = ring_path(&cfg.dir, cfg.cluster_id, cfg.version, cfg.rank, to);
     let mut nap = Duration::from_micros(250);
     loop {
         if let Ok(file) = OpenOptions::new().read(true).write(true).open(&path) {
@@ -124,7 +133,7 @@ fn open_outbound(
                     .map_err(|e| format!("map {}: {e}", path.display()))?;
                 let ring = Ring::new(map, cap);
                 let ours = ring
-                    .check_identity(cfg.cluster_id, cfg.epoch.0, cfg.rank.0, to.0)
+                    .check_identity(cfg.cluster_id, cfg.version.0, cfg.epoch.0, cfg.rank.0, to.0)
                     .map_err(|e| format!("{}: {e}", path.display()))?;
                 if ours {
                     // Both sides have it mapped now: the name has done its
@@ -132,7 +141,7 @@ fn open_outbound(
                     // a file behind only if a process dies between creating
                     // a ring and its peer mapping it (the launcher removes
                     // those). The receiver's `Created` guard may try again;
-                    // the name is this ring's alone (cluster, epoch, pair),
+                    // the name is this ring's alone (cluster, version, pair),
                     // so that removes nothing else.
                     let _ = std::fs::remove_file(&path);
                     kill_point(cfg, Stage::Opened);

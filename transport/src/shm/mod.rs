@@ -29,7 +29,7 @@
 //!
 //! # Lifetime of the files
 //!
-//! A ring's file is named `kungfu-<cluster id>-<epoch>-<from>-<to>` (see
+//! A ring's file is named `kungfu-<cluster id>-<cluster version>-<from>-<to>` (see
 //! [`ring_file_prefix`]). Its name is only how the sender finds it: the
 //! sender unlinks it as soon as it has mapped it, before it tells the
 //! receiver it attached, so once connected nothing of a job is left in
@@ -76,7 +76,8 @@ use self::ring::{Ring, RECEIVER_CLOSED, SENDER_CLOSED};
 use crate::endpoint::{Matcher, Pump};
 use crate::pool::FramePool;
 use crate::{
-    Capabilities, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
+    Capabilities, ClusterVersion, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport,
+    TransportError,
 };
 
 mod files;
@@ -93,6 +94,11 @@ const FRAME_POOL_BYTES: usize = 256 << 20;
 #[derive(Clone)]
 pub struct ShmConfig {
     pub cluster_id: u64,
+    /// The cluster version: it names the ring files and is part of each
+    /// ring's identity.
+    pub version: ClusterVersion,
+    /// The epoch this endpoint starts at (0 for a fresh version); checked
+    /// with the ring's identity.
     pub epoch: Epoch,
     pub rank: Rank,
     /// The number of ranks in the cluster.
@@ -117,9 +123,16 @@ pub struct ShmConfig {
 impl ShmConfig {
     /// Defaults: 4 MiB rings in `/dev/shm`, 64 MiB frames, a 256 MiB
     /// mailbox, 30 s to connect.
-    pub fn new(cluster_id: u64, epoch: Epoch, rank: Rank, size: usize) -> ShmConfig {
+    pub fn new(
+        cluster_id: u64,
+        version: ClusterVersion,
+        epoch: Epoch,
+        rank: Rank,
+        size: usize,
+    ) -> ShmConfig {
         ShmConfig {
             cluster_id,
+            version,
             epoch,
             rank,
             size,
@@ -139,6 +152,7 @@ impl ShmConfig {
 pub struct ShmTransport {
     rank: Rank,
     size: usize,
+    version: ClusterVersion,
     max_frame: usize,
     matcher: Arc<Matcher>,
     writers: Vec<Option<std_mpsc::Sender<WriterMsg>>>,
@@ -172,8 +186,8 @@ pub struct ShmTransport {
 impl ShmTransport {
     /// Creates this rank's inbound rings, attaches to every peer's, and
     /// starts one reader and one writer thread per peer. Every rank of the
-    /// cluster must be on this host and call this with the same cluster id
-    /// and epoch.
+    /// cluster must be on this host and call this with the same cluster id,
+    /// cluster version and epoch.
     pub async fn connect(cfg: ShmConfig) -> Result<Arc<ShmTransport>, TransportError> {
         kill_point(&cfg, Stage::Start);
         let n = cfg.size;
@@ -270,6 +284,7 @@ impl ShmTransport {
             stop_after_send: stops_at(&cfg, Stage::Sent).then(|| cfg.clone()),
             rank: cfg.rank,
             size: n,
+            version: cfg.version,
             max_frame: cfg.max_frame,
             matcher,
             writers,
@@ -315,6 +330,10 @@ impl Transport for ShmTransport {
 
     fn matcher(&self) -> &Matcher {
         &self.matcher
+    }
+
+    fn version(&self) -> ClusterVersion {
+        self.version
     }
 
     fn capabilities(&self) -> Capabilities {

@@ -33,7 +33,8 @@ use memmap2::MmapMut;
 
 use crate::{Header, HEADER_LEN};
 
-const MAGIC: u64 = u64::from_le_bytes(*b"KFSHMv1\0");
+/// v2: the cluster version (u64 at `OFF_VERSION`) joined the identity.
+const MAGIC: u64 = u64::from_le_bytes(*b"KFSHMv2\0");
 /// Bytes before the data region (control words on their own cache lines).
 pub(super) const CTL: usize = 4096;
 const OFF_MAGIC: usize = 0;
@@ -46,6 +47,7 @@ const OFF_ATTACHED: usize = 32;
 const OFF_CLOSED: usize = 36;
 const OFF_RECV_PID: usize = 40;
 const OFF_SEND_PID: usize = 44;
+const OFF_VERSION: usize = 48;
 const OFF_HEAD: usize = 64;
 const OFF_TAIL: usize = 128;
 const OFF_DATA_SEQ: usize = 192;
@@ -236,8 +238,9 @@ impl Ring {
 
     /// Receiver, at creation: writes the ring's identity, the magic last
     /// (an opener that sees it sees the rest).
-    pub(super) fn init(&self, cluster: u64, epoch: u32, from: u32, to: u32) {
+    pub(super) fn init(&self, cluster: u64, version: u64, epoch: u32, from: u32, to: u32) {
         self.u64_at(OFF_CLUSTER).store(cluster, Ordering::Relaxed);
+        self.u64_at(OFF_VERSION).store(version, Ordering::Relaxed);
         self.u32_at(OFF_EPOCH).store(epoch, Ordering::Relaxed);
         self.u32_at(OFF_FROM).store(from, Ordering::Relaxed);
         self.u32_at(OFF_TO).store(to, Ordering::Relaxed);
@@ -253,6 +256,7 @@ impl Ring {
     pub(super) fn check_identity(
         &self,
         cluster: u64,
+        version: u64,
         epoch: u32,
         from: u32,
         to: u32,
@@ -262,6 +266,10 @@ impl Ring {
         }
         if self.u64_at(OFF_CLUSTER).load(Ordering::Relaxed) != cluster {
             return Err("another cluster's ring".into());
+        }
+        let got = self.u64_at(OFF_VERSION).load(Ordering::Relaxed);
+        if got != version {
+            return Err(format!("cluster version is {got}, expected {version}"));
         }
         let check = [
             (OFF_EPOCH, epoch, "epoch"),

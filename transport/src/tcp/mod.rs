@@ -1,9 +1,10 @@
 //! TCP backend: one connection per pair of ranks, `TCP_NODELAY`.
 //!
 //! Rank `i` dials every rank below it and accepts every rank above it. The
-//! dialer opens with a hello (cluster id, epoch, both ranks, the digest of
-//! the peer list); the acceptor answers with a status, and a mismatch is
-//! refused on both sides with an error that says what differs. A refused
+//! dialer opens with a hello (cluster id, cluster version, epoch, both
+//! ranks, the digest of the peer list); the acceptor answers with a
+//! status, and a mismatch is refused on both sides with an error that says
+//! what differs (a version and an epoch apart). A refused
 //! connection does not stop the acceptor from waiting for the right peer
 //! until the connect deadline, so a stray process cannot break a job.
 //!
@@ -26,7 +27,8 @@ use tokio::task::JoinHandle;
 use crate::endpoint::{recv_spinning, Matcher};
 use crate::pool::FramePool;
 use crate::{
-    Capabilities, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
+    Capabilities, ClusterVersion, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport,
+    TransportError,
 };
 
 use self::io::{read_loop, write_loop, Outgoing, WriterMsg};
@@ -34,15 +36,26 @@ use self::io::{read_loop, write_loop, Outgoing, WriterMsg};
 mod io;
 
 const HELLO_MAGIC: [u8; 2] = *b"KH";
-const HELLO_VERSION: u8 = 1;
-const HELLO_LEN: usize = 32;
-const ACK_LEN: usize = 24;
+/// 2: the hello and the answer carry the cluster version beside the epoch.
+const HELLO_VERSION: u8 = 2;
+const HELLO_LEN: usize = 40;
+const ACK_LEN: usize = 32;
+/// Magic, hello version and kind: read and checked before the rest, so a
+/// peer that speaks another hello version (of another length) is told so
+/// instead of waiting for bytes that never come.
+const PREFIX_LEN: usize = 4;
+const KIND_HELLO: u8 = 1;
+const KIND_ACK: u8 = 2;
 
 /// Settings of a TCP endpoint.
 #[derive(Clone)]
 pub struct TcpConfig {
     /// Identifies the job: workers of another job are refused.
     pub cluster_id: u64,
+    /// The cluster version: a peer of another version is refused.
+    pub version: ClusterVersion,
+    /// The epoch this endpoint starts at (0 for a fresh version): a peer
+    /// at another epoch is refused.
     pub epoch: Epoch,
     pub rank: Rank,
     pub peers: PeerList,
@@ -67,9 +80,16 @@ pub struct TcpConfig {
 impl TcpConfig {
     /// Defaults: 30 s to connect, 64 MiB frames, a 256 MiB mailbox, 50 us
     /// of spinning before a receive sleeps.
-    pub fn new(cluster_id: u64, epoch: Epoch, rank: Rank, peers: PeerList) -> TcpConfig {
+    pub fn new(
+        cluster_id: u64,
+        version: ClusterVersion,
+        epoch: Epoch,
+        rank: Rank,
+        peers: PeerList,
+    ) -> TcpConfig {
         TcpConfig {
             cluster_id,
+            version,
             epoch,
             rank,
             peers,
@@ -87,38 +107,50 @@ impl TcpConfig {
 struct Hello {
     from: Rank,
     to: Rank,
+    version: ClusterVersion,
     epoch: Epoch,
     cluster_id: u64,
     peers_digest: u64,
 }
 
+/// Checks the first [`PREFIX_LEN`] bytes of a hello (`kind` 1) or an
+/// answer (`kind` 2).
+fn check_prefix(b: &[u8], kind: u8, what: &str) -> Result<(), String> {
+    if b[0..2] != HELLO_MAGIC || b[3] != kind {
+        return Err(format!(
+            "not a KungFu-rs {what} (first bytes {:02x?})",
+            &b[0..PREFIX_LEN]
+        ));
+    }
+    if b[2] != HELLO_VERSION {
+        return Err(format!(
+            "hello version {} (this build speaks {HELLO_VERSION})",
+            b[2]
+        ));
+    }
+    Ok(())
+}
+
 impl Hello {
+    /// Layout (little-endian): magic "KH", hello version, kind 1, from (4),
+    /// to (4), epoch (4), cluster id (8), peer list digest (8), cluster
+    /// version (8). Version 1 was the first 32 bytes of this.
     fn encode(&self) -> [u8; HELLO_LEN] {
         let mut b = [0u8; HELLO_LEN];
         b[0..2].copy_from_slice(&HELLO_MAGIC);
         b[2] = HELLO_VERSION;
-        b[3] = 1;
+        b[3] = KIND_HELLO;
         b[4..8].copy_from_slice(&self.from.0.to_le_bytes());
         b[8..12].copy_from_slice(&self.to.0.to_le_bytes());
         b[12..16].copy_from_slice(&self.epoch.0.to_le_bytes());
         b[16..24].copy_from_slice(&self.cluster_id.to_le_bytes());
         b[24..32].copy_from_slice(&self.peers_digest.to_le_bytes());
+        b[32..40].copy_from_slice(&self.version.0.to_le_bytes());
         b
     }
 
     fn decode(b: &[u8; HELLO_LEN]) -> Result<Hello, String> {
-        if b[0..2] != HELLO_MAGIC || b[3] != 1 {
-            return Err(format!(
-                "not a KungFu-rs hello (first bytes {:02x?})",
-                &b[0..4]
-            ));
-        }
-        if b[2] != HELLO_VERSION {
-            return Err(format!(
-                "hello version {} (this build speaks {HELLO_VERSION})",
-                b[2]
-            ));
-        }
+        check_prefix(b, KIND_HELLO, "hello")?;
         let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
         Ok(Hello {
@@ -127,6 +159,7 @@ impl Hello {
             epoch: Epoch(u32_at(12)),
             cluster_id: u64_at(16),
             peers_digest: u64_at(24),
+            version: ClusterVersion(u64_at(32)),
         })
     }
 }
@@ -142,6 +175,9 @@ enum Status {
     PeerList = 4,
     BadRank = 5,
     Malformed = 6,
+    /// Another cluster version (a code of its own, so that the refusal
+    /// says which of version and epoch differs).
+    Version = 7,
 }
 
 impl Status {
@@ -154,6 +190,7 @@ impl Status {
             4 => Status::PeerList,
             5 => Status::BadRank,
             6 => Status::Malformed,
+            7 => Status::Version,
             _ => return None,
         })
     }
@@ -161,33 +198,36 @@ impl Status {
 
 struct Ack {
     status: Status,
+    version: ClusterVersion,
     epoch: Epoch,
     rank: Rank,
     cluster_id: u64,
 }
 
 impl Ack {
+    /// Layout: magic "KH", hello version, kind 2, status (1), 3 bytes of
+    /// zero, epoch (4), rank (4), cluster id (8), cluster version (8).
     fn encode(&self) -> [u8; ACK_LEN] {
         let mut b = [0u8; ACK_LEN];
         b[0..2].copy_from_slice(&HELLO_MAGIC);
         b[2] = HELLO_VERSION;
-        b[3] = 2;
+        b[3] = KIND_ACK;
         b[4] = self.status as u8;
         b[8..12].copy_from_slice(&self.epoch.0.to_le_bytes());
         b[12..16].copy_from_slice(&self.rank.0.to_le_bytes());
         b[16..24].copy_from_slice(&self.cluster_id.to_le_bytes());
+        b[24..32].copy_from_slice(&self.version.0.to_le_bytes());
         b
     }
 
     fn decode(b: &[u8; ACK_LEN]) -> Option<Ack> {
-        if b[0..2] != HELLO_MAGIC || b[2] != HELLO_VERSION || b[3] != 2 {
-            return None;
-        }
+        check_prefix(b, KIND_ACK, "answer").ok()?;
         Some(Ack {
             status: Status::from_u8(b[4])?,
             epoch: Epoch(u32::from_le_bytes(b[8..12].try_into().ok()?)),
             rank: Rank(u32::from_le_bytes(b[12..16].try_into().ok()?)),
             cluster_id: u64::from_le_bytes(b[16..24].try_into().ok()?),
+            version: ClusterVersion(u64::from_le_bytes(b[24..32].try_into().ok()?)),
         })
     }
 }
@@ -205,10 +245,22 @@ fn check_hello(cfg: &TcpConfig, h: &Hello) -> Result<(), (Status, String)> {
             ),
         ));
     }
+    if h.version != cfg.version {
+        return Err((
+            Status::Version,
+            format!(
+                "cluster version differs: peer is at {}, we are at {}",
+                h.version, cfg.version
+            ),
+        ));
+    }
     if h.epoch != cfg.epoch {
         return Err((
             Status::Epoch,
-            format!("peer is at {}, we are at {}", h.epoch, cfg.epoch),
+            format!(
+                "epoch differs: peer is at {}, we are at {} (of {})",
+                h.epoch, cfg.epoch, cfg.version
+            ),
         ));
     }
     if h.to != cfg.rank {
@@ -236,9 +288,13 @@ fn refusal_text(status: Status, ack: &Ack, cfg: &TcpConfig) -> String {
             "refused: cluster id differs (peer {:#x}, ours {:#x})",
             ack.cluster_id, cfg.cluster_id
         ),
+        Status::Version => format!(
+            "refused: cluster version differs (peer at {}, we are at {})",
+            ack.version, cfg.version
+        ),
         Status::Epoch => format!(
-            "refused: epoch differs (peer at {}, we are at {})",
-            ack.epoch, cfg.epoch
+            "refused: epoch differs (peer at {}, we are at {}, both of {})",
+            ack.epoch, cfg.epoch, cfg.version
         ),
         Status::NotMe => format!(
             "refused: that address is {}, not the rank we dialed",
@@ -254,6 +310,7 @@ fn refusal_text(status: Status, ack: &Ack, cfg: &TcpConfig) -> String {
 pub struct TcpTransport {
     rank: Rank,
     size: usize,
+    version: ClusterVersion,
     max_frame: usize,
     matcher: Arc<Matcher>,
     writers: Vec<Option<mpsc::Sender<WriterMsg>>>,
@@ -323,6 +380,7 @@ impl TcpTransport {
         Ok(Arc::new(TcpTransport {
             rank: cfg.rank,
             size: n,
+            version: cfg.version,
             max_frame: cfg.max_frame,
             matcher,
             writers,
@@ -390,6 +448,7 @@ async fn dial_one(
             let hello = Hello {
                 from: cfg.rank,
                 to: peer,
+                version: cfg.version,
                 epoch: cfg.epoch,
                 cluster_id: cfg.cluster_id,
                 peers_digest: cfg.peers.digest().0,
@@ -398,7 +457,11 @@ async fn dial_one(
                 .await
                 .map_err(|e| (true, format!("send hello: {e}")))?;
             let mut b = [0u8; ACK_LEN];
-            s.read_exact(&mut b)
+            s.read_exact(&mut b[..PREFIX_LEN])
+                .await
+                .map_err(|e| (true, format!("read answer: {e}")))?;
+            check_prefix(&b, KIND_ACK, "answer to hello").map_err(|e| (false, e))?;
+            s.read_exact(&mut b[PREFIX_LEN..])
                 .await
                 .map_err(|e| (true, format!("read answer: {e}")))?;
             let ack = Ack::decode(&b).ok_or((false, "malformed answer to hello".to_string()))?;
@@ -495,15 +558,26 @@ async fn accept_higher(
 async fn answer_hello(cfg: &TcpConfig, mut s: TcpStream) -> Result<(Rank, TcpStream), String> {
     s.set_nodelay(true).map_err(|e| format!("nodelay: {e}"))?;
     let mut b = [0u8; HELLO_LEN];
-    s.read_exact(&mut b)
+    s.read_exact(&mut b[..PREFIX_LEN])
         .await
         .map_err(|e| format!("read hello: {e}"))?;
     let mut ack = Ack {
         status: Status::Ok,
+        version: cfg.version,
         epoch: cfg.epoch,
         rank: cfg.rank,
         cluster_id: cfg.cluster_id,
     };
+    if let Err(why) = check_prefix(&b, KIND_HELLO, "hello") {
+        // The rest may never come (another hello version is another
+        // length): answer now. Best effort, as below.
+        ack.status = Status::Malformed;
+        let _ = s.write_all(&ack.encode()).await;
+        return Err(why);
+    }
+    s.read_exact(&mut b[PREFIX_LEN..])
+        .await
+        .map_err(|e| format!("read hello: {e}"))?;
     let verdict = Hello::decode(&b)
         .map_err(|e| (Status::Malformed, e))
         .and_then(|h| check_hello(cfg, &h).map(|()| h));
@@ -534,6 +608,10 @@ impl Transport for TcpTransport {
 
     fn matcher(&self) -> &Matcher {
         &self.matcher
+    }
+
+    fn version(&self) -> ClusterVersion {
+        self.version
     }
 
     fn capabilities(&self) -> Capabilities {
@@ -641,6 +719,7 @@ mod tests {
         let h = Hello {
             from: Rank(3),
             to: Rank(1),
+            version: ClusterVersion(5),
             epoch: Epoch(2),
             cluster_id: 0xfeed,
             peers_digest: 77,
@@ -651,7 +730,7 @@ mod tests {
         assert!(Hello::decode(&bad).is_err());
 
         let peers = PeerList::local(4);
-        let cfg = TcpConfig::new(0xfeed, Epoch(2), Rank(1), peers.clone());
+        let cfg = TcpConfig::new(0xfeed, ClusterVersion(5), Epoch(2), Rank(1), peers.clone());
         let ok = Hello {
             peers_digest: peers.digest().0,
             ..h
@@ -664,6 +743,13 @@ mod tests {
                 ..ok
             }),
             Status::Cluster
+        );
+        assert_eq!(
+            st(Hello {
+                version: ClusterVersion(4),
+                ..ok
+            }),
+            Status::Version
         );
         assert_eq!(
             st(Hello {
