@@ -235,11 +235,23 @@ impl Sim {
         assert_eq!(specs.len(), self.n);
         assert!(self.ops.iter().all(|o| o.name != name), "one op per name");
         let i = self.ops.len();
-        let inputs = specs
-            .iter()
-            .enumerate()
-            .map(|(r, s)| s.map_or(Vec::new(), |s| reference::inputs(&s, self.n).swap_remove(r)))
-            .collect();
+        // Each rank's input is the reference's for its own spec.
+        let mut of_spec: Vec<(OpSpec, Vec<Vec<u8>>)> = Vec::new();
+        let mut inputs = Vec::new();
+        for (r, s) in specs.iter().enumerate() {
+            let Some(s) = *s else {
+                inputs.push(Vec::new());
+                continue;
+            };
+            let i = match of_spec.iter().position(|(t, _)| *t == s) {
+                Some(i) => i,
+                None => {
+                    of_spec.push((s, reference::inputs(&s, self.n)));
+                    of_spec.len() - 1
+                }
+            };
+            inputs.push(of_spec[i].1[r].clone());
+        }
         for (r, s) in specs.iter().enumerate() {
             if s.is_some() {
                 self.schedule(at[r], Ev::Submit(Rank(r as u32), i));
@@ -506,11 +518,10 @@ impl Sim {
             OpEvent::Done => Outcome::Done(slot.m.output_range().map(|o| slot.work[o].to_vec())),
             OpEvent::Failed(e) => Outcome::Failed(e),
         };
-        let text = match &outcome {
-            Outcome::Failed(e) => e.to_string(),
-            o => format!("{o:?}"),
-        };
-        self.log(r, What::End(self.ops[slot.op].name.clone(), text));
+        self.log(
+            r,
+            What::End(self.ops[slot.op].name.clone(), outcome.describe()),
+        );
         self.ops[slot.op].records[r.idx()].end = Some((self.now, outcome));
         self.nodes[r.idx()].retired.insert(k);
         self.ended(r, slot.op);

@@ -16,6 +16,21 @@ pub enum Outcome {
     Killed,
 }
 
+impl Outcome {
+    /// In a line: the error, or a digest of the output.
+    pub fn describe(&self) -> String {
+        match self {
+            Outcome::Done(Some(b)) => {
+                let digest = kungfu_topology::fnv1a64(0xcbf2_9ce4_8422_2325, b);
+                format!("done: {} bytes, fnv {digest:016x}", b.len())
+            }
+            Outcome::Done(None) => "done".into(),
+            Outcome::Failed(e) => e.to_string(),
+            Outcome::Killed => "killed".into(),
+        }
+    }
+}
+
 /// What happened to one op on one rank.
 #[derive(Clone, Debug, Default)]
 pub struct Record {
@@ -122,13 +137,14 @@ pub struct OpReport {
 }
 
 impl OpReport {
-    /// The reference output of `rank`, if every rank runs the same spec.
+    /// The reference output of `rank` for the ranks' inputs, if every rank
+    /// runs the same spec.
     pub fn expected(&self, rank: usize) -> Option<Vec<u8>> {
         let spec = self.specs[0]?;
         if self.specs.iter().any(|s| *s != Some(spec)) {
             return None;
         }
-        reference::expected(&spec, rank, &reference::inputs(&spec, self.specs.len()))
+        reference::expected(&spec, rank, &self.inputs)
     }
 }
 
@@ -150,9 +166,7 @@ impl Report {
 
     /// Every output of an op all ranks agree on is the reference's.
     pub fn check_outputs(&self) {
-        // (a swap's consensus runs on the sim's inputs, not the
-        // reference's; whether it agreed shows in the swap's result)
-        for op in self.ops.iter().filter(|o| !o.internal) {
+        for op in &self.ops {
             for (r, rec) in op.records.iter().enumerate() {
                 if let Some((_, Outcome::Done(out))) = &rec.end {
                     if op.specs.iter().all(|s| *s == op.specs[r]) {
@@ -173,7 +187,11 @@ impl Report {
         let ends = self
             .ops
             .iter()
-            .flat_map(|o| o.records.iter().map(|r| format!("{:?}", r.end)))
+            .flat_map(|o| o.records.iter())
+            .map(|r| match &r.end {
+                Some((t, o)) => format!("{t:?}: {}", o.describe()),
+                None => "never ended".into(),
+            })
             .collect();
         (self.trace.clone(), ends)
     }
