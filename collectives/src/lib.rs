@@ -73,5 +73,7 @@ pub use dtype::{
     sq_norm_f32, sq_norm_with_isa, DType, Element, KernelIsa, Order, ReduceOp,
 };
 pub use error::CollectiveError;
-pub use session::{Callback, OpHandle, OpOutput, OpStats, PeerStats, Session, SessionConfig};
+pub use session::{
+    Agreement, Callback, OpHandle, OpOutput, OpStats, PeerStats, Session, SessionConfig, SwapGate,
+};
 pub use spec::{OpKind, OpSpec};

@@ -36,6 +36,8 @@ use driver::watch_strays;
 use running::RunningOp;
 use swap::{Deferred, Tombstones};
 
+pub use swap::{Agreement, SwapGate};
+
 pub use stats::{OpStats, PeerStats};
 
 /// Settings of a [`Session`].
@@ -190,7 +192,7 @@ struct Inner<T> {
     drained: tokio::sync::Notify,
     /// While a swap is under way, the ops the caller starts wait here, in
     /// order, to start at the new epoch.
-    gate: Mutex<Option<Vec<Deferred>>>,
+    gate: Mutex<SwapGate<Deferred>>,
 }
 
 /// Named asynchronous collectives over one transport. Cheap to clone.
@@ -260,7 +262,7 @@ impl<T: Transport> Session<T> {
             runtime,
             inflight: std::sync::atomic::AtomicUsize::new(0),
             drained: tokio::sync::Notify::new(),
-            gate: Mutex::new(None),
+            gate: Mutex::new(SwapGate::default()),
         });
         inner.runtime.spawn(watch_strays(Arc::downgrade(&inner)));
         Ok(Session { inner })
@@ -661,19 +663,16 @@ impl<T: Transport> Session<T> {
     /// Validates, plans and spawns one op. Errors before the spawn complete
     /// the callback at once. During a swap, the caller's ops wait for it.
     fn start(&self, name: Arc<str>, spec: OpSpec, input: &[u8], done: Callback, internal: bool) {
-        {
-            if let Some(q) = lock(&self.inner.gate).as_mut() {
-                q.push(Deferred {
-                    name,
-                    spec,
-                    input: input.to_vec(),
-                    done,
-                    internal,
-                });
-                return;
-            }
+        let op = lock(&self.inner.gate).admit((name, done), |(name, done)| Deferred {
+            name,
+            spec,
+            input: input.to_vec(),
+            done,
+            internal,
+        });
+        if let Some((name, done)) = op {
+            self.start_now(name, spec, input, done, internal);
         }
-        self.start_now(name, spec, input, done, internal);
     }
 
     fn prepare(

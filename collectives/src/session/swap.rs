@@ -1,10 +1,11 @@
-//! The swap: the gate that holds ops started during a swap, the
-//! consensus at the barrier, and the tombstones of finished ops.
+//! The swap: the gate that holds ops started during a swap and the
+//! agreement at its barrier ([`SwapGate`], sans-IO), the session's async
+//! swap on top of it, and the tombstones of finished ops.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use kungfu_topology::Strategy;
+use kungfu_topology::{PeerList, Strategy};
 use kungfu_transport::{Epoch, OpTag, Transport};
 
 use super::{lock, Callback, OpHandle, Session};
@@ -22,8 +23,153 @@ pub(super) struct Deferred {
 /// How many finished ops are remembered, to judge their late frames.
 const TOMBSTONES: usize = 4096;
 
-/// The name of a swap's consensus (internal names end in NUL).
-const SWAP_NAME: &str = "kf/swap\0";
+/// One rank's side of a strategy swap, without I/O: the gate that holds
+/// the ops started while the swap runs (`D`: whatever the caller needs to
+/// start one later), and the agreement at the barrier. The caller drives
+/// it:
+///
+/// 1. [`SwapGate::begin`]; from now on [`SwapGate::admit`] holds ops;
+/// 2. drain: wait until every op in flight here has ended;
+/// 3. run a consensus on [`SwapGate::agreement`]'s digest (under
+///    [`Agreement::NAME`], at the current epoch, not held by the gate);
+/// 4. [`SwapGate::agreed`]: the epoch to advance the transport to;
+/// 5. [`SwapGate::end`] (also when a step failed): the held ops, in the
+///    order they were admitted, to start now (at the new epoch if it
+///    advanced).
+pub struct SwapGate<D> {
+    swap: Option<Swap<D>>,
+}
+
+struct Swap<D> {
+    to: Strategy,
+    held: Vec<D>,
+    /// Once asked for: the epoch the swap leaves and what must be agreed.
+    agreement: Option<(Epoch, Agreement)>,
+}
+
+/// What every rank must agree on before a swap takes effect.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Agreement {
+    /// The epoch the new strategy takes effect at.
+    pub next: Epoch,
+    /// The digest of the strategy, `next` and the ranks it runs over.
+    pub digest: [u8; 8],
+}
+
+impl Agreement {
+    /// The name of a swap's consensus (internal names end in NUL).
+    pub const NAME: &'static str = "kf/swap\0";
+}
+
+impl<D> Default for SwapGate<D> {
+    fn default() -> Self {
+        SwapGate { swap: None }
+    }
+}
+
+fn invalid(reason: String) -> CollectiveError {
+    CollectiveError::InvalidArgument {
+        name: "<swap>".into(),
+        reason,
+    }
+}
+
+impl<D> SwapGate<D> {
+    /// Whether a swap is under way: ops admitted now are held.
+    pub fn swapping(&self) -> bool {
+        self.swap.is_some()
+    }
+
+    /// Starts a swap to `to`: ops admitted from now on are held.
+    pub fn begin(&mut self, to: Strategy) -> Result<(), CollectiveError> {
+        if self.swap.is_some() {
+            return Err(invalid("another swap is under way on this session".into()));
+        }
+        self.swap = Some(Swap {
+            to,
+            held: Vec::new(),
+            agreement: None,
+        });
+        Ok(())
+    }
+
+    /// An op started by the caller: given back to be started now, or,
+    /// while a swap is under way, turned into what is held by `hold`
+    /// (which runs only then, e.g. to copy the op's input) and kept.
+    pub fn admit<A>(&mut self, op: A, hold: impl FnOnce(A) -> D) -> Option<A> {
+        match &mut self.swap {
+            Some(s) => {
+                s.held.push(hold(op));
+                None
+            }
+            None => Some(op),
+        }
+    }
+
+    /// Once every op in flight has ended: what the ranks must agree on to
+    /// leave `epoch` (the current one) over `peers`: the strategy, the
+    /// epoch it takes effect at, and the ranks it runs over. Fails if no
+    /// swap is under way or `epoch` is the last.
+    pub fn agreement(
+        &mut self,
+        epoch: Epoch,
+        peers: &PeerList,
+    ) -> Result<Agreement, CollectiveError> {
+        let s = self
+            .swap
+            .as_mut()
+            .ok_or_else(|| invalid("no swap is under way".into()))?;
+        let next = Epoch(
+            epoch
+                .0
+                .checked_add(1)
+                .ok_or_else(|| invalid(format!("{epoch} is the last epoch")))?,
+        );
+        let digest = kungfu_topology::Digest::EMPTY
+            .bytes(s.to.name().as_bytes())
+            .u64(u64::from(next.0))
+            .u64(peers.digest().0)
+            .0
+            .to_le_bytes();
+        let a = Agreement { next, digest };
+        s.agreement = Some((epoch, a));
+        Ok(a)
+    }
+
+    /// The consensus on [`SwapGate::agreement`] ended: `same` if every
+    /// rank passed the same digest. Gives the epoch to advance the
+    /// transport to and the strategy to run on from then; if the ranks
+    /// disagree, nothing changes and every rank gets
+    /// [`CollectiveError::Mismatch`].
+    pub fn agreed(&self, same: bool) -> Result<(Epoch, Strategy), CollectiveError> {
+        let Some(Swap {
+            to,
+            agreement: Some((epoch, a)),
+            ..
+        }) = self.swap
+        else {
+            return Err(invalid("no agreement was asked for".into()));
+        };
+        if !same {
+            return Err(CollectiveError::Mismatch {
+                name: Agreement::NAME.into(),
+                epoch,
+                ranks: Vec::new(),
+                detail: format!(
+                    "ranks asked to swap to different strategies ({} here)",
+                    to.name()
+                ),
+            });
+        }
+        Ok((a.next, to))
+    }
+
+    /// Ends the swap, whether it took effect or not: the held ops, in the
+    /// order they were admitted. Ops admitted from now on start at once.
+    pub fn end(&mut self) -> Vec<D> {
+        self.swap.take().map(|s| s.held).unwrap_or_default()
+    }
+}
 
 /// The digest and spec of recently finished ops. A frame that arrives for
 /// one of them with another digest comes from a rank that ran the op with
@@ -50,7 +196,7 @@ impl<T: Transport> Session<T> {
     /// Whether a swap ([`Session::swap_strategy`]) is under way here: ops
     /// started now wait for it and run at the new epoch.
     pub fn swapping(&self) -> bool {
-        lock(&self.inner.gate).is_some()
+        lock(&self.inner.gate).swapping()
     }
 
     /// Changes the strategy at a consistency barrier and advances the
@@ -66,15 +212,7 @@ impl<T: Transport> Session<T> {
     /// [`CollectiveError::Mismatch`]; if the barrier fails (a lost peer, a
     /// timeout), its error, and the session stays at the old epoch.
     pub async fn swap_strategy(&self, s: Strategy) -> Result<Epoch, CollectiveError> {
-        {
-            let mut g = lock(&self.inner.gate);
-            if g.is_some() {
-                return Err(
-                    self.invalid_err("<swap>", "another swap is under way on this session".into())
-                );
-            }
-            *g = Some(Vec::new());
-        }
+        lock(&self.inner.gate).begin(s)?;
         // Reopens the gate even if this future is dropped half-way (the
         // ranks may then disagree on the epoch, and later ops fail on
         // their timeout, but none waits here for ever).
@@ -82,17 +220,19 @@ impl<T: Transport> Session<T> {
         impl<T: Transport> Drop for Reopen<'_, T> {
             fn drop(&mut self) {
                 let s = self.0;
+                // Started under the lock, so an op started meanwhile by
+                // another thread cannot overtake them.
                 let mut g = lock(&s.inner.gate);
-                for d in g.take().unwrap_or_default() {
+                for d in g.end() {
                     s.start_now(d.name, d.spec, &d.input, d.done, d.internal);
                 }
             }
         }
         let _reopen = Reopen(self);
-        self.swap_gated(s).await
+        self.swap_gated().await
     }
 
-    async fn swap_gated(&self, s: Strategy) -> Result<Epoch, CollectiveError> {
+    async fn swap_gated(&self) -> Result<Epoch, CollectiveError> {
         use std::sync::atomic::Ordering;
         // Drain: every op in flight here ends (each within its own timeout).
         loop {
@@ -102,36 +242,67 @@ impl<T: Transport> Session<T> {
             }
             drained.await;
         }
-        let epoch = self.epoch();
-        let next = Epoch(
-            epoch
-                .0
-                .checked_add(1)
-                .ok_or_else(|| self.invalid_err("<swap>", format!("{epoch} is the last epoch")))?,
-        );
-        // The digest of what every rank must agree on: the strategy, the
-        // epoch it takes effect at, and the ranks it runs over.
-        let digest = kungfu_topology::Digest::EMPTY
-            .bytes(s.name().as_bytes())
-            .u64(u64::from(next.0))
-            .u64(self.inner.peers.digest().0)
-            .0
-            .to_le_bytes();
+        let agreement = lock(&self.inner.gate).agreement(self.epoch(), &self.inner.peers)?;
         let (tx, h) = OpHandle::<bool>::pair();
-        self.consensus_with(SWAP_NAME, &digest, true, tx);
-        if !h.await? {
-            return Err(CollectiveError::Mismatch {
-                name: SWAP_NAME.into(),
-                epoch,
-                ranks: Vec::new(),
-                detail: format!(
-                    "ranks asked to swap to different strategies ({} here)",
-                    s.name()
-                ),
-            });
-        }
+        self.consensus_with(Agreement::NAME, &agreement.digest, true, tx);
+        let same = h.await?;
+        let (next, s) = lock(&self.inner.gate).agreed(same)?;
         self.inner.transport.advance_epoch(next);
         self.set_strategy(s);
         Ok(next)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_gate_holds_ops_in_order_only_while_swapping() {
+        let mut g = SwapGate::<u32>::default();
+        assert_eq!(g.admit(1, |_| unreachable!("not held")), Some(1));
+        g.begin(Strategy::Ring).unwrap();
+        assert!(g.begin(Strategy::Ring).is_err(), "one swap at a time");
+        assert_eq!(g.admit(2, |x| x * 10), None);
+        assert_eq!(g.admit(3, |x| x * 10), None);
+        assert_eq!(g.end(), [20, 30]);
+        assert!(!g.swapping());
+        assert_eq!(g.admit(4, |_| unreachable!("not held")), Some(4));
+        assert!(g.end().is_empty());
+    }
+
+    #[test]
+    fn the_agreement_names_the_strategy_the_next_epoch_and_the_ranks() {
+        let peers = PeerList::local(3);
+        let mut g = SwapGate::<()>::default();
+        assert!(g.agreement(Epoch(0), &peers).is_err(), "no swap");
+        g.begin(Strategy::Ring).unwrap();
+        assert!(g.agreed(true).is_err(), "nothing asked yet");
+        let a = g.agreement(Epoch(4), &peers).unwrap();
+        assert_eq!(a.next, Epoch(5));
+        assert_eq!(g.agreed(true).unwrap(), (Epoch(5), Strategy::Ring));
+        match g.agreed(false) {
+            Err(CollectiveError::Mismatch { epoch, detail, .. }) => {
+                assert_eq!(epoch, Epoch(4));
+                assert!(detail.contains("RING"), "{detail}");
+            }
+            r => panic!("{r:?}"),
+        }
+        let digest = |s, e, p: &PeerList| {
+            let mut g = SwapGate::<()>::default();
+            g.begin(s).unwrap();
+            g.agreement(e, p).unwrap().digest
+        };
+        assert_eq!(digest(Strategy::Ring, Epoch(4), &peers), a.digest);
+        assert_ne!(digest(Strategy::Star, Epoch(4), &peers), a.digest);
+        assert_ne!(digest(Strategy::Ring, Epoch(5), &peers), a.digest);
+        assert_ne!(
+            digest(Strategy::Ring, Epoch(4), &PeerList::local(4)),
+            a.digest
+        );
+        assert!(
+            g.agreement(Epoch(u32::MAX), &peers).is_err(),
+            "the last epoch"
+        );
     }
 }
