@@ -24,12 +24,10 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
-use crate::endpoint::{recv_spinning, Matcher};
+use crate::endpoint::{Endpoint, EndpointConfig, Matcher};
 use crate::pool::FramePool;
-use crate::{
-    Capabilities, ClusterVersion, Epoch, Frame, Header, Instant, OpTag, PeerSet, Transport,
-    TransportError,
-};
+use crate::wire::{Caps, Wire};
+use crate::{ClusterVersion, Epoch, Header, Instant, PeerSet, Transport, TransportError};
 
 use self::io::{read_loop, write_loop, Outgoing, WriterMsg};
 
@@ -306,25 +304,22 @@ fn refusal_text(status: Status, ack: &Ack, cfg: &TcpConfig) -> String {
     }
 }
 
-/// A TCP endpoint. Build with [`TcpTransport::connect`].
-pub struct TcpTransport {
-    rank: Rank,
-    size: usize,
-    version: ClusterVersion,
+/// A TCP endpoint: the generic [`Endpoint`] over one [`TcpWire`]. Build
+/// with [`TcpTransport::connect`].
+pub type TcpTransport = Endpoint<TcpWire>;
+
+/// The TCP wire: a connection per peer, each with a reader and a writer
+/// task.
+pub struct TcpWire {
     max_frame: usize,
-    matcher: Arc<Matcher>,
     writers: Vec<Option<mpsc::Sender<WriterMsg>>>,
     /// Writer tasks (they end on their own after a `Finish`).
     tasks: Mutex<Vec<JoinHandle<()>>>,
     /// Reader tasks: they end when the peer closes its side.
     readers: Mutex<Vec<JoinHandle<()>>>,
-    /// How long a receive stays runnable before it sleeps (see `recv`).
-    spin: Duration,
-    /// More ranks on this host than cores: spinning yields to the OS.
-    oversubscribed: bool,
 }
 
-impl TcpTransport {
+impl Endpoint<TcpWire> {
     /// Connects to every peer of `config.peers`, accepting on `listener`
     /// (which must listen at this rank's entry of the peer list, or wherever
     /// the other ranks were told it is). Fails if a peer refuses the
@@ -334,6 +329,27 @@ impl TcpTransport {
         config: TcpConfig,
         listener: TcpListener,
     ) -> Result<Arc<TcpTransport>, TransportError> {
+        let (rank, size, version) = (config.rank, config.peers.len(), config.version);
+        let (wire, matcher, cfg) = TcpWire::connect(config, listener).await?;
+        let e = Endpoint::new(rank, size, version, "tcp", matcher, vec![wire], cfg);
+        Ok(Arc::new(e))
+    }
+
+    /// How many frames were refused for carrying an older epoch, and the
+    /// last such refusal.
+    pub fn refusals(&self) -> (u64, Option<TransportError>) {
+        (self.matcher().refused(), self.matcher().last_refusal())
+    }
+}
+
+impl TcpWire {
+    /// [`TcpTransport::connect`]'s wire, with the matcher its readers
+    /// deliver into (`config.matcher`, or a new one) and how its endpoint
+    /// should receive.
+    pub async fn connect(
+        config: TcpConfig,
+        listener: TcpListener,
+    ) -> Result<(TcpWire, Arc<Matcher>, EndpointConfig), TransportError> {
         let n = config.peers.len();
         if config.rank.idx() >= n {
             return Err(TransportError::NoSuchPeer {
@@ -377,24 +393,17 @@ impl TcpTransport {
             )));
             tasks.push(tokio::spawn(write_loop(wr, rank, rx, matcher.clone())));
         }
-        Ok(Arc::new(TcpTransport {
-            rank: cfg.rank,
-            size: n,
-            version: cfg.version,
+        let wire = TcpWire {
             max_frame: cfg.max_frame,
-            matcher,
             writers,
             tasks: Mutex::new(tasks),
             readers: Mutex::new(readers),
+        };
+        let ecfg = EndpointConfig {
             spin: cfg.spin,
             oversubscribed: cfg.peers.local_size(cfg.rank) > crate::host_cpus(),
-        }))
-    }
-
-    /// How many frames were refused for carrying an older epoch, and the
-    /// last such refusal.
-    pub fn refusals(&self) -> (u64, Option<TransportError>) {
-        (self.matcher.refused(), self.matcher.last_refusal())
+        };
+        Ok((wire, matcher, ecfg))
     }
 }
 
@@ -597,30 +606,21 @@ async fn answer_hello(cfg: &TcpConfig, mut s: TcpStream) -> Result<(Rank, TcpStr
     }
 }
 
-impl Transport for TcpTransport {
-    fn rank(&self) -> Rank {
-        self.rank
-    }
-
-    fn size(&self) -> usize {
-        self.size
-    }
-
-    fn matcher(&self) -> &Matcher {
-        &self.matcher
-    }
-
-    fn version(&self) -> ClusterVersion {
-        self.version
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        Capabilities {
+impl Wire for TcpWire {
+    fn caps(&self) -> Caps {
+        Caps {
             name: "tcp",
             max_frame: self.max_frame,
-            zero_copy: false,
+            inject: false,
+            holds_sends: false,
+            polled: false,
+            lends: false,
             needs_registration: false,
         }
+    }
+
+    fn reaches(&self, peer: Rank) -> bool {
+        self.writers.get(peer.idx()).is_some_and(Option::is_some)
     }
 
     async fn send(
@@ -629,15 +629,9 @@ impl Transport for TcpTransport {
         mut header: Header,
         payload: Bytes,
     ) -> Result<(), TransportError> {
+        let size = self.writers.len();
         let writer = self.writers.get(to.idx()).and_then(Option::as_ref);
-        self.matcher.check_send(
-            to,
-            self.size,
-            writer.is_some(),
-            payload.len(),
-            self.max_frame,
-        )?;
-        let writer = writer.expect("checked");
+        let writer = writer.ok_or(TransportError::NoSuchPeer { peer: to, size })?;
         header.len = payload.len() as u64;
         let (done, wait) = oneshot::channel();
         let msg = Outgoing {
@@ -650,23 +644,6 @@ impl Transport for TcpTransport {
             .await
             .map_err(|_| TransportError::Closed)?;
         wait.await.map_err(|_| TransportError::Closed)?
-    }
-
-    fn recv<'a>(
-        &'a self,
-        tag: OpTag,
-        from: &'a PeerSet,
-        deadline: Instant,
-    ) -> impl std::future::Future<Output = Result<Frame, TransportError>> + Send + 'a {
-        recv_spinning(
-            &self.matcher,
-            tag,
-            from,
-            deadline,
-            self.spin,
-            self.oversubscribed,
-            || false,
-        )
     }
 
     async fn close(&self, linger: Duration) {
@@ -695,7 +672,6 @@ impl Transport for TcpTransport {
     }
 
     fn shutdown(&self) {
-        self.matcher.close();
         let tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|e| e.into_inner()));
         let readers = std::mem::take(&mut *self.readers.lock().unwrap_or_else(|e| e.into_inner()));
         for t in tasks.into_iter().chain(readers) {
@@ -704,7 +680,7 @@ impl Transport for TcpTransport {
     }
 }
 
-impl Drop for TcpTransport {
+impl Drop for TcpWire {
     fn drop(&mut self) {
         self.shutdown();
     }
