@@ -20,15 +20,13 @@
 //! # Ok(()) }
 //! ```
 
-use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use kungfu_collectives::{CollectiveError, Element, ReduceOp, Session, SessionConfig};
 use kungfu_topology::{PeerList, Rank, Strategy};
-use kungfu_transport::any::AnyTransport;
-use kungfu_transport::hybrid::HybridTransport;
-use kungfu_transport::shm::{ShmConfig, ShmTransport};
-use kungfu_transport::tcp::{TcpConfig, TcpTransport};
+use kungfu_transport::any::{self, AnyTransport};
+use kungfu_transport::shm::ShmConfig;
+use kungfu_transport::tcp::TcpConfig;
 use kungfu_transport::{ClusterVersion, Epoch, TransportError};
 use tokio::net::TcpListener;
 use tokio::time::Instant;
@@ -463,15 +461,13 @@ async fn connect(
         }
         "shm" | "auto" if one_host => {
             drop(listener);
-            AnyTransport::Shm(ShmTransport::connect(shm_cfg()).await?)
+            any::connect_shm(shm_cfg()).await?
         }
-        "auto" => AnyTransport::Hybrid(
-            HybridTransport::connect(tcp_cfg(), shm_cfg(), peers, listener).await?,
-        ),
-        _ => AnyTransport::Tcp(TcpTransport::connect(tcp_cfg(), listener).await?),
+        "auto" => any::connect_auto(tcp_cfg(), shm_cfg(), peers, listener).await?,
+        _ => any::connect_tcp(tcp_cfg(), listener).await?,
     };
     Ok(Session::new(
-        Arc::new(transport),
+        transport,
         peers.clone(),
         SessionConfig {
             strategy: env.strategy,

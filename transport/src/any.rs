@@ -1,116 +1,139 @@
-//! One type for "whichever backend the job chose", so that the layers
-//! above (the runtime, the C ABI) need not be generic over it.
+//! The job's choice of wires as one type, so that the layers above (the
+//! runtime, the C ABI) need not be generic over it: [`AnyTransport`] is the
+//! generic [`Endpoint`] over [`AnyWire`], an enum with a variant per wire.
+//! Calls dispatch with a `match`, never through a boxed future.
+//!
+//! Host-aware ("auto") is not a backend of its own: it is an endpoint over
+//! two wires, shared memory to the ranks of this host and TCP to the
+//! others, with one matcher, routed per peer ([`connect_auto`]).
+//! Hierarchical strategies (`BINARY_TREE_STAR`, ...) then use both at
+//! once: the star inside a host over shared memory, the tree across hosts
+//! over TCP.
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kungfu_topology::Rank;
+use kungfu_topology::{PeerList, Rank};
+use tokio::net::TcpListener;
 
-use crate::endpoint::Matcher;
-use crate::hybrid::HybridTransport;
-use crate::shm::ShmTransport;
-use crate::tcp::TcpTransport;
-use crate::{
-    Capabilities, ClusterVersion, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
-};
+use crate::endpoint::{Endpoint, Matcher, Pump};
+use crate::region::Region;
+use crate::shm::{ShmConfig, ShmWire};
+use crate::tcp::{TcpConfig, TcpWire};
+use crate::wire::{Apply, Caps, Wire};
+use crate::{Header, OpTag, PeerSet, TransportError};
 
-/// A TCP, shared-memory or hybrid endpoint.
-pub enum AnyTransport {
-    Tcp(Arc<TcpTransport>),
-    Shm(Arc<ShmTransport>),
-    Hybrid(Arc<HybridTransport>),
+/// A TCP or shared-memory wire.
+// One or two per process, in the endpoint's vector: boxing the larger one
+// would only add a pointer chase to every send.
+#[allow(clippy::large_enum_variant)]
+pub enum AnyWire {
+    Tcp(TcpWire),
+    Shm(ShmWire),
 }
 
-type Boxed<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+/// An endpoint over the wires the job chose.
+pub type AnyTransport = Endpoint<AnyWire>;
 
 macro_rules! each {
-    ($self:ident, $t:ident => $e:expr) => {
+    ($self:ident, $w:ident => $e:expr) => {
         match $self {
-            AnyTransport::Tcp($t) => $e,
-            AnyTransport::Shm($t) => $e,
-            AnyTransport::Hybrid($t) => $e,
+            AnyWire::Tcp($w) => $e,
+            AnyWire::Shm($w) => $e,
         }
     };
 }
 
-impl Transport for AnyTransport {
-    fn rank(&self) -> Rank {
-        each!(self, t => t.rank())
+impl Wire for AnyWire {
+    fn caps(&self) -> Caps {
+        each!(self, w => w.caps())
     }
 
-    fn size(&self) -> usize {
-        each!(self, t => t.size())
+    fn reaches(&self, peer: Rank) -> bool {
+        each!(self, w => w.reaches(peer))
     }
 
-    fn matcher(&self) -> &Matcher {
-        each!(self, t => t.matcher())
+    fn register(&self, region: &Arc<Region>) -> Result<(), TransportError> {
+        each!(self, w => w.register(region))
     }
 
-    fn version(&self) -> ClusterVersion {
-        each!(self, t => t.version())
+    fn inject(&self, to: Rank, header: Header, payload: &[u8]) -> Result<bool, TransportError> {
+        each!(self, w => w.inject(to, header, payload))
     }
 
-    fn capabilities(&self) -> Capabilities {
-        each!(self, t => t.capabilities())
+    async fn send(&self, to: Rank, header: Header, payload: Bytes) -> Result<(), TransportError> {
+        each!(self, w => w.send(to, header, payload).await)
     }
 
-    fn send(
-        &self,
-        to: Rank,
-        header: Header,
-        payload: Bytes,
-    ) -> impl Future<Output = Result<(), TransportError>> + Send {
-        let f: Boxed<'_, _> = each!(self, t => Box::pin(t.send(to, header, payload)));
-        f
+    fn pump(&self, tag: OpTag, from: &PeerSet, apply: Option<Apply<'_>>) -> Pump {
+        each!(self, w => w.pump(tag, from, apply))
     }
 
-    fn recv<'a>(
-        &'a self,
-        tag: OpTag,
-        from: &'a PeerSet,
-        deadline: Instant,
-    ) -> impl Future<Output = Result<Frame, TransportError>> + Send + 'a {
-        let f: Boxed<'a, _> = each!(self, t => Box::pin(t.recv(tag, from, deadline)));
-        f
+    fn set_polling(&self, on: bool) {
+        each!(self, w => w.set_polling(on))
     }
 
-    fn recv_in_place<'a, F>(
-        &'a self,
-        tag: OpTag,
-        from: &'a PeerSet,
-        deadline: Instant,
-        apply: F,
-    ) -> impl Future<Output = Result<Option<Frame>, TransportError>> + Send + 'a
-    where
-        F: FnMut(Rank, &Header, &[&[u8]]) -> bool + Send + 'a,
-    {
-        let f: Boxed<'a, _> =
-            each!(self, t => Box::pin(t.recv_in_place(tag, from, deadline, apply)));
-        f
+    fn going_to_sleep(&self) {
+        each!(self, w => w.going_to_sleep())
     }
 
-    fn try_send_now(
-        &self,
-        to: Rank,
-        header: Header,
-        payload: &[u8],
-    ) -> Result<bool, TransportError> {
-        each!(self, t => t.try_send_now(to, header, payload))
-    }
-
-    fn sends_in_place(&self, to: Rank) -> bool {
-        each!(self, t => t.sends_in_place(to))
-    }
-
-    fn close(&self, linger: Duration) -> impl Future<Output = ()> + Send + '_ {
-        let f: Boxed<'_, _> = each!(self, t => Box::pin(t.close(linger)));
-        f
+    async fn close(&self, linger: Duration) {
+        each!(self, w => w.close(linger).await)
     }
 
     fn shutdown(&self) {
-        each!(self, t => t.shutdown())
+        each!(self, w => w.shutdown())
     }
+}
+
+/// TCP to every peer.
+pub async fn connect_tcp(
+    cfg: TcpConfig,
+    listener: TcpListener,
+) -> Result<Arc<AnyTransport>, TransportError> {
+    let (rank, size, version) = (cfg.rank, cfg.peers.len(), cfg.version);
+    let (wire, matcher, ecfg) = TcpWire::connect(cfg, listener).await?;
+    let wires = vec![AnyWire::Tcp(wire)];
+    let e = Endpoint::new(rank, size, version, "tcp", matcher, wires, ecfg);
+    Ok(Arc::new(e))
+}
+
+/// Shared memory to every peer (all on this host).
+pub async fn connect_shm(cfg: ShmConfig) -> Result<Arc<AnyTransport>, TransportError> {
+    let (rank, size, version) = (cfg.rank, cfg.size, cfg.version);
+    let (wire, matcher, ecfg) = ShmWire::connect(cfg).await?;
+    let wires = vec![AnyWire::Shm(wire)];
+    let e = Endpoint::new(rank, size, version, "shm", matcher, wires, ecfg);
+    Ok(Arc::new(e))
+}
+
+/// Shared memory to the ranks on this rank's host, TCP to the others, one
+/// matcher for both. `tcp` and `shm` give every setting but the peer split
+/// and the matcher, which this fills in from `peers`, and the cluster
+/// version and starting epoch, which are `tcp`'s for both (one matcher, one
+/// epoch). Receives poll the rings as over shared memory alone (its spin);
+/// the runtime polls the sockets whenever they yield.
+pub async fn connect_auto(
+    mut tcp: TcpConfig,
+    mut shm: ShmConfig,
+    peers: &PeerList,
+    listener: TcpListener,
+) -> Result<Arc<AnyTransport>, TransportError> {
+    let me = tcp.rank;
+    let local: PeerSet = peers.hosts()[peers.host_of(me)].iter().copied().collect();
+    let matcher = Arc::new(Matcher::new(tcp.epoch, tcp.mailbox_bytes));
+    shm.version = tcp.version;
+    shm.epoch = tcp.epoch;
+    tcp.skip = local.clone();
+    tcp.matcher = Some(matcher.clone());
+    shm.local = Some(local);
+    shm.matcher = Some(matcher.clone());
+    let (size, version) = (peers.len(), tcp.version);
+    let (t, s) = tokio::join!(TcpWire::connect(tcp, listener), ShmWire::connect(shm));
+    let ((tcp, _, _), (shm, _, ecfg)) = (t?, s?);
+    // Shared memory first: a rank reached by both goes through the ring.
+    let wires = vec![AnyWire::Shm(shm), AnyWire::Tcp(tcp)];
+    let e = Endpoint::new(me, size, version, "shm+tcp", matcher, wires, ecfg);
+    Ok(Arc::new(e))
 }

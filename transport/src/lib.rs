@@ -1,19 +1,26 @@
 //! Byte movers for KungFu-rs.
 //!
-//! Every backend implements one small trait, [`Transport`]: send a framed
-//! message ([`Header`] + payload) to a rank, and receive the next frame of an
-//! op instance ([`OpTag`]) from a set of peers, with a deadline. The
-//! collectives above never see sockets, shared memory or completion queues.
+//! The collectives use one trait, [`Transport`]: send a framed message
+//! ([`Header`] + payload) to a rank, and receive the next frame of an op
+//! instance ([`OpTag`]) from a set of peers, with a deadline. They never see
+//! sockets, shared memory or completion queues.
 //!
-//! Backends here:
-//! - [`tcp::TcpTransport`]: tokio, one connection per peer pair,
-//!   `TCP_NODELAY`, a handshake that checks cluster id, cluster version,
-//!   epoch, ranks and the peer list.
-//! - [`shm::ShmTransport`]: shared memory between the ranks of one host,
-//!   a ring per ordered pair with spin-then-futex waiting.
-//! - [`hybrid::HybridTransport`]: shared memory inside a host, TCP across.
-//! - [`mem::MemNetwork`]: in-process, for tests; it can delay and reorder
-//!   frames with a seeded RNG and kill ranks.
+//! [`Transport`] is implemented once, by the generic
+//! [`endpoint::Endpoint`], which owns matching, epochs, strays, the
+//! back-pressure budget, lost peers and the receive loop, and routes each
+//! peer to a *wire*. A backend implements only the small [`wire::Wire`]
+//! trait. Wires here:
+//! - [`tcp::TcpWire`] ([`tcp::TcpTransport`]): tokio, one connection per
+//!   peer pair, `TCP_NODELAY`, a handshake that checks cluster id, cluster
+//!   version, epoch, ranks and the peer list.
+//! - [`shm::ShmWire`] ([`shm::ShmTransport`]): shared memory between the
+//!   ranks of one host, a ring per ordered pair with spin-then-futex
+//!   waiting.
+//! - [`mem::MemWire`] ([`mem::MemNetwork`]): in-process, for tests; it can
+//!   delay and reorder frames with a seeded RNG and kill ranks.
+//!
+//! Shared memory inside a host and TCP across is one endpoint over both
+//! wires ([`any::connect_auto`]), not a backend of its own.
 //!
 //! # Quick start
 //!
@@ -71,7 +78,6 @@ pub use peerset::PeerSet;
 pub mod any;
 pub mod endpoint;
 pub mod header;
-pub mod hybrid;
 pub mod mem;
 pub mod pool;
 // Raw pointers into op memory, behind the share table.

@@ -23,20 +23,21 @@
 //!   memory rings itself, or the runtime polling sockets when the task
 //!   yields), then sleeps until a reader delivers or the deadline passes.
 //!
-//! Every backend still implements [`Transport`](crate::Transport) and owns
-//! a matcher, which [`Transport::matcher`](crate::Transport::matcher)
-//! returns. The trait's methods that only read or change the matcher's
-//! state (`epoch`, `advance_epoch`, `retire`, `recv_stray`, `check_peers`,
-//! `check_peers_for`, and a receive that does not spin) are provided on
-//! top of it, so a backend implements none of them. The hybrid backend
-//! gives one matcher to both of its backends.
+//! [`Endpoint`] is the one implementation of [`Transport`](crate::Transport)
+//! (a test double aside): a matcher and one or more wires
+//! ([`Wire`](crate::wire::Wire)), routed per peer. The trait's methods that
+//! only read or change the matcher's state (`epoch`, `advance_epoch`,
+//! `retire`, `recv_stray`, `check_peers`, `check_peers_for`) are provided on
+//! top of [`Transport::matcher`](crate::Transport::matcher). Shared memory
+//! inside a host and TCP across is one endpoint over two wires that deliver
+//! into one matcher.
 //!
 //! # Layer rule
 //!
 //! Backends call into this module; this module names no backend (not tcp,
-//! shm, mem or hybrid). What it needs from one comes in as an argument: the
-//! pump of the receive loop. Check that
-//! `grep -rn "crate::\(tcp\|shm\|mem\|hybrid\)" transport/src/endpoint`
+//! shm or mem). What it needs from one comes through the
+//! [`Wire`](crate::wire::Wire) trait. Check that
+//! `grep -rn "crate::\(tcp\|shm\|mem\|any\)" transport/src/endpoint`
 //! finds nothing.
 
 use crate::{Frame, Instant, OpTag, PeerSet, TransportError};

@@ -11,10 +11,11 @@ use kungfu_topology::Rank;
 use tokio::sync::oneshot;
 
 use super::ring::{Ring, SENDER_CLOSED};
-use super::ShmTransport;
-use crate::endpoint::{spin_recv, Matcher, Pump};
+use super::ShmWire;
+use crate::endpoint::{Matcher, Pump};
 use crate::pool::FramePool;
-use crate::{Frame, Header, Instant, OpTag, PeerSet, TransportError, HEADER_LEN};
+use crate::wire::Apply;
+use crate::{OpTag, PeerSet, TransportError, HEADER_LEN};
 
 /// A reader thread leaves frames to the receiving tasks for this long after
 /// they last polled the rings.
@@ -152,42 +153,11 @@ pub(super) fn read_loop(
     }
 }
 
-/// Marks the inbound rings polled while a receiving task spins on them,
-/// so senders skip waking the reader threads. A frame published while a
-/// sender saw the flag set, and left in the ring when the poller stopped,
-/// is taken by the next receive or by the reader thread after its bounded
-/// nap (`DEFER_TO_POLLER`, at most `NAP`).
-struct Polling<'a>(&'a ShmTransport);
-
-impl<'a> Polling<'a> {
-    fn start(t: &'a ShmTransport) -> Polling<'a> {
-        t.polled.touch();
-        if t.polling.fetch_add(1, Ordering::SeqCst) == 0 {
-            t.set_polling(1);
-        }
-        Polling(t)
-    }
-}
-
-impl Drop for Polling<'_> {
-    fn drop(&mut self) {
-        // the clock counts from the end of a spin phase (a receive that
-        // goes to sleep clears it afterwards)
-        self.0.polled.touch();
-        if self.0.polling.fetch_sub(1, Ordering::SeqCst) == 1 {
-            self.0.set_polling(0);
-        }
-    }
-}
-
-impl ShmTransport {
-    /// As [`ShmTransport::pump`], but a frame of `tag` from a rank in
+impl ShmWire {
+    /// As [`ShmWire::pump_all`], but a frame of `tag` from a rank in
     /// `from` is first lent in place to `apply`; if it consumes the frame,
     /// it leaves the ring with no copy, and this returns at once.
-    pub(super) fn pump_for<F>(&self, tag: OpTag, from: &PeerSet, apply: &mut F) -> Pump
-    where
-        F: FnMut(Rank, &Header, &[&[u8]]) -> bool,
-    {
+    pub(super) fn pump_for(&self, tag: OpTag, from: &PeerSet, apply: Apply<'_>) -> Pump {
         let mut res = Pump::Idle;
         for (peer, ring) in self.inbound.iter().enumerate() {
             let Some(ring) = ring else { continue };
@@ -232,43 +202,31 @@ impl ShmTransport {
         res
     }
 
-    /// A receive of `tag` that polls the rings itself with `pump` while it
-    /// spins (`Ok(None)`: `pump` consumed a frame of `tag` in place), then
-    /// sleeps until a reader thread delivers its frame or `deadline`.
-    pub(super) async fn recv_polling(
-        &self,
-        tag: OpTag,
-        from: &PeerSet,
-        deadline: Instant,
-        pump: impl FnMut() -> Pump + Send,
-    ) -> Result<Option<Frame>, TransportError> {
-        // Poll the rings ourselves while spinning. With more ranks than
-        // cores, yield to the OS between polls; measured on 2 cores, 4-byte
-        // allreduce: 4 ranks 280 -> 80..120 us, while 2 ranks are fastest
-        // without (5 us, against 30 us).
-        {
-            let _polling = Polling::start(self);
-            let spun = spin_recv(
-                &self.matcher,
-                tag,
-                from,
-                self.spin,
-                self.oversubscribed,
-                pump,
-            )
-            .await;
-            if let Some(r) = spun {
-                return r;
-            }
-            // the guard clears the polling flags as it drops
+    /// A receiving task starts polling the inbound rings: senders skip
+    /// waking the reader threads. A frame published while a sender saw the
+    /// flag set, and left in the ring when the poller stopped, is taken by
+    /// the next receive or by the reader thread after its bounded nap
+    /// (`DEFER_TO_POLLER`, at most `NAP`).
+    pub(super) fn polling_started(&self) {
+        self.polled.touch();
+        if self.polling.fetch_add(1, Ordering::SeqCst) == 0 {
+            self.set_polling(1);
         }
-        self.going_to_sleep();
-        self.matcher.recv(tag, from, deadline).await.map(Some)
+    }
+
+    /// The end of a spin phase (also of a receive dropped mid-spin).
+    pub(super) fn polling_stopped(&self) {
+        // the clock counts from the end of a spin phase (a receive that
+        // goes to sleep clears it afterwards)
+        self.polled.touch();
+        if self.polling.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.set_polling(0);
+        }
     }
 
     /// A receiving task stops polling and will sleep until a reader thread
     /// delivers its frame: the readers must not wait for it any longer.
-    fn going_to_sleep(&self) {
+    pub(super) fn sleeping(&self) {
         self.polled.clear();
         for ring in self.inbound.iter().flatten() {
             if ring.has_data() {
@@ -286,7 +244,7 @@ impl ShmTransport {
     /// Moves every whole frame that is already in an inbound ring into the
     /// matcher, without waiting and without the reader threads (a ring
     /// whose reader is busy is skipped). Returns whether it moved any.
-    pub(super) fn pump(&self) -> bool {
+    pub(super) fn pump_all(&self) -> bool {
         let none = PeerSet::new();
         let tag = OpTag {
             epoch: self.matcher.epoch(),

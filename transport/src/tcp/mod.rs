@@ -64,7 +64,7 @@ pub struct TcpConfig {
     /// Unmatched bytes held before the endpoint stops reading a peer.
     pub mailbox_bytes: usize,
     /// Ranks this endpoint does not connect to (another backend reaches
-    /// them; see [`crate::hybrid`]). Every rank must skip the same pairs.
+    /// them; see [`crate::any::connect_auto`]). Every rank must skip the same pairs.
     pub skip: PeerSet,
     /// A matcher shared with another backend.
     pub matcher: Option<Arc<Matcher>>,
