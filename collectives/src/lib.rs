@@ -39,6 +39,8 @@
 //!   reductions sum, min, max, prod, and avg for floats.
 //! - Every strategy of [`kungfu_topology::Strategy`]; large ops are cut
 //!   into chunks ([`SessionConfig::chunk_bytes`]) that pipeline.
+//! - Small allreduces fused into one per (type, operator), as Horovod
+//!   fuses small tensors: [`Session::group`] (see [`group`]).
 //! - Ranks that disagree on an op's count, type, reduction or root get a
 //!   [`CollectiveError::Mismatch`] naming them, on every rank.
 //!
@@ -59,6 +61,7 @@ mod abort;
 pub mod blocking;
 mod dtype;
 mod error;
+pub mod group;
 pub mod names;
 pub mod op;
 pub mod p2p;
@@ -73,6 +76,7 @@ pub use dtype::{
     sq_norm_f32, sq_norm_with_isa, DType, Element, KernelIsa, Order, ReduceOp,
 };
 pub use error::CollectiveError;
+pub use group::{Group, MemberCallback};
 pub use session::{
     Agreement, Callback, OpHandle, OpOutput, OpStats, PeerStats, Session, SessionConfig, SwapGate,
 };

@@ -135,7 +135,7 @@ pub struct OpHandle<O> {
 }
 
 impl<O> OpHandle<O> {
-    fn pair() -> (oneshot::Sender<Result<O, CollectiveError>>, OpHandle<O>) {
+    pub(crate) fn pair() -> (oneshot::Sender<Result<O, CollectiveError>>, OpHandle<O>) {
         let (tx, rx) = oneshot::channel();
         (tx, OpHandle { rx })
     }

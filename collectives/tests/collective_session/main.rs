@@ -16,6 +16,7 @@ use kungfu_transport::mem::{MemConfig, MemNetwork, MemTransport, SeededRng};
 use kungfu_transport::{Epoch, FrameKind, Header, OpTag};
 
 mod failures;
+mod group;
 mod ops;
 mod stats;
 mod swap;
