@@ -77,6 +77,7 @@ mod peerset;
 pub use peerset::PeerSet;
 pub mod any;
 pub mod endpoint;
+pub mod handshake;
 pub mod header;
 pub mod mem;
 pub mod pool;

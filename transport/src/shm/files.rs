@@ -12,9 +12,10 @@ use kungfu_topology::Rank;
 use memmap2::MmapMut;
 
 use super::hooks::{kill_point, Stage};
-use super::ring::{Ring, CTL};
+use super::ring::{Ring, RingIdentity, CTL};
 use super::ShmConfig;
-use crate::{ClusterVersion, TransportError};
+use crate::handshake::{self, Hello};
+use crate::{ClusterVersion, Epoch, TransportError};
 
 /// Where ring files live unless [`ShmConfig::dir`] says otherwise.
 pub const RING_DIR: &str = "/dev/shm";
@@ -117,6 +118,29 @@ fn create_inbound(
     Ok(ring)
 }
 
+/// Checks a peer's ring by the shared handshake's rules
+/// ([`handshake::check`]), as if its receiver `to`, which made it, had
+/// dialed us with what it wrote into it; then its size. Rings carry no
+/// peer-list digest: every rank of a host names its rings from the cluster
+/// id and version alone.
+fn check_ring(cfg: &ShmConfig, cap: usize, to: Rank, id: &RingIdentity) -> Result<(), String> {
+    let me = cfg.identity();
+    let hello = Hello {
+        from: Rank(id.to),
+        to: Rank(id.from),
+        version: ClusterVersion(id.version),
+        epoch: Epoch(id.epoch),
+        cluster_id: id.cluster,
+        peers_digest: me.peers_digest,
+    };
+    handshake::check(&me, &hello, |r| r == to)
+        .map_err(|(_, why)| format!("ring refused: {why}"))?;
+    if id.cap as usize != cap {
+        return Err(format!("ring size is {}, expected {cap}", id.cap));
+    }
+    Ok(())
+}
+
 fn open_outbound(
     cfg: &ShmConfig,
     cap: usize,
@@ -132,9 +156,14 @@ fn open_outbound(
                 let map = map_file(&file, CTL + cap)
                     .map_err(|e| format!("map {}: {e}", path.display()))?;
                 let ring = Ring::new(map, cap);
-                let ours = ring
-                    .check_identity(cfg.cluster_id, cfg.version.0, cfg.epoch.0, cfg.rank.0, to.0)
-                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                let ours = match ring.identity() {
+                    None => false,
+                    Some(id) => {
+                        check_ring(cfg, cap, to, &id)
+                            .map_err(|e| format!("{}: {e}", path.display()))?;
+                        true
+                    }
+                };
                 if ours {
                     // Both sides have it mapped now: the name has done its
                     // job. Unlinking it here, at the earliest point, leaves
@@ -245,4 +274,37 @@ fn populate_in_background(rings: Vec<Arc<Ring>>) {
                 }
             }
         });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peers_ring_is_checked_by_the_handshake_rules() {
+        // Rank 1 of 3 attaches to the ring rank 2 made for it.
+        let cfg = ShmConfig::new(0xfeed, ClusterVersion(4), Epoch(0), Rank(1), 3);
+        let good = RingIdentity {
+            cluster: 0xfeed,
+            version: 4,
+            epoch: 0,
+            from: 1,
+            to: 2,
+            cap: 4096,
+        };
+        assert_eq!(check_ring(&cfg, 4096, Rank(2), &good), Ok(()));
+        let refused = |id: RingIdentity| check_ring(&cfg, 4096, Rank(2), &id).unwrap_err();
+        let e = refused(RingIdentity { cluster: 1, ..good });
+        assert!(e.contains("cluster id 0x1 differs from ours 0xfeed"), "{e}");
+        let e = refused(RingIdentity { version: 3, ..good });
+        assert!(e.contains("peer is at version 3, we are at version 4"), "{e}");
+        let e = refused(RingIdentity { epoch: 1, ..good });
+        assert!(e.contains("epoch differs"), "{e}");
+        let e = refused(RingIdentity { from: 0, ..good });
+        assert!(e.contains("peer wanted rank 0"), "{e}");
+        let e = refused(RingIdentity { to: 0, ..good });
+        assert!(e.contains("may not dial"), "{e}");
+        let e = refused(RingIdentity { cap: 8192, ..good });
+        assert_eq!(e, "ring size is 8192, expected 4096");
+    }
 }

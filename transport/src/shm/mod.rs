@@ -120,6 +120,19 @@ pub struct ShmConfig {
 }
 
 impl ShmConfig {
+    /// Who this endpoint is, for the handshake's rules (no peer-list
+    /// digest: see `files::check_ring`).
+    pub(crate) fn identity(&self) -> crate::handshake::Identity {
+        crate::handshake::Identity {
+            cluster_id: self.cluster_id,
+            version: self.version,
+            epoch: self.epoch,
+            rank: self.rank,
+            size: self.size,
+            peers_digest: 0,
+        }
+    }
+
     /// Defaults: 4 MiB rings in `/dev/shm`, 64 MiB frames, a 256 MiB
     /// mailbox, 30 s to connect.
     pub fn new(

@@ -37,6 +37,19 @@ use crate::{Header, HEADER_LEN};
 const MAGIC: u64 = u64::from_le_bytes(*b"KFSHMv2\0");
 /// Bytes before the data region (control words on their own cache lines).
 pub(super) const CTL: usize = 4096;
+/// A ring's identity block, as its receiver wrote it at `init`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct RingIdentity {
+    pub(super) cluster: u64,
+    pub(super) version: u64,
+    pub(super) epoch: u32,
+    /// The sender it expects.
+    pub(super) from: u32,
+    /// The receiver that made it.
+    pub(super) to: u32,
+    pub(super) cap: u32,
+}
+
 const OFF_MAGIC: usize = 0;
 const OFF_CLUSTER: usize = 8;
 const OFF_EPOCH: usize = 16;
@@ -251,39 +264,20 @@ impl Ring {
         self.u64_at(OFF_MAGIC).store(MAGIC, Ordering::Release);
     }
 
-    /// Sender: `Ok(false)` while the receiver has not finished `init`;
-    /// an error if the ring is not the one expected.
-    pub(super) fn check_identity(
-        &self,
-        cluster: u64,
-        version: u64,
-        epoch: u32,
-        from: u32,
-        to: u32,
-    ) -> Result<bool, String> {
+    /// Sender: who made the ring, as its receiver wrote it; `None` while
+    /// the receiver has not finished `init`.
+    pub(super) fn identity(&self) -> Option<RingIdentity> {
         if self.u64_at(OFF_MAGIC).load(Ordering::Acquire) != MAGIC {
-            return Ok(false);
+            return None;
         }
-        if self.u64_at(OFF_CLUSTER).load(Ordering::Relaxed) != cluster {
-            return Err("another cluster's ring".into());
-        }
-        let got = self.u64_at(OFF_VERSION).load(Ordering::Relaxed);
-        if got != version {
-            return Err(format!("cluster version is {got}, expected {version}"));
-        }
-        let check = [
-            (OFF_EPOCH, epoch, "epoch"),
-            (OFF_FROM, from, "sender rank"),
-            (OFF_TO, to, "receiver rank"),
-            (OFF_CAP, self.cap as u32, "ring size"),
-        ];
-        for (off, want, what) in check {
-            let got = self.u32_at(off).load(Ordering::Relaxed);
-            if got != want {
-                return Err(format!("{what} is {got}, expected {want}"));
-            }
-        }
-        Ok(true)
+        Some(RingIdentity {
+            cluster: self.u64_at(OFF_CLUSTER).load(Ordering::Relaxed),
+            version: self.u64_at(OFF_VERSION).load(Ordering::Relaxed),
+            epoch: self.u32_at(OFF_EPOCH).load(Ordering::Relaxed),
+            from: self.u32_at(OFF_FROM).load(Ordering::Relaxed),
+            to: self.u32_at(OFF_TO).load(Ordering::Relaxed),
+            cap: self.u32_at(OFF_CAP).load(Ordering::Relaxed),
+        })
     }
 
     /// Sender: tells the receiver it has mapped the ring.

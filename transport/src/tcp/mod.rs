@@ -1,12 +1,11 @@
 //! TCP backend: one connection per pair of ranks, `TCP_NODELAY`.
 //!
-//! Rank `i` dials every rank below it and accepts every rank above it. The
-//! dialer opens with a hello (cluster id, cluster version, epoch, both
-//! ranks, the digest of the peer list); the acceptor answers with a
-//! status, and a mismatch is refused on both sides with an error that says
-//! what differs (a version and an epoch apart). A refused
-//! connection does not stop the acceptor from waiting for the right peer
-//! until the connect deadline, so a stray process cannot break a job.
+//! Rank `i` dials every rank below it and accepts every rank above it,
+//! each connection opened with the shared handshake ([`crate::handshake`]:
+//! cluster id, cluster version, epoch, both ranks, the digest of the peer
+//! list; a mismatch is refused on both sides, saying what differs). A
+//! refused connection does not stop the acceptor from waiting for the right
+//! peer until the connect deadline, so a stray process cannot break a job.
 //!
 //! After the handshake each connection has a reader task (frames into the
 //! [`Matcher`]; it stops reading while the matcher is full) and a writer task
@@ -19,7 +18,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kungfu_topology::{PeerList, Rank};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -30,20 +28,9 @@ use crate::wire::{Caps, Wire};
 use crate::{ClusterVersion, Epoch, Header, Instant, PeerSet, Transport, TransportError};
 
 use self::io::{read_loop, write_loop, Outgoing, WriterMsg};
+use crate::handshake::{self, Identity};
 
 mod io;
-
-const HELLO_MAGIC: [u8; 2] = *b"KH";
-/// 2: the hello and the answer carry the cluster version beside the epoch.
-const HELLO_VERSION: u8 = 2;
-const HELLO_LEN: usize = 40;
-const ACK_LEN: usize = 32;
-/// Magic, hello version and kind: read and checked before the rest, so a
-/// peer that speaks another hello version (of another length) is told so
-/// instead of waiting for bytes that never come.
-const PREFIX_LEN: usize = 4;
-const KIND_HELLO: u8 = 1;
-const KIND_ACK: u8 = 2;
 
 /// Settings of a TCP endpoint.
 #[derive(Clone)]
@@ -76,6 +63,18 @@ pub struct TcpConfig {
 }
 
 impl TcpConfig {
+    /// Who this endpoint is, for the handshake.
+    fn identity(&self) -> Identity {
+        Identity {
+            cluster_id: self.cluster_id,
+            version: self.version,
+            epoch: self.epoch,
+            rank: self.rank,
+            size: self.peers.len(),
+            peers_digest: self.peers.digest().0,
+        }
+    }
+
     /// Defaults: 30 s to connect, 64 MiB frames, a 256 MiB mailbox, 50 us
     /// of spinning before a receive sleeps.
     pub fn new(
@@ -98,209 +97,6 @@ impl TcpConfig {
             matcher: None,
             spin: Duration::from_micros(50),
         }
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Hello {
-    from: Rank,
-    to: Rank,
-    version: ClusterVersion,
-    epoch: Epoch,
-    cluster_id: u64,
-    peers_digest: u64,
-}
-
-/// Checks the first [`PREFIX_LEN`] bytes of a hello (`kind` 1) or an
-/// answer (`kind` 2).
-fn check_prefix(b: &[u8], kind: u8, what: &str) -> Result<(), String> {
-    if b[0..2] != HELLO_MAGIC || b[3] != kind {
-        return Err(format!(
-            "not a KungFu-rs {what} (first bytes {:02x?})",
-            &b[0..PREFIX_LEN]
-        ));
-    }
-    if b[2] != HELLO_VERSION {
-        return Err(format!(
-            "hello version {} (this build speaks {HELLO_VERSION})",
-            b[2]
-        ));
-    }
-    Ok(())
-}
-
-impl Hello {
-    /// Layout (little-endian): magic "KH", hello version, kind 1, from (4),
-    /// to (4), epoch (4), cluster id (8), peer list digest (8), cluster
-    /// version (8). Version 1 was the first 32 bytes of this.
-    fn encode(&self) -> [u8; HELLO_LEN] {
-        let mut b = [0u8; HELLO_LEN];
-        b[0..2].copy_from_slice(&HELLO_MAGIC);
-        b[2] = HELLO_VERSION;
-        b[3] = KIND_HELLO;
-        b[4..8].copy_from_slice(&self.from.0.to_le_bytes());
-        b[8..12].copy_from_slice(&self.to.0.to_le_bytes());
-        b[12..16].copy_from_slice(&self.epoch.0.to_le_bytes());
-        b[16..24].copy_from_slice(&self.cluster_id.to_le_bytes());
-        b[24..32].copy_from_slice(&self.peers_digest.to_le_bytes());
-        b[32..40].copy_from_slice(&self.version.0.to_le_bytes());
-        b
-    }
-
-    fn decode(b: &[u8; HELLO_LEN]) -> Result<Hello, String> {
-        check_prefix(b, KIND_HELLO, "hello")?;
-        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
-        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
-        Ok(Hello {
-            from: Rank(u32_at(4)),
-            to: Rank(u32_at(8)),
-            epoch: Epoch(u32_at(12)),
-            cluster_id: u64_at(16),
-            peers_digest: u64_at(24),
-            version: ClusterVersion(u64_at(32)),
-        })
-    }
-}
-
-/// The acceptor's answer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-enum Status {
-    Ok = 0,
-    Cluster = 1,
-    Epoch = 2,
-    NotMe = 3,
-    PeerList = 4,
-    BadRank = 5,
-    Malformed = 6,
-    /// Another cluster version (a code of its own, so that the refusal
-    /// says which of version and epoch differs).
-    Version = 7,
-}
-
-impl Status {
-    fn from_u8(v: u8) -> Option<Status> {
-        Some(match v {
-            0 => Status::Ok,
-            1 => Status::Cluster,
-            2 => Status::Epoch,
-            3 => Status::NotMe,
-            4 => Status::PeerList,
-            5 => Status::BadRank,
-            6 => Status::Malformed,
-            7 => Status::Version,
-            _ => return None,
-        })
-    }
-}
-
-struct Ack {
-    status: Status,
-    version: ClusterVersion,
-    epoch: Epoch,
-    rank: Rank,
-    cluster_id: u64,
-}
-
-impl Ack {
-    /// Layout: magic "KH", hello version, kind 2, status (1), 3 bytes of
-    /// zero, epoch (4), rank (4), cluster id (8), cluster version (8).
-    fn encode(&self) -> [u8; ACK_LEN] {
-        let mut b = [0u8; ACK_LEN];
-        b[0..2].copy_from_slice(&HELLO_MAGIC);
-        b[2] = HELLO_VERSION;
-        b[3] = KIND_ACK;
-        b[4] = self.status as u8;
-        b[8..12].copy_from_slice(&self.epoch.0.to_le_bytes());
-        b[12..16].copy_from_slice(&self.rank.0.to_le_bytes());
-        b[16..24].copy_from_slice(&self.cluster_id.to_le_bytes());
-        b[24..32].copy_from_slice(&self.version.0.to_le_bytes());
-        b
-    }
-
-    fn decode(b: &[u8; ACK_LEN]) -> Option<Ack> {
-        check_prefix(b, KIND_ACK, "answer").ok()?;
-        Some(Ack {
-            status: Status::from_u8(b[4])?,
-            epoch: Epoch(u32::from_le_bytes(b[8..12].try_into().ok()?)),
-            rank: Rank(u32::from_le_bytes(b[12..16].try_into().ok()?)),
-            cluster_id: u64::from_le_bytes(b[16..24].try_into().ok()?),
-            version: ClusterVersion(u64::from_le_bytes(b[24..32].try_into().ok()?)),
-        })
-    }
-}
-
-/// Checks a hello against this endpoint; `Err` carries the status to send
-/// back and a message for this side's error.
-fn check_hello(cfg: &TcpConfig, h: &Hello) -> Result<(), (Status, String)> {
-    let n = cfg.peers.len();
-    if h.cluster_id != cfg.cluster_id {
-        return Err((
-            Status::Cluster,
-            format!(
-                "cluster id {:#x} differs from ours {:#x}",
-                h.cluster_id, cfg.cluster_id
-            ),
-        ));
-    }
-    if h.version != cfg.version {
-        return Err((
-            Status::Version,
-            format!(
-                "cluster version differs: peer is at {}, we are at {}",
-                h.version, cfg.version
-            ),
-        ));
-    }
-    if h.epoch != cfg.epoch {
-        return Err((
-            Status::Epoch,
-            format!(
-                "epoch differs: peer is at {}, we are at {} (of {})",
-                h.epoch, cfg.epoch, cfg.version
-            ),
-        ));
-    }
-    if h.to != cfg.rank {
-        return Err((
-            Status::NotMe,
-            format!("peer wanted {}, this is {}", h.to, cfg.rank),
-        ));
-    }
-    if h.peers_digest != cfg.peers.digest().0 {
-        return Err((Status::PeerList, "peer lists differ".to_string()));
-    }
-    if h.from.idx() >= n || h.from <= cfg.rank || cfg.skip.contains(h.from) {
-        return Err((
-            Status::BadRank,
-            format!("{} may not dial {} in a cluster of {n}", h.from, cfg.rank),
-        ));
-    }
-    Ok(())
-}
-
-fn refusal_text(status: Status, ack: &Ack, cfg: &TcpConfig) -> String {
-    match status {
-        Status::Ok => "accepted".into(),
-        Status::Cluster => format!(
-            "refused: cluster id differs (peer {:#x}, ours {:#x})",
-            ack.cluster_id, cfg.cluster_id
-        ),
-        Status::Version => format!(
-            "refused: cluster version differs (peer at {}, we are at {})",
-            ack.version, cfg.version
-        ),
-        Status::Epoch => format!(
-            "refused: epoch differs (peer at {}, we are at {}, both of {})",
-            ack.epoch, cfg.epoch, cfg.version
-        ),
-        Status::NotMe => format!(
-            "refused: that address is {}, not the rank we dialed",
-            ack.rank
-        ),
-        Status::PeerList => "refused: the peer lists differ".into(),
-        Status::BadRank => format!("refused: {} may not dial that peer", cfg.rank),
-        Status::Malformed => "refused: malformed hello".into(),
     }
 }
 
@@ -454,29 +250,9 @@ async fn dial_one(
                 .map_err(|e| (true, format!("connect: {e}")))?;
             s.set_nodelay(true)
                 .map_err(|e| (true, format!("nodelay: {e}")))?;
-            let hello = Hello {
-                from: cfg.rank,
-                to: peer,
-                version: cfg.version,
-                epoch: cfg.epoch,
-                cluster_id: cfg.cluster_id,
-                peers_digest: cfg.peers.digest().0,
-            };
-            s.write_all(&hello.encode())
+            handshake::dial(&mut s, &cfg.identity(), peer)
                 .await
-                .map_err(|e| (true, format!("send hello: {e}")))?;
-            let mut b = [0u8; ACK_LEN];
-            s.read_exact(&mut b[..PREFIX_LEN])
-                .await
-                .map_err(|e| (true, format!("read answer: {e}")))?;
-            check_prefix(&b, KIND_ACK, "answer to hello").map_err(|e| (false, e))?;
-            s.read_exact(&mut b[PREFIX_LEN..])
-                .await
-                .map_err(|e| (true, format!("read answer: {e}")))?;
-            let ack = Ack::decode(&b).ok_or((false, "malformed answer to hello".to_string()))?;
-            if ack.status != Status::Ok {
-                return Err((false, refusal_text(ack.status, &ack, cfg)));
-            }
+                .map_err(|e| (e.retry, e.reason))?;
             Ok(s)
         })
         .await;
@@ -521,7 +297,7 @@ async fn accept_higher(
                 // Each handshake runs on its own so that a silent client
                 // cannot hold up the others.
                 pending.spawn(async move {
-                    let r = tokio::time::timeout_at(deadline, answer_hello(&cfg, s)).await;
+                    let r = tokio::time::timeout_at(deadline, answer(&cfg, s)).await;
                     (addr, r.unwrap_or_else(|_| Err("no hello before the deadline".into())))
                 });
             }
@@ -564,46 +340,14 @@ async fn accept_higher(
     Ok(out)
 }
 
-async fn answer_hello(cfg: &TcpConfig, mut s: TcpStream) -> Result<(Rank, TcpStream), String> {
+/// Answers a dialer's hello on `s` (the shared handshake): its rank, if
+/// accepted.
+async fn answer(cfg: &TcpConfig, mut s: TcpStream) -> Result<(Rank, TcpStream), String> {
     s.set_nodelay(true).map_err(|e| format!("nodelay: {e}"))?;
-    let mut b = [0u8; HELLO_LEN];
-    s.read_exact(&mut b[..PREFIX_LEN])
-        .await
-        .map_err(|e| format!("read hello: {e}"))?;
-    let mut ack = Ack {
-        status: Status::Ok,
-        version: cfg.version,
-        epoch: cfg.epoch,
-        rank: cfg.rank,
-        cluster_id: cfg.cluster_id,
-    };
-    if let Err(why) = check_prefix(&b, KIND_HELLO, "hello") {
-        // The rest may never come (another hello version is another
-        // length): answer now. Best effort, as below.
-        ack.status = Status::Malformed;
-        let _ = s.write_all(&ack.encode()).await;
-        return Err(why);
-    }
-    s.read_exact(&mut b[PREFIX_LEN..])
-        .await
-        .map_err(|e| format!("read hello: {e}"))?;
-    let verdict = Hello::decode(&b)
-        .map_err(|e| (Status::Malformed, e))
-        .and_then(|h| check_hello(cfg, &h).map(|()| h));
-    match verdict {
-        Ok(h) => {
-            s.write_all(&ack.encode())
-                .await
-                .map_err(|e| format!("send answer: {e}"))?;
-            Ok((h.from, s))
-        }
-        Err((status, why)) => {
-            ack.status = status;
-            // Best effort: the refusal is reported here either way.
-            let _ = s.write_all(&ack.encode()).await;
-            Err(why)
-        }
-    }
+    // Only higher ranks dial, and none that another wire reaches.
+    let may_dial = |r: Rank| r > cfg.rank && !cfg.skip.contains(r);
+    let from = handshake::answer(&mut s, &cfg.identity(), may_dial).await?;
+    Ok((from, s))
 }
 
 impl Wire for TcpWire {
@@ -683,78 +427,5 @@ impl Wire for TcpWire {
 impl Drop for TcpWire {
     fn drop(&mut self) {
         self.shutdown();
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn hello_round_trip_and_refusals() {
-        let h = Hello {
-            from: Rank(3),
-            to: Rank(1),
-            version: ClusterVersion(5),
-            epoch: Epoch(2),
-            cluster_id: 0xfeed,
-            peers_digest: 77,
-        };
-        assert_eq!(Hello::decode(&h.encode()), Ok(h));
-        let mut bad = h.encode();
-        bad[0] = 0;
-        assert!(Hello::decode(&bad).is_err());
-
-        let peers = PeerList::local(4);
-        let cfg = TcpConfig::new(0xfeed, ClusterVersion(5), Epoch(2), Rank(1), peers.clone());
-        let ok = Hello {
-            peers_digest: peers.digest().0,
-            ..h
-        };
-        assert_eq!(check_hello(&cfg, &ok), Ok(()));
-        let st = |h: Hello| check_hello(&cfg, &h).unwrap_err().0;
-        assert_eq!(
-            st(Hello {
-                cluster_id: 1,
-                ..ok
-            }),
-            Status::Cluster
-        );
-        assert_eq!(
-            st(Hello {
-                version: ClusterVersion(4),
-                ..ok
-            }),
-            Status::Version
-        );
-        assert_eq!(
-            st(Hello {
-                epoch: Epoch(1),
-                ..ok
-            }),
-            Status::Epoch
-        );
-        assert_eq!(st(Hello { to: Rank(2), ..ok }), Status::NotMe);
-        assert_eq!(
-            st(Hello {
-                peers_digest: 0,
-                ..ok
-            }),
-            Status::PeerList
-        );
-        assert_eq!(
-            st(Hello {
-                from: Rank(0),
-                ..ok
-            }),
-            Status::BadRank
-        );
-        assert_eq!(
-            st(Hello {
-                from: Rank(9),
-                ..ok
-            }),
-            Status::BadRank
-        );
     }
 }
