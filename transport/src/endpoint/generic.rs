@@ -140,12 +140,12 @@ impl<W: Wire> Transport for Endpoint<W> {
     }
 
     fn capabilities(&self) -> Capabilities {
-        let caps: Vec<Caps> = self.wires.iter().map(Wire::caps).collect();
+        let caps = || self.wires.iter().map(Wire::caps);
         Capabilities {
             name: self.name,
-            max_frame: caps.iter().map(|c| c.max_frame).min().unwrap_or(usize::MAX),
-            zero_copy: !caps.is_empty() && caps.iter().all(|c| c.lends),
-            needs_registration: caps.iter().any(|c| c.needs_registration),
+            max_frame: caps().map(|c| c.max_frame).min().unwrap_or(usize::MAX),
+            zero_copy: !self.wires.is_empty() && caps().all(|c| c.lends),
+            needs_registration: caps().any(|c| c.needs_registration),
         }
     }
 

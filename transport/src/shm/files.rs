@@ -297,7 +297,10 @@ mod tests {
         let e = refused(RingIdentity { cluster: 1, ..good });
         assert!(e.contains("cluster id 0x1 differs from ours 0xfeed"), "{e}");
         let e = refused(RingIdentity { version: 3, ..good });
-        assert!(e.contains("peer is at version 3, we are at version 4"), "{e}");
+        assert!(
+            e.contains("peer is at version 3, we are at version 4"),
+            "{e}"
+        );
         let e = refused(RingIdentity { epoch: 1, ..good });
         assert!(e.contains("epoch differs"), "{e}");
         let e = refused(RingIdentity { from: 0, ..good });
