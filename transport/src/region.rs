@@ -55,7 +55,7 @@ enum Owner {
 }
 
 #[derive(Clone, Debug)]
-struct Share {
+struct Entry {
     id: u64,
     range: Range<usize>,
     write: bool,
@@ -63,7 +63,7 @@ struct Share {
 
 #[derive(Default)]
 struct Table {
-    live: Vec<Share>,
+    live: Vec<Entry>,
     next: u64,
 }
 
@@ -162,7 +162,7 @@ impl Region {
         }
         let id = t.next;
         t.next += 1;
-        t.live.push(Share { id, range, write });
+        t.live.push(Entry { id, range, write });
         Ok(id)
     }
 
@@ -176,21 +176,21 @@ impl Region {
     /// A read share of `range`.
     pub fn read(self: &Arc<Self>, range: Range<usize>) -> Result<Mem, RegionError> {
         let id = self.share(range.clone(), false)?;
-        Ok(Mem {
+        Ok(Mem(Share {
             region: self.clone(),
             range,
             id,
-        })
+        }))
     }
 
     /// A write share of `range`: no other share may overlap it.
     pub fn write(self: &Arc<Self>, range: Range<usize>) -> Result<MemMut, RegionError> {
         let id = self.share(range.clone(), true)?;
-        Ok(MemMut {
+        Ok(MemMut(Share {
             region: self.clone(),
             range,
             id,
-        })
+        }))
     }
 
     /// How many shares are live (for tests and leak checks).
@@ -258,13 +258,83 @@ impl std::fmt::Debug for Region {
     }
 }
 
-/// A read share: `range` of a region, which no write share overlaps while
-/// this lives.
-pub struct Mem {
+/// A live entry of a region's share table; removed when dropped.
+struct Share {
     region: Arc<Region>,
     range: Range<usize>,
     id: u64,
 }
+
+impl Share {
+    /// The shared bytes.
+    ///
+    /// # Safety
+    /// No `&mut` to them may be live: for a read share the table excludes
+    /// writers; for a write share the caller holds `&self` of it.
+    unsafe fn slice(&self) -> &[u8] {
+        // SAFETY: in bounds (checked at share time), the buffer lives as
+        // long as `self.region`, and no mutable slice is live (the
+        // caller's promise).
+        unsafe {
+            std::slice::from_raw_parts(
+                self.region.ptr.as_ptr().add(self.range.start),
+                self.range.len(),
+            )
+        }
+    }
+}
+
+impl Drop for Share {
+    fn drop(&mut self) {
+        self.region.unshare(self.id);
+    }
+}
+
+/// What both kinds of share tell about themselves.
+macro_rules! share_accessors {
+    ($t:ident) => {
+        impl $t {
+            pub fn range(&self) -> Range<usize> {
+                self.0.range.clone()
+            }
+
+            pub fn len(&self) -> usize {
+                self.0.range.len()
+            }
+
+            pub fn is_empty(&self) -> bool {
+                self.0.range.is_empty()
+            }
+
+            pub fn region(&self) -> &Arc<Region> {
+                &self.0.region
+            }
+
+            pub fn as_slice(&self) -> &[u8] {
+                // SAFETY: a read share: the table excludes writers; a
+                // write share: `&self` excludes its `as_mut_slice`.
+                unsafe { self.0.slice() }
+            }
+        }
+
+        impl std::fmt::Debug for $t {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "{}({:?})", stringify!($t), self.0.range)
+            }
+        }
+    };
+}
+
+/// A read share: `range` of a region, which no write share overlaps while
+/// this lives.
+pub struct Mem(Share);
+
+/// A write share: `range` of a region, which no other share overlaps
+/// while this lives.
+pub struct MemMut(Share);
+
+share_accessors!(Mem);
+share_accessors!(MemMut);
 
 impl Mem {
     /// A read share of all of `b` (no copy).
@@ -274,113 +344,26 @@ impl Mem {
             .read(0..len)
             .expect("a fresh region has no shares")
     }
-
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: the range is in bounds (checked at share time) and no
-        // write share overlaps it while this share lives (the table);
-        // the region, and so the buffer, lives as long as `self.region`.
-        unsafe {
-            std::slice::from_raw_parts(
-                self.region.ptr.as_ptr().add(self.range.start),
-                self.range.len(),
-            )
-        }
-    }
-
-    pub fn range(&self) -> Range<usize> {
-        self.range.clone()
-    }
-
-    pub fn len(&self) -> usize {
-        self.range.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.range.is_empty()
-    }
-
-    pub fn region(&self) -> &Arc<Region> {
-        &self.region
-    }
 }
 
 impl Clone for Mem {
     fn clone(&self) -> Mem {
-        self.region
-            .read(self.range.clone())
+        self.0
+            .region
+            .read(self.0.range.clone())
             .expect("a live read share excludes writers, so another read share is allowed")
     }
 }
 
-impl Drop for Mem {
-    fn drop(&mut self) {
-        self.region.unshare(self.id);
-    }
-}
-
-impl std::fmt::Debug for Mem {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Mem({:?})", self.range)
-    }
-}
-
-/// A write share: `range` of a region, which no other share overlaps
-/// while this lives.
-pub struct MemMut {
-    region: Arc<Region>,
-    range: Range<usize>,
-    id: u64,
-}
-
 impl MemMut {
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        let s = &self.0;
         // SAFETY: in bounds (checked at share time); no other share
         // overlaps the range while this lives (the table), and `&mut self`
         // makes this the only slice of it.
         unsafe {
-            std::slice::from_raw_parts_mut(
-                self.region.ptr.as_ptr().add(self.range.start),
-                self.range.len(),
-            )
+            std::slice::from_raw_parts_mut(s.region.ptr.as_ptr().add(s.range.start), s.range.len())
         }
-    }
-
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: as in `as_mut_slice`; `&self` excludes the mutable slice.
-        unsafe {
-            std::slice::from_raw_parts(
-                self.region.ptr.as_ptr().add(self.range.start),
-                self.range.len(),
-            )
-        }
-    }
-
-    pub fn range(&self) -> Range<usize> {
-        self.range.clone()
-    }
-
-    pub fn len(&self) -> usize {
-        self.range.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.range.is_empty()
-    }
-
-    pub fn region(&self) -> &Arc<Region> {
-        &self.region
-    }
-}
-
-impl Drop for MemMut {
-    fn drop(&mut self) {
-        self.region.unshare(self.id);
-    }
-}
-
-impl std::fmt::Debug for MemMut {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "MemMut({:?})", self.range)
     }
 }
 
