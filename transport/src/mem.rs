@@ -107,10 +107,16 @@ impl MemTransport {
     /// Makes this rank vanish: every other endpoint sees it lost, and this
     /// endpoint is closed.
     pub fn kill(&self) {
+        self.vanish("killed");
+    }
+
+    /// Closes this endpoint and tells the others it is gone (`why`), as a
+    /// closed socket or ring tells a peer.
+    fn vanish(&self, why: &str) {
         self.net.dead[self.rank.idx()].store(true, Ordering::SeqCst);
         for (i, m) in self.net.matchers.iter().enumerate() {
             if i != self.rank.idx() {
-                m.fail_peer(self.rank, "killed");
+                m.fail_peer(self.rank, why);
             }
         }
         self.matcher().close();
@@ -163,19 +169,15 @@ impl Transport for MemTransport {
         mut header: Header,
         payload: Bytes,
     ) -> Result<(), TransportError> {
-        let size = self.size();
-        if to.idx() >= size {
-            return Err(TransportError::NoSuchPeer { peer: to, size });
-        }
-        if payload.len() > self.net.config.max_frame {
-            return Err(TransportError::FrameTooLarge {
-                len: payload.len(),
-                max: self.net.config.max_frame,
-            });
-        }
         if self.net.dead[self.rank.idx()].load(Ordering::SeqCst) {
             return Err(TransportError::Closed);
         }
+        let size = self.size();
+        // a rank is no peer of its own (as with every other backend)
+        let route = to.idx() < size && to != self.rank;
+        let max = self.net.config.max_frame;
+        self.matcher()
+            .check_send(to, size, route, payload.len(), max)?;
         header.len = payload.len() as u64;
         if let Some((_, max)) = self.net.config.delay {
             let nanos = max.as_nanos().max(1) as u64;
@@ -186,10 +188,11 @@ impl Transport for MemTransport {
             tokio::time::sleep(Duration::from_nanos(d)).await;
         }
         if self.net.dead[to.idx()].load(Ordering::SeqCst) {
-            return Err(TransportError::PeerLost {
-                peer: to,
-                reason: "killed".into(),
-            });
+            let reason = self
+                .matcher()
+                .lost_reason(to)
+                .unwrap_or_else(|| "gone".into());
+            return Err(TransportError::PeerLost { peer: to, reason });
         }
         match self.net.matchers[to.idx()]
             .deliver(self.rank, header, payload)
@@ -211,7 +214,9 @@ impl Transport for MemTransport {
         self.shutdown();
     }
 
+    /// Closes this endpoint; the others see it lost, as they would a
+    /// closed connection.
     fn shutdown(&self) {
-        self.matcher().close();
+        self.vanish("closed");
     }
 }
