@@ -297,6 +297,15 @@ impl ShmTransport {
         }
     }
 
+    /// A shut-down endpoint sends nothing: its rings may still have room,
+    /// but the frame would be written after the end of its stream.
+    fn check_open(&self) -> Result<(), TransportError> {
+        if self.stop.load(Ordering::Acquire) {
+            return Err(TransportError::Closed);
+        }
+        Ok(())
+    }
+
     /// How many frames receivers consumed straight from the rings, with no
     /// copy into an owned buffer.
     pub fn frames_lent(&self) -> u64 {
@@ -332,6 +341,7 @@ impl Transport for ShmTransport {
         mut header: Header,
         payload: &[u8],
     ) -> Result<bool, TransportError> {
+        self.check_open()?;
         let route = self.outbound.get(to.idx()).and_then(Option::as_ref);
         self.matcher.check_send(
             to,
@@ -363,6 +373,7 @@ impl Transport for ShmTransport {
         mut header: Header,
         payload: Bytes,
     ) -> Result<(), TransportError> {
+        self.check_open()?;
         let w = self.writers.get(to.idx()).and_then(Option::as_ref);
         self.matcher
             .check_send(to, self.size, w.is_some(), payload.len(), self.max_frame)?;
