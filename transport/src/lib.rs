@@ -69,6 +69,8 @@ use crate::endpoint::Matcher;
 mod peerset;
 pub use peerset::PeerSet;
 pub mod any;
+#[cfg(feature = "conformance")]
+pub mod conformance;
 pub mod endpoint;
 pub mod header;
 pub mod hybrid;
