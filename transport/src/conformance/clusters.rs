@@ -32,6 +32,10 @@ impl Cluster for Mem {
         MemNetwork::new(n, mem_config(&cfg, None))
     }
 
+    fn holds_sent_frames() -> bool {
+        false
+    }
+
     fn abandon(t: &MemTransport) {
         t.kill();
     }
@@ -51,6 +55,10 @@ impl Cluster for MemDelayed {
     async fn connect(n: usize, cfg: ConformanceConfig) -> Vec<Arc<MemTransport>> {
         let delay = Some((0x5eed, Duration::from_micros(200)));
         MemNetwork::new(n, mem_config(&cfg, delay))
+    }
+
+    fn holds_sent_frames() -> bool {
+        false
     }
 
     fn abandon(t: &MemTransport) {

@@ -217,7 +217,9 @@ pub async fn out_of_order<C: Cluster>() {
                             for _ in 0..chunks {
                                 let f = t.recv(tag, from, soon()).await;
                                 let f = f.unwrap_or_else(|e| panic!("{}: {e}", C::name()));
-                                assert!(from.contains(f.from), "{}: from {}", C::name(), f.from);
+                                let name = C::name();
+                                let what = "a frame from a rank not asked for";
+                                assert!(from.contains(f.from), "{name}: {what}: {}", f.from);
                                 let mut e = expect.lock().unwrap_or_else(|e| e.into_inner());
                                 e.arrived(f.from, &f.header, &f.payload);
                             }

@@ -7,8 +7,8 @@ use bytes::Bytes;
 use kungfu_topology::Rank;
 
 use super::{
-    eventually, join_all, one, others, poll_once, queued, rank, receive, send_ok, soon,
-    spawn_sends, tag, Cluster, ConformanceConfig, Expect, How, Msg,
+    eventually, join_all, one, others, queued, rank, receive, recv_ok, send_ok, soon, spawn_sends,
+    tag, Cluster, ConformanceConfig, Expect, How, Msg, Waiting, WAIT,
 };
 use crate::{Header, Instant, PeerSet, Transport, TransportError};
 
@@ -34,7 +34,11 @@ fn closed_is(name: &str, what: &str, r: Result<impl std::fmt::Debug, TransportEr
 /// to it; the survivors still exchange frames.
 pub async fn lost_peer<C: Cluster>() {
     let n = 4;
-    let cfg = ConformanceConfig::default();
+    let cfg = ConformanceConfig {
+        // a receive polled once is asleep: what ends it must wake it
+        spin: Duration::ZERO,
+        ..ConformanceConfig::default()
+    };
     let ts = C::connect(n, cfg.clone()).await;
     let victim = rank(3);
     let survivors = others(n, victim);
@@ -52,17 +56,16 @@ pub async fn lost_peer<C: Cluster>() {
         eventually(C::name(), "its frame is held", || queued(t) == len).await;
     }
     let y = tag(cfg.epoch, 42, 0);
-    let mut waiting = Vec::new();
-    for &s in &survivors {
-        let mut w = Box::pin(ts[s.idx()].recv(y, &gone, soon()));
-        let early = poll_once(&mut w).await;
-        assert!(early.is_pending(), "{}: {early:?}", C::name());
-        waiting.push(w);
-    }
+    let what = "a receive waiting for the rank that is lost";
+    let later = soon() + WAIT;
+    let waiting: Vec<_> = survivors
+        .iter()
+        .map(|s| Waiting::start(C::name(), what, ts[s.idx()].recv(y, &gone, later)))
+        .collect();
 
     C::abandon(&ts[victim.idx()]);
     for w in waiting {
-        lost_is(C::name(), "a waiting receive", w.await, victim);
+        lost_is(C::name(), what, w.outcome(C::name(), what).await, victim);
     }
     for (m, &s) in left.iter().zip(&survivors) {
         let t = &*ts[s.idx()];
@@ -84,10 +87,8 @@ pub async fn lost_peer<C: Cluster>() {
             t.recv(x, &gone, soon()).await,
             victim,
         );
-        let sent = tokio::time::timeout(
-            super::WAIT,
-            t.send(victim, m.header, Bytes::from_static(b"late")),
-        );
+        let sent =
+            tokio::time::timeout(WAIT, t.send(victim, m.header, Bytes::from_static(b"late")));
         let sent = sent.await.expect("a send to a lost peer ends");
         lost_is(C::name(), "a send", sent, victim);
     }
@@ -106,22 +107,39 @@ pub async fn lost_peer<C: Cluster>() {
     }
 }
 
-/// Rank 0 sends frames to ranks 1 and 2 and closes while they stay open:
-/// `close` returns by its linger, the frames all arrive, and the peers see
-/// rank 0 gone. Afterwards every operation of rank 0 fails with `Closed`
-/// (`try_send_now` may instead decline). Then rank 1 shuts down with a
-/// receive and a stray receive pending: both fail with `Closed`.
+/// Rank 0 sends ranks 1 and 2, whose budgets are small, more than they
+/// have room for, and closes while they stay open: `close` returns by its
+/// linger, the frames all arrive (those that waited in flight too), and
+/// the peers see rank 0 gone. Afterwards every operation of rank 0 fails
+/// with `Closed` (`try_send_now` may instead decline). Then rank 1 shuts
+/// down with a receive and a stray receive pending: both fail with
+/// `Closed`.
+///
+/// Where the backend holds sent frames in flight
+/// ([`Cluster::holds_sent_frames`]) the sends finish before the receivers
+/// take anything, so frames are still in a ring or socket when rank 0
+/// closes. Where it does not, a send to a full receiver must wait, and
+/// the receivers take the frames before rank 0 closes.
 pub async fn closed_endpoint<C: Cluster>() {
     let n = 3;
-    let cfg = ConformanceConfig::default();
+    let budget = 2000;
+    let cfg = ConformanceConfig {
+        // a receive polled once is asleep: what ends it must wake it
+        spin: Duration::ZERO,
+        mailbox_bytes: budget,
+        ..ConformanceConfig::default()
+    };
     let ts = C::connect(n, cfg.clone()).await;
     let zero = rank(0);
     let x = tag(cfg.epoch, 51, 0);
+    let (from0, first) = (one(zero), 3000);
     let mut sends = Vec::new();
     let mut expects = Vec::new();
     for r in others(n, zero) {
         let mut expect = Expect::new::<C>();
-        let msgs: Vec<Msg> = [0, 1, 5000, 200_003, 17, 65_537]
+        // the first fills the receiver, the second waits for room, the
+        // others wait behind it
+        let msgs: Vec<Msg> = [first, 200_003, 1000, 0, 1, 17]
             .iter()
             .enumerate()
             .map(|(c, &len)| Msg::new(zero, r, x, c as u32, len))
@@ -130,20 +148,46 @@ pub async fn closed_endpoint<C: Cluster>() {
         expects.push((r, expect, msgs.len()));
         sends.push(spawn_sends(C::name(), &ts[0], msgs));
     }
-    join_all(C::name(), sends).await;
-    let linger = Duration::from_millis(300);
-    let closing = tokio::time::timeout(linger + super::WAIT, ts[0].close(linger));
-    assert!(closing.await.is_ok(), "{}: close did not return", C::name());
-
-    let from0 = one(zero);
-    for (r, mut expect, count) in expects {
-        let t = &*ts[r.idx()];
-        for _ in 0..count {
-            let f = t.recv(x, &from0, soon()).await;
-            let f = f.unwrap_or_else(|e| panic!("{}: a frame sent before close: {e}", C::name()));
-            expect.arrived(f.from, &f.header, &f.payload);
+    let receive_all = |expects: Vec<(Rank, Expect, usize)>| async {
+        for (r, mut expect, count) in expects {
+            let t = &*ts[r.idx()];
+            for _ in 0..count {
+                let f = t.recv(x, &from0, soon()).await;
+                let f =
+                    f.unwrap_or_else(|e| panic!("{}: a frame sent before close: {e}", C::name()));
+                expect.arrived(f.from, &f.header, &f.payload);
+            }
         }
-        let after = t.recv(tag(cfg.epoch, 52, 0), &from0, soon()).await;
+    };
+    let linger = Duration::from_millis(300);
+    let close = || async {
+        let closing = tokio::time::timeout(linger + WAIT, ts[0].close(linger));
+        assert!(closing.await.is_ok(), "{}: close did not return", C::name());
+    };
+    if C::holds_sent_frames() {
+        join_all(C::name(), sends).await;
+        close().await;
+        receive_all(expects).await;
+    } else {
+        for (r, _, _) in &expects {
+            let t = &*ts[r.idx()];
+            eventually(C::name(), "the receiver is full", || queued(t) == first).await;
+        }
+        let waiting = sends.iter().filter(|s| !s.is_finished()).count();
+        assert_eq!(
+            waiting,
+            sends.len(),
+            "{}: sends to a full receiver finished, but the backend declares it holds no frame in flight",
+            C::name()
+        );
+        receive_all(expects).await;
+        join_all(C::name(), sends).await;
+        close().await;
+    }
+    for r in others(n, zero) {
+        let after = ts[r.idx()]
+            .recv(tag(cfg.epoch, 52, 0), &from0, soon())
+            .await;
         lost_is(C::name(), "a receive from the closed rank", after, zero);
     }
 
@@ -165,13 +209,13 @@ pub async fn closed_endpoint<C: Cluster>() {
 
     let t = &*ts[1];
     let two = one(rank(2));
-    let mut waiting = Box::pin(t.recv(tag(cfg.epoch, 54, 0), &two, soon()));
-    let mut stray = Box::pin(t.recv_stray(soon()));
-    assert!(poll_once(&mut waiting).await.is_pending(), "{}", C::name());
-    assert!(poll_once(&mut stray).await.is_pending(), "{}", C::name());
+    let later = soon() + WAIT;
+    let (r, s) = ("a pending recv", "a pending recv_stray");
+    let waiting = Waiting::start(C::name(), r, t.recv(tag(cfg.epoch, 54, 0), &two, later));
+    let stray = Waiting::start(C::name(), s, t.recv_stray(later));
     t.shutdown();
-    closed_is(C::name(), "a pending recv", waiting.await);
-    closed_is(C::name(), "a pending recv_stray", stray.await);
+    closed_is(C::name(), r, waiting.outcome(C::name(), r).await);
+    closed_is(C::name(), s, stray.outcome(C::name(), s).await);
     let sent = t.send(rank(2), h, Bytes::from_static(b"x")).await;
     closed_is(C::name(), "send after shutdown", sent);
     ts[2].shutdown();
@@ -216,17 +260,14 @@ pub async fn bad_input<C: Cluster>() {
     let lying = Header { len: 999, ..h };
     let sent = t.send(rank(1), lying, Bytes::from_static(b"abc")).await;
     assert!(sent.is_ok(), "{}: {sent:?}", C::name());
-    let f = ts[1].recv(h.tag, &one(rank(0)), soon()).await.unwrap();
+    let f = recv_ok(C::name(), &*ts[1], h.tag, &one(rank(0))).await;
     assert_eq!(
         (f.header, &f.payload[..]),
         (Header { len: 3, ..h }, &b"abc"[..])
     );
     let m = Msg::new(rank(0), rank(1), tag(cfg.epoch, 62, 0), 0, max);
     send_ok(C::name(), t, &m).await;
-    let f = ts[1]
-        .recv(m.header.tag, &one(rank(0)), soon())
-        .await
-        .unwrap();
+    let f = recv_ok(C::name(), &*ts[1], m.header.tag, &one(rank(0))).await;
     assert_eq!(f.payload, m.payload);
     assert_eq!(queued(&*ts[1]), 0);
 }

@@ -46,11 +46,17 @@
 //! # Declared differences
 //!
 //! Where backends legitimately differ it is a declaration of the
-//! [`Cluster`], checked both ways, never a silent skip: today only
-//! [`Cluster::lends`] (shared memory lends frames in place; TCP and the
-//! in-memory network never do). A backend that declares lending must lend
-//! (and split a wrapped frame correctly); one that does not must never
-//! call the lending closure.
+//! [`Cluster`], checked both ways, never a silent skip:
+//!
+//! - [`Cluster::lends`]: shared memory lends frames in place; TCP and the
+//!   in-memory network never do. A backend that declares lending must
+//!   lend (and split a wrapped frame correctly); one that does not must
+//!   never call the lending closure.
+//! - [`Cluster::holds_sent_frames`]: a socket or a ring holds frames
+//!   whose send finished while the receiver has no room; the in-memory
+//!   network does not (a send to a full receiver waits). Where frames are
+//!   held, they must arrive although the sender closed meanwhile; where
+//!   not, the send must wait.
 //!
 //! # The surface under test
 //!
@@ -61,8 +67,9 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::task::Poll;
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -131,6 +138,15 @@ pub trait Cluster: 'static {
     fn lends(n: usize, from: Rank, to: Rank) -> bool {
         let _ = (n, from, to);
         false
+    }
+
+    /// Whether a send may finish while its receiver has no room (its
+    /// budget spent): the frame then waits in flight (a ring, a socket),
+    /// and must still arrive, even if the sender closes. Default: true.
+    /// The in-memory network has nowhere to hold a frame: its send
+    /// finishes only into the receiver's matcher.
+    fn holds_sent_frames() -> bool {
+        true
     }
 
     /// Makes the rank of `t` vanish as a crashed process would: its peers
@@ -455,6 +471,18 @@ async fn send_ok<T: Transport>(name: &str, t: &T, m: &Msg) {
     }
 }
 
+/// The next frame of `tag` from `from` at `t`, which must come within
+/// [`WAIT`].
+async fn recv_ok<T: Transport>(name: &str, t: &T, tag: OpTag, from: &PeerSet) -> Frame {
+    let r = t.recv(tag, from, soon()).await;
+    r.unwrap_or_else(|e| {
+        panic!(
+            "{name}: receiving op {} seq {} ({}): {e}",
+            tag.op, tag.seq, tag.epoch
+        )
+    })
+}
+
 /// Sends `msgs` in order from `t` on a task of their own.
 fn spawn_sends<T: Transport>(
     name: &'static str,
@@ -498,4 +526,53 @@ async fn eventually(name: &str, what: &str, mut cond: impl FnMut() -> bool) {
 /// does next happens while it waits, with no sleep to make that likely.
 async fn poll_once<F: Future + ?Sized>(f: &mut Pin<Box<F>>) -> Poll<F::Output> {
     std::future::poll_fn(|cx| Poll::Ready(f.as_mut().poll(cx))).await
+}
+
+/// A waker that records that it was woken.
+struct Flag(AtomicBool);
+
+impl Wake for Flag {
+    fn wake(self: Arc<Self>) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// An operation under way (polled once, pending), polled only when its
+/// own waker is woken, as an executor would: so a case sees that the event
+/// it causes (a peer lost, a shutdown) wakes the operation, rather than
+/// finding the outcome by polling it again itself.
+struct Waiting<F: Future> {
+    fut: Pin<Box<F>>,
+    flag: Arc<Flag>,
+}
+
+impl<F: Future> Waiting<F> {
+    /// Polls `fut` once; it must be pending.
+    fn start(name: &str, what: &str, fut: F) -> Waiting<F> {
+        let mut w = Waiting {
+            fut: Box::pin(fut),
+            flag: Arc::new(Flag(AtomicBool::new(false))),
+        };
+        assert!(w.poll().is_pending(), "{name}: {what} finished at once");
+        w
+    }
+
+    fn poll(&mut self) -> Poll<F::Output> {
+        let waker = Waker::from(self.flag.clone());
+        self.fut.as_mut().poll(&mut Context::from_waker(&waker))
+    }
+
+    /// Its outcome, polling it each time it is woken; panics if it is not
+    /// woken within [`WAIT`] (give the operation a later deadline, so
+    /// that its own timer does not do the waking).
+    async fn outcome(mut self, name: &str, what: &str) -> F::Output {
+        loop {
+            let flag = &self.flag.0;
+            let woken = format!("{what} is woken");
+            eventually(name, &woken, || flag.swap(false, Ordering::SeqCst)).await;
+            if let Poll::Ready(v) = self.poll() {
+                return v;
+            }
+        }
+    }
 }
