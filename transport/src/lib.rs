@@ -52,6 +52,12 @@
 //! it; other peers stay usable. [`TransportError::Closed`] poisons the whole
 //! endpoint.
 //!
+//! # Features
+//!
+//! - `conformance`: the module `conformance`, the suite every backend
+//!   must pass, generic over a factory of clusters (test code: the test
+//!   crates enable it, normal builds leave it out).
+//!
 //! # Thread safety and cleanup
 //!
 //! Endpoints are `Send + Sync` and used through `Arc`. Dropping the last

@@ -36,7 +36,8 @@ fn sizes(cfg: &ConformanceConfig) -> Vec<usize> {
     ]
 }
 
-/// Frames of every size in [`sizes`] between every ordered pair of three
+/// Frames of many sizes (empty, 1, odd, around a ring and a header, larger
+/// than a ring, larger than a socket read) between every ordered pair of three
 /// ranks arrive intact: first through `recv`, then through `recv_in_place`
 /// (lent or owned, as the backend declares). Each receiver takes the
 /// sizes in the reverse order of sending, so large frames wait queued.

@@ -24,7 +24,7 @@
 //!   everything still arrives, and one frame larger than the budget passes.
 //! - [`closed_endpoint`]: close delivers what was sent and returns by its
 //!   linger; afterwards, and for operations pending at shutdown,
-//!   everything fails with [`TransportError::Closed`].
+//!   everything fails with [`TransportError::Closed`](crate::TransportError::Closed).
 //! - [`bad_input`]: ranks out of range, itself, oversized frames: clear
 //!   errors, no panic, the endpoint stays usable.
 //!
