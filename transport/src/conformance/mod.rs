@@ -303,7 +303,6 @@ fn shuffle<X>(v: &mut [X], seed: u64) {
 }
 
 /// The frames still due at one receiver; each may arrive once.
-#[derive(Default)]
 struct Expect {
     name: &'static str,
     due: std::collections::HashMap<(Rank, OpTag, u32), Msg>,
