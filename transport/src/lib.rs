@@ -59,6 +59,12 @@
 //! it; other peers stay usable. [`TransportError::Closed`] poisons the whole
 //! endpoint.
 //!
+//! # Features
+//!
+//! - `conformance`: the module `conformance`, the suite every backend
+//!   must pass, generic over a factory of clusters (test code: the test
+//!   crates enable it, normal builds leave it out).
+//!
 //! # Thread safety and cleanup
 //!
 //! Endpoints are `Send + Sync` and used through `Arc`. Dropping the last
@@ -76,6 +82,8 @@ use crate::endpoint::Matcher;
 mod peerset;
 pub use peerset::PeerSet;
 pub mod any;
+#[cfg(feature = "conformance")]
+pub mod conformance;
 pub mod endpoint;
 pub mod handshake;
 pub mod header;

@@ -135,13 +135,7 @@ impl Endpoint<MemWire> {
     /// Makes this rank vanish: every other endpoint sees it lost, and this
     /// endpoint is closed.
     pub fn kill(&self) {
-        let (net, me) = (&self.wires()[0].net, self.rank());
-        net.dead[me.idx()].store(true, Ordering::SeqCst);
-        for (i, m) in net.matchers.iter().enumerate() {
-            if i != me.idx() {
-                m.fail_peer(me, "killed");
-            }
-        }
+        self.wires()[0].vanish("killed");
         self.matcher().close();
     }
 
@@ -161,6 +155,19 @@ impl Endpoint<MemWire> {
     /// inspection in tests.
     pub fn mailbox_stats(&self) -> (usize, u64) {
         (self.matcher().queued_bytes(), self.matcher().refused())
+    }
+}
+
+impl MemWire {
+    /// This rank is gone (`why`): every other endpoint sees it lost, as a
+    /// closed socket or ring tells a peer, and it sends nothing more.
+    fn vanish(&self, why: &str) {
+        self.net.dead[self.rank.idx()].store(true, Ordering::SeqCst);
+        for (i, m) in self.net.matchers.iter().enumerate() {
+            if i != self.rank.idx() {
+                m.fail_peer(self.rank, why);
+            }
+        }
     }
 }
 
@@ -200,10 +207,10 @@ impl Wire for MemWire {
             tokio::time::sleep(Duration::from_nanos(d)).await;
         }
         if self.net.dead[to.idx()].load(Ordering::SeqCst) {
-            return Err(TransportError::PeerLost {
-                peer: to,
-                reason: "killed".into(),
-            });
+            let reason = self.net.matchers[self.rank.idx()]
+                .lost_reason(to)
+                .unwrap_or_else(|| "gone".into());
+            return Err(TransportError::PeerLost { peer: to, reason });
         }
         match self.net.matchers[to.idx()]
             .deliver(self.rank, header, payload)
@@ -222,7 +229,10 @@ impl Wire for MemWire {
 
     async fn close(&self, _linger: Duration) {
         // Sends are delivered synchronously: nothing is in flight.
+        self.vanish("closed");
     }
 
-    fn shutdown(&self) {}
+    fn shutdown(&self) {
+        self.vanish("closed");
+    }
 }

@@ -294,8 +294,8 @@ impl Matcher {
     }
 
     /// The checks every backend makes before it sends `len` bytes to
-    /// `to`: a rank it has a route to, a frame within `max_frame`, a peer
-    /// not lost.
+    /// `to`: a rank it has a route to, a frame within `max_frame`, an
+    /// endpoint not closed, a peer not lost.
     pub(crate) fn check_send(
         &self,
         to: Rank,
@@ -313,8 +313,17 @@ impl Matcher {
                 max: max_frame,
             });
         }
-        match self.lost_reason(to) {
-            Some(reason) => Err(TransportError::PeerLost { peer: to, reason }),
+        let inner = self.lock();
+        // A closed endpoint sends nothing, whatever its readers made of
+        // the peers as they stopped.
+        if inner.closed {
+            return Err(TransportError::Closed);
+        }
+        match inner.lost.get(&to) {
+            Some(reason) => Err(TransportError::PeerLost {
+                peer: to,
+                reason: reason.clone(),
+            }),
             None => Ok(()),
         }
     }

@@ -347,6 +347,15 @@ impl ShmWire {
         }
     }
 
+    /// A shut-down endpoint sends nothing: its rings may still have room,
+    /// but the frame would be written after the end of its stream.
+    fn check_open(&self) -> Result<(), TransportError> {
+        if self.stop.load(Ordering::Acquire) {
+            return Err(TransportError::Closed);
+        }
+        Ok(())
+    }
+
     /// How many frames receivers consumed straight from the rings, with no
     /// copy into an owned buffer.
     pub fn frames_lent(&self) -> u64 {
@@ -391,6 +400,7 @@ impl Wire for ShmWire {
     }
 
     fn inject(&self, to: Rank, mut header: Header, payload: &[u8]) -> Result<bool, TransportError> {
+        self.check_open()?;
         let size = self.outbound.len();
         let route = self.outbound.get(to.idx()).and_then(Option::as_ref);
         let ring = route.ok_or(TransportError::NoSuchPeer { peer: to, size })?;
@@ -412,6 +422,7 @@ impl Wire for ShmWire {
         mut header: Header,
         payload: Bytes,
     ) -> Result<(), TransportError> {
+        self.check_open()?;
         let size = self.writers.len();
         let w = self.writers.get(to.idx()).and_then(Option::as_ref);
         let w = w.ok_or(TransportError::NoSuchPeer { peer: to, size })?;

@@ -1,0 +1,239 @@
+//! The backends of this crate as [`Cluster`]s, each connected in this
+//! process: the in-memory network (plain, and with seeded delays that
+//! reorder frames), TCP over loopback, shared memory, and the host-aware
+//! routing (one endpoint over a shared-memory wire inside a host and a TCP
+//! wire across: two hosts on loopback, 127.0.0.1 and 127.0.0.2).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kungfu_topology::{Peer, PeerList, Rank};
+use tokio::net::TcpListener;
+
+use super::{Cluster, ConformanceConfig};
+use crate::any::{connect_auto, AnyTransport};
+use crate::mem::{MemConfig, MemNetwork, MemTransport};
+use crate::shm::{ShmConfig, ShmTransport};
+use crate::tcp::{TcpConfig, TcpTransport};
+use crate::ClusterVersion;
+
+const CONNECT: Duration = Duration::from_secs(20);
+
+/// The in-memory network.
+pub struct Mem;
+
+impl Cluster for Mem {
+    type T = MemTransport;
+
+    fn name() -> &'static str {
+        "mem"
+    }
+
+    async fn connect(n: usize, cfg: ConformanceConfig) -> Vec<Arc<MemTransport>> {
+        MemNetwork::new(n, mem_config(&cfg, None))
+    }
+
+    fn holds_sent_frames() -> bool {
+        false
+    }
+
+    fn abandon(t: &MemTransport) {
+        t.kill();
+    }
+}
+
+/// The in-memory network, every send first delayed by a seeded random
+/// time below 200 us, so frames overtake one another.
+pub struct MemDelayed;
+
+impl Cluster for MemDelayed {
+    type T = MemTransport;
+
+    fn name() -> &'static str {
+        "mem (delayed)"
+    }
+
+    async fn connect(n: usize, cfg: ConformanceConfig) -> Vec<Arc<MemTransport>> {
+        let delay = Some((0x5eed, Duration::from_micros(200)));
+        MemNetwork::new(n, mem_config(&cfg, delay))
+    }
+
+    fn holds_sent_frames() -> bool {
+        false
+    }
+
+    fn abandon(t: &MemTransport) {
+        t.kill();
+    }
+}
+
+fn mem_config(cfg: &ConformanceConfig, delay: Option<(u64, Duration)>) -> MemConfig {
+    MemConfig {
+        version: ClusterVersion(1),
+        epoch: cfg.epoch,
+        max_frame: cfg.max_frame,
+        mailbox_bytes: cfg.mailbox_bytes,
+        delay,
+    }
+}
+
+/// TCP over loopback, on free ports.
+pub struct Tcp;
+
+impl Cluster for Tcp {
+    type T = TcpTransport;
+
+    fn name() -> &'static str {
+        "tcp"
+    }
+
+    async fn connect(n: usize, cfg: ConformanceConfig) -> Vec<Arc<TcpTransport>> {
+        let (listeners, peers) = bind(&vec!["127.0.0.1"; n]).await;
+        let id = unique_cluster_id();
+        let tasks: Vec<_> = listeners
+            .into_iter()
+            .enumerate()
+            .map(|(i, l)| {
+                let c = tcp_config(&cfg, id, Rank(i as u32), &peers);
+                tokio::spawn(TcpTransport::connect(c, l))
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.expect("connect task").expect("tcp connect"));
+        }
+        out
+    }
+}
+
+fn tcp_config(cfg: &ConformanceConfig, id: u64, rank: Rank, peers: &PeerList) -> TcpConfig {
+    let mut c = TcpConfig::new(id, ClusterVersion(1), cfg.epoch, rank, peers.clone());
+    c.connect_timeout = CONNECT;
+    c.max_frame = cfg.max_frame;
+    c.mailbox_bytes = cfg.mailbox_bytes;
+    c.spin = cfg.spin;
+    c
+}
+
+/// Shared memory, with rings of [`ConformanceConfig::ring_bytes`].
+pub struct Shm;
+
+impl Cluster for Shm {
+    type T = ShmTransport;
+
+    fn name() -> &'static str {
+        "shm"
+    }
+
+    async fn connect(n: usize, cfg: ConformanceConfig) -> Vec<Arc<ShmTransport>> {
+        let id = unique_cluster_id();
+        let tasks: Vec<_> = (0..n)
+            .map(|i| {
+                tokio::spawn(ShmTransport::connect(shm_config(
+                    &cfg,
+                    id,
+                    Rank(i as u32),
+                    n,
+                )))
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.expect("connect task").expect("shm connect"));
+        }
+        out
+    }
+
+    fn lends(_: usize, _: Rank, _: Rank) -> bool {
+        true
+    }
+}
+
+fn shm_config(cfg: &ConformanceConfig, id: u64, rank: Rank, n: usize) -> ShmConfig {
+    let mut c = ShmConfig::new(id, ClusterVersion(1), cfg.epoch, rank, n);
+    c.ring_bytes = cfg.ring_bytes;
+    c.max_frame = cfg.max_frame;
+    c.mailbox_bytes = cfg.mailbox_bytes;
+    c.connect_timeout = CONNECT;
+    c.spin = cfg.spin;
+    c
+}
+
+/// Shared memory inside a host, TCP across: the first `ceil(n / 2)` ranks
+/// on host 127.0.0.1, the others on 127.0.0.2.
+pub struct Hybrid;
+
+impl Hybrid {
+    fn host(n: usize, r: Rank) -> usize {
+        usize::from(r.idx() >= n.div_ceil(2))
+    }
+}
+
+impl Cluster for Hybrid {
+    type T = AnyTransport;
+
+    fn name() -> &'static str {
+        "hybrid"
+    }
+
+    async fn connect(n: usize, cfg: ConformanceConfig) -> Vec<Arc<AnyTransport>> {
+        let hosts: Vec<&str> = (0..n)
+            .map(|i| ["127.0.0.1", "127.0.0.2"][Hybrid::host(n, Rank(i as u32))])
+            .collect();
+        let (listeners, peers) = bind(&hosts).await;
+        let id = unique_cluster_id();
+        let tasks: Vec<_> = listeners
+            .into_iter()
+            .enumerate()
+            .map(|(i, l)| {
+                let r = Rank(i as u32);
+                let (tcp, shm) = (tcp_config(&cfg, id, r, &peers), shm_config(&cfg, id, r, n));
+                let peers = peers.clone();
+                tokio::spawn(async move { connect_auto(tcp, shm, &peers, l).await })
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.expect("connect task").expect("hybrid connect"));
+        }
+        out
+    }
+
+    fn lends(n: usize, from: Rank, to: Rank) -> bool {
+        Hybrid::host(n, from) == Hybrid::host(n, to)
+    }
+}
+
+/// A listener on a free port of each host given, and the peer list they
+/// form.
+async fn bind(hosts: &[&str]) -> (Vec<TcpListener>, PeerList) {
+    let mut listeners = Vec::new();
+    let mut peers = Vec::new();
+    for h in hosts {
+        let l = TcpListener::bind((*h, 0)).await.expect("bind loopback");
+        let port = l.local_addr().expect("local address").port();
+        peers.push(Peer {
+            host: h.to_string(),
+            port,
+        });
+        listeners.push(l);
+    }
+    (listeners, PeerList::new(peers).expect("distinct ports"))
+}
+
+/// A cluster id no other cluster of this process or another uses (shared
+/// memory rings are named by it).
+fn unique_cluster_id() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let salt = [
+        std::process::id().to_le_bytes().as_slice(),
+        &NEXT.fetch_add(1, Ordering::Relaxed).to_le_bytes(),
+        b"conformance",
+    ]
+    .concat();
+    kungfu_topology::fnv1a64(now, &salt)
+}
