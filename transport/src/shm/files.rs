@@ -266,12 +266,8 @@ fn populate_in_background(rings: Vec<Arc<Ring>>) {
             // In pieces: populating holds the process's memory-map lock,
             // which spawning a thread (its stack) also needs.
             const PIECE: usize = 256 << 10;
-            for map in rings.iter().filter_map(|r| r.map()) {
-                let len = map.len();
-                for off in (0..len).step_by(PIECE) {
-                    let _ =
-                        map.advise_range(memmap2::Advice::PopulateWrite, off, PIECE.min(len - off));
-                }
+            for ring in &rings {
+                ring.populate(PIECE);
             }
         });
 }
@@ -297,7 +293,10 @@ mod tests {
         let e = refused(RingIdentity { cluster: 1, ..good });
         assert!(e.contains("cluster id 0x1 differs from ours 0xfeed"), "{e}");
         let e = refused(RingIdentity { version: 3, ..good });
-        assert!(e.contains("peer is at version 3, we are at version 4"), "{e}");
+        assert!(
+            e.contains("peer is at version 3, we are at version 4"),
+            "{e}"
+        );
         let e = refused(RingIdentity { epoch: 1, ..good });
         assert!(e.contains("epoch differs"), "{e}");
         let e = refused(RingIdentity { from: 0, ..good });
