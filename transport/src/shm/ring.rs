@@ -19,7 +19,7 @@
 //! may make this side read or write outside the mapping, panic, or allocate
 //! without bound. So every position is reduced modulo `cap` before use,
 //! every length is checked against a snapshot of the published bytes
-//! ([`Published`]) that itself is at most `cap`, headers are decoded with a
+//! (`Published`) that itself is at most `cap`, headers are decoded with a
 //! bound on their length before anything is allocated, and what fails a
 //! check becomes an error naming the ring, reported as the peer being lost.
 //! The tests at the bottom run these paths over a heap buffer, so that Miri
@@ -156,10 +156,10 @@ pub(super) struct Ring {
     base: NonNull<u8>,
     /// Private: every bound below is computed from it.
     cap: usize,
-    /// Held by the one [`Consumer`]: the ring's reader thread, or a
+    /// Held by the one `Consumer`: the ring's reader thread, or a
     /// receiving task that polls the ring itself.
     consumer: Mutex<()>,
-    /// Held by the one [`Producer`]: the ring's writer thread for a whole
+    /// Held by the one `Producer`: the ring's writer thread for a whole
     /// (possibly waiting) frame, or a sender that writes a frame that fits
     /// at once, without a thread hand-off.
     producer: Mutex<()>,
