@@ -266,12 +266,8 @@ fn populate_in_background(rings: Vec<Arc<Ring>>) {
             // In pieces: populating holds the process's memory-map lock,
             // which spawning a thread (its stack) also needs.
             const PIECE: usize = 256 << 10;
-            for map in rings.iter().filter_map(|r| r.map()) {
-                let len = map.len();
-                for off in (0..len).step_by(PIECE) {
-                    let _ =
-                        map.advise_range(memmap2::Advice::PopulateWrite, off, PIECE.min(len - off));
-                }
+            for ring in &rings {
+                ring.populate(PIECE);
             }
         });
 }

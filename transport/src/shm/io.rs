@@ -98,7 +98,6 @@ pub(super) struct ReadPolicy {
 
 pub(super) fn read_loop(
     ring: &Ring,
-    lock: &std::sync::Mutex<()>,
     peer: Rank,
     matcher: &Matcher,
     stop: &AtomicBool,
@@ -106,8 +105,9 @@ pub(super) fn read_loop(
 ) {
     let (max_frame, eager, polled) = (policy.max_frame, policy.eager, &policy.polled);
     loop {
-        // Wait without the lock, so receivers may take frames themselves.
-        // The close flag before the data (see `Ring::read_exact`).
+        // Wait without the consumer lock, so receivers may take frames
+        // themselves. The close flag before the data (see
+        // `Consumer::read_exact`).
         let closed = ring.closed() & SENDER_CLOSED != 0;
         if !ring.has_data() {
             if closed {
@@ -130,11 +130,11 @@ pub(super) fn read_loop(
             continue;
         }
         let frame = {
-            let _taking = lock.lock().unwrap_or_else(|e| e.into_inner());
+            let mut taking = ring.consumer();
             if !ring.has_data() {
                 continue; // a receiver took it
             }
-            match ring.read_frame(max_frame, stop, |len| policy.frames.take(len)) {
+            match taking.read_frame(max_frame, stop, |len| policy.frames.take(len)) {
                 Ok(frame) => frame,
                 Err(e) => {
                     return matcher.fail_peer(
@@ -164,24 +164,26 @@ impl ShmWire {
             if !ring.has_data() {
                 continue;
             }
-            let Ok(_taking) = self.in_locks[peer].try_lock() else {
+            let Some(mut taking) = ring.try_consumer() else {
                 continue;
             };
             let sender = Rank(peer as u32);
             // A corrupt ring or a bad header is left for the reader thread
             // to report.
-            while let Ok(Some((header, p))) = ring.peek_frame(self.max_frame) {
+            while let Ok(Some((header, p))) = taking.peek_frame(self.max_frame) {
                 let len = header.len as usize;
-                let whole = HEADER_LEN + len; // len <= max_frame: no overflow
+                // len <= max_frame, which a configuration may set to anything
+                let Some(whole) = HEADER_LEN.checked_add(len) else {
+                    break;
+                };
                 if !p.holds(whole) {
                     break;
                 }
                 if header.tag == tag
                     && from.contains(sender)
-                    && ring.lend(&p, HEADER_LEN, len, |parts| apply(sender, &header, parts))
-                        == Some(true)
+                    && p.lend(HEADER_LEN, len, |parts| apply(sender, &header, parts)) == Some(true)
                 {
-                    ring.consume(&p, whole);
+                    p.consume(whole);
                     self.lent.fetch_add(1, Ordering::Relaxed);
                     return Pump::Consumed;
                 }
@@ -189,10 +191,10 @@ impl ShmWire {
                     break;
                 }
                 let mut payload = self.frames.take(len);
-                if !ring.peek(&p, HEADER_LEN, payload.as_mut()) {
+                if !p.peek(HEADER_LEN, payload.as_mut()) {
                     break;
                 }
-                ring.consume(&p, whole);
+                p.consume(whole);
                 match self.matcher.deliver_now(sender, header, payload.freeze()) {
                     Ok(()) | Err(TransportError::StaleEpoch { .. }) => res = Pump::Moved,
                     Err(_) => return res,
@@ -257,7 +259,6 @@ impl ShmWire {
 
 pub(super) fn write_loop(
     ring: &Ring,
-    lock: &std::sync::Mutex<()>,
     peer: Rank,
     rx: &std_mpsc::Receiver<WriterMsg>,
     matcher: &Matcher,
@@ -278,10 +279,10 @@ pub(super) fn write_loop(
         match msg {
             WriterMsg::Frame(h, payload, done) => {
                 if lost.is_none() {
-                    let _frame = lock.lock().unwrap_or_else(|e| e.into_inner());
-                    let r = ring
+                    let frame = ring.producer();
+                    let r = frame
                         .write_all(&h, stop)
-                        .and_then(|()| ring.write_all(&payload, stop));
+                        .and_then(|()| frame.write_all(&payload, stop));
                     if let Err(why) = r {
                         lost = Some(matcher.lose_writer(peer, why));
                     }

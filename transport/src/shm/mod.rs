@@ -172,13 +172,6 @@ pub struct ShmWire {
     writers: Vec<Option<std_mpsc::Sender<WriterMsg>>>,
     inbound: Vec<Option<Arc<Ring>>>,
     outbound: Vec<Option<Arc<Ring>>>,
-    /// Held while a frame is being written into a ring: by the writer
-    /// thread for a whole (possibly waiting) frame, or by a sender that
-    /// writes a frame that fits at once, without a thread hand-off.
-    out_locks: Vec<Arc<std::sync::Mutex<()>>>,
-    /// Held while a frame is taken out of an inbound ring: by its reader
-    /// thread, or by a receiving task that polls the rings itself.
-    in_locks: Vec<Arc<std::sync::Mutex<()>>>,
     /// Receiving tasks polling the inbound rings now (see
     /// `OFF_RECV_POLLING`).
     polling: std::sync::atomic::AtomicUsize,
@@ -251,9 +244,6 @@ impl ShmWire {
         let stop = Arc::new(AtomicBool::new(false));
         let mut writers = Vec::with_capacity(n);
         let mut readers_done = Vec::with_capacity(n);
-        let out_locks: Vec<Arc<std::sync::Mutex<()>>> = (0..n)
-            .map(|_| Arc::new(std::sync::Mutex::new(())))
-            .collect();
         for (peer, ring) in outbound.iter().enumerate() {
             let Some(ring) = ring.clone() else {
                 writers.push(None);
@@ -261,20 +251,17 @@ impl ShmWire {
             };
             let (tx, rx) = std_mpsc::channel();
             writers.push(Some(tx));
-            let (m, stop, lock) = (matcher.clone(), stop.clone(), out_locks[peer].clone());
+            let (m, stop) = (matcher.clone(), stop.clone());
             let peer = Rank(peer as u32);
             std::thread::Builder::new()
                 .name(format!("kungfu-shm-w{}", peer.0))
-                .spawn(move || write_loop(&ring, &lock, peer, &rx, &m, &stop))
+                .spawn(move || write_loop(&ring, peer, &rx, &m, &stop))
                 .map_err(|e| TransportError::Handshake {
                     peer: Some(peer),
                     addr: String::new(),
                     reason: format!("writer thread: {e}"),
                 })?;
         }
-        let in_locks: Vec<Arc<std::sync::Mutex<()>>> = (0..n)
-            .map(|_| Arc::new(std::sync::Mutex::new(())))
-            .collect();
         let oversubscribed =
             cfg.local.as_ref().map_or(n, |l| l.iter().count()) > crate::host_cpus();
         // An idle reader thread spins before it sleeps only when every
@@ -290,7 +277,7 @@ impl ShmWire {
             let Some(ring) = ring.clone() else { continue };
             let done = Arc::new(AtomicBool::new(false));
             readers_done.push(done.clone());
-            let (m, stop, lock) = (matcher.clone(), stop.clone(), in_locks[peer].clone());
+            let (m, stop) = (matcher.clone(), stop.clone());
             let peer = Rank(peer as u32);
             let policy = ReadPolicy {
                 max_frame: cfg.max_frame,
@@ -301,7 +288,7 @@ impl ShmWire {
             std::thread::Builder::new()
                 .name(format!("kungfu-shm-r{}", peer.0))
                 .spawn(move || {
-                    read_loop(&ring, &lock, peer, &m, &stop, &policy);
+                    read_loop(&ring, peer, &m, &stop, &policy);
                     done.store(true, Ordering::Release);
                 })
                 .map_err(|e| TransportError::Handshake {
@@ -326,8 +313,6 @@ impl ShmWire {
             writers,
             inbound,
             outbound,
-            out_locks,
-            in_locks,
             stop,
             readers_done,
             polling: std::sync::atomic::AtomicUsize::new(0),
@@ -406,10 +391,10 @@ impl Wire for ShmWire {
         let ring = route.ok_or(TransportError::NoSuchPeer { peer: to, size })?;
         header.len = payload.len() as u64;
         let h = header.encode();
-        let Ok(_frame) = self.out_locks[to.idx()].try_lock() else {
+        let Some(frame) = ring.try_producer() else {
             return Ok(false); // a frame is half written by the writer thread
         };
-        let sent = ring.closed() & RECEIVER_CLOSED == 0 && ring.try_write(&[&h, payload]);
+        let sent = ring.closed() & RECEIVER_CLOSED == 0 && frame.try_write(&[&h, payload]);
         if sent {
             self.after_send();
         }
@@ -429,11 +414,11 @@ impl Wire for ShmWire {
         header.len = payload.len() as u64;
         let h = header.encode();
         // Fast path: the frame fits now and no frame is half written.
-        if let (Some(Some(ring)), Ok(_frame)) = (
-            self.outbound.get(to.idx()),
-            self.out_locks[to.idx()].try_lock(),
-        ) {
-            if ring.closed() & RECEIVER_CLOSED == 0 && ring.try_write(&[&h, &payload]) {
+        if let Some(Some(ring)) = self.outbound.get(to.idx()) {
+            let sent = ring.try_producer().is_some_and(|frame| {
+                ring.closed() & RECEIVER_CLOSED == 0 && frame.try_write(&[&h, &payload])
+            });
+            if sent {
                 self.after_send();
                 return Ok(());
             }

@@ -19,19 +19,31 @@
 //! may make this side read or write outside the mapping, panic, or allocate
 //! without bound. So every position is reduced modulo `cap` before use,
 //! every length is checked against a snapshot of the published bytes
-//! ([`Published`]) that itself is at most `cap`, headers are decoded with a
+//! (`Published`) that itself is at most `cap`, headers are decoded with a
 //! bound on their length before anything is allocated, and what fails a
 //! check becomes an error naming the ring, reported as the peer being lost.
 //! The tests at the bottom run these paths over a heap buffer, so that Miri
 //! can check them (see `scripts/miri-shm.sh`).
+//!
+//! # Sides
+//!
+//! In this process at most one thread at a time may take bytes out of a
+//! ring and one put bytes in: two consumers would both read the bytes
+//! below `head` and both move `tail`, two producers would write the same
+//! free bytes. The types say who may (`sides.rs`): `Ring::consumer`
+//! returns a `Consumer` that holds the ring's consumer lock for as long as
+//! it lives, and only a `Consumer` reads, lends or consumes; likewise a
+//! `Producer` for writing. A `Published` snapshot borrows its `Consumer`
+//! mutably and is gone once it consumes, so bytes it lends are never ones
+//! the producer may already be overwriting. What needs no lock (whether
+//! data is waiting, the flags, the wake-ups) stays on [`Ring`].
 
 use std::ptr::NonNull;
 use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use memmap2::MmapMut;
-
-use crate::{Header, HEADER_LEN};
 
 /// v2: the cluster version (u64 at `OFF_VERSION`) joined the identity.
 const MAGIC: u64 = u64::from_le_bytes(*b"KFSHMv2\0");
@@ -130,7 +142,7 @@ fn pid_alive(pid: u32) -> bool {
 /// The memory a ring lives in.
 enum Backing {
     /// The shared file (the only kind outside tests).
-    Map(#[allow(dead_code)] MmapMut),
+    Map(MmapMut),
     /// A heap buffer, so that tests can run the protocol under Miri, which
     /// cannot map files.
     #[cfg(test)]
@@ -142,7 +154,15 @@ pub(super) struct Ring {
     /// Start of the control page; `CTL + cap` bytes are valid from here
     /// for as long as `mem` lives.
     base: NonNull<u8>,
-    pub(super) cap: usize,
+    /// Private: every bound below is computed from it.
+    cap: usize,
+    /// Held by the one `Consumer`: the ring's reader thread, or a
+    /// receiving task that polls the ring itself.
+    consumer: Mutex<()>,
+    /// Held by the one `Producer`: the ring's writer thread for a whole
+    /// (possibly waiting) frame, or a sender that writes a frame that fits
+    /// at once, without a thread hand-off.
+    producer: Mutex<()>,
     mem: Backing,
 }
 
@@ -152,9 +172,10 @@ pub(super) struct Ring {
 // one side at a time (the data region). A mapping may be used from any
 // thread.
 unsafe impl Send for Ring {}
-// SAFETY: as for `Send`: shared access goes through atomics and the SPSC
-// protocol, whose two sides each hold a lock of their own in
-// `ShmTransport` (`out_locks`, `in_locks`).
+// SAFETY: as for `Send`: shared access goes through atomics, and the data
+// region is touched only by a `Producer` or a `Consumer` (and their
+// `Published` snapshots), each of which holds its side's lock, so in this
+// process one thread at a time plays each side of the SPSC protocol.
 unsafe impl Sync for Ring {}
 
 impl Drop for Ring {
@@ -168,40 +189,29 @@ impl Drop for Ring {
     }
 }
 
-/// A receiver's snapshot of the published bytes: `avail` bytes from
-/// `tail`, with `head` read once (Acquire). Only the receiver, holding the
-/// ring's receive lock, consumes, and an honest sender only adds bytes, so
-/// the snapshot stays true until the receiver consumes. `avail <= cap`,
-/// which bounds every copy below to the data region, whatever the peer
-/// wrote.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Published {
-    tail: u64,
-    avail: usize,
-}
-
-impl Published {
-    /// Whether `n` bytes are published.
-    pub(super) fn holds(&self, n: usize) -> bool {
-        n <= self.avail
-    }
-
-    /// How many bytes are published.
-    pub(super) fn len(&self) -> usize {
-        self.avail
-    }
-}
-
 impl Ring {
     /// A ring over `map`, which must be `CTL + cap` bytes.
     pub(super) fn new(mut map: MmapMut, cap: usize) -> Ring {
         // What makes every access below in bounds: checked, not assumed.
         assert!(cap.is_power_of_two() && map.len() == CTL + cap);
         let base = NonNull::new(map.as_mut_ptr()).expect("mappings are not null");
+        // SAFETY: `base` is the start of `map`, `CTL + cap` bytes (checked
+        // above), which the ring will own.
+        unsafe { Ring::over(base, cap, Backing::Map(map)) }
+    }
+
+    /// # Safety
+    ///
+    /// `base` is the start of `CTL + cap` bytes of `mem`, aligned to a page,
+    /// that stay valid and in place until the ring is dropped; `cap` is a
+    /// power of two.
+    unsafe fn over(base: NonNull<u8>, cap: usize, mem: Backing) -> Ring {
         Ring {
             base,
             cap,
-            mem: Backing::Map(map),
+            consumer: Mutex::new(()),
+            producer: Mutex::new(()),
+            mem,
         }
     }
 
@@ -213,19 +223,27 @@ impl Ring {
         // SAFETY: the layout has a non-zero size.
         let p = unsafe { std::alloc::alloc_zeroed(layout) };
         let base = NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        Ring {
-            base,
-            cap,
-            mem: Backing::Heap(layout),
-        }
+        // SAFETY: `p` is `CTL + cap` bytes, 4096-aligned, freed only in
+        // `drop` with this layout; `cap` is a power of two (checked above).
+        unsafe { Ring::over(base, cap, Backing::Heap(layout)) }
     }
 
-    /// The whole mapping, for `madvise`.
-    pub(super) fn map(&self) -> Option<&MmapMut> {
+    /// Faults the mapping's pages in, writably, `piece` bytes per call
+    /// (see `files::populate_in_background`). Only the kernel touches the
+    /// memory (`MADV_POPULATE_WRITE` keeps its contents), so this needs no
+    /// side. The mapping itself stays private: as a `&MmapMut` it would
+    /// give safe code a plain `&[u8]` of memory the other side writes.
+    pub(super) fn populate(&self, piece: usize) {
         match &self.mem {
-            Backing::Map(m) => Some(m),
+            Backing::Map(m) => {
+                let len = m.len();
+                for off in (0..len).step_by(piece.max(1)) {
+                    let _ =
+                        m.advise_range(memmap2::Advice::PopulateWrite, off, piece.min(len - off));
+                }
+            }
             #[cfg(test)]
-            Backing::Heap(_) => None,
+            Backing::Heap(_) => {}
         }
     }
 
@@ -367,106 +385,23 @@ impl Ring {
         }
     }
 
-    /// Copies `src` into the ring at stream offset `at`, wrapping around.
-    ///
-    /// # Safety
-    /// `src.len() <= cap`, and bytes `[at, at + src.len())` must be free
-    /// and owned by the caller, the sender (`tail <= at` and `at + len <=
-    /// tail + cap`), and stay so until it publishes them by moving `head`.
-    unsafe fn copy_in(&self, at: u64, src: &[u8]) {
-        let pos = (at as usize) & (self.cap - 1);
-        let first = src.len().min(self.cap - pos);
-        // SAFETY: both pieces lie inside the data region (pos < cap, first
-        // <= cap - pos, the rest <= cap - first); the caller owns those
-        // bytes.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.data().add(pos), first);
-            std::ptr::copy_nonoverlapping(src.as_ptr().add(first), self.data(), src.len() - first);
-        }
-    }
-
-    /// Receiver: copies `dst.len()` bytes out of the ring, `skip` bytes
-    /// past the snapshot's tail, without consuming them. False (nothing
-    /// copied) if they are not all published.
-    pub(super) fn peek(&self, p: &Published, skip: usize, dst: &mut [u8]) -> bool {
-        let n = dst.len();
-        if !skip.checked_add(n).is_some_and(|end| p.holds(end)) {
-            return false;
-        }
-        let pos = (p.tail as usize).wrapping_add(skip) & (self.cap - 1);
-        let first = n.min(self.cap - pos);
-        // SAFETY: `n <= avail <= cap`, so both pieces lie inside the data
-        // region; they are published (head was read with Acquire) and the
-        // sender does not write them until `tail` passes them, which only
-        // this side moves; `dst` is a live slice of `n` bytes.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.data().add(pos), dst.as_mut_ptr(), first);
-            std::ptr::copy_nonoverlapping(self.data(), dst.as_mut_ptr().add(first), n - first);
-        }
-        true
-    }
-
-    /// Receiver: lends the `n` published bytes that start `skip` bytes
-    /// past the snapshot's tail to `f`, in one or two pieces (two where
-    /// they wrap around the ring's end), without consuming them. `None`
-    /// (and `f` not called) if they are not all published.
-    pub(super) fn lend<R>(
-        &self,
-        p: &Published,
-        skip: usize,
-        n: usize,
-        f: impl FnOnce(&[&[u8]]) -> R,
-    ) -> Option<R> {
-        if !skip.checked_add(n).is_some_and(|end| p.holds(end)) {
-            return None;
-        }
-        let pos = (p.tail as usize).wrapping_add(skip) & (self.cap - 1);
-        let first = n.min(self.cap - pos);
-        // SAFETY: as in `peek`: both pieces lie inside the data region and
-        // hold published bytes, which the sender does not write until
-        // `tail` passes them; `tail` moves only after `f` returns and the
-        // slices are gone, and only by the holder of the receive lock.
-        let (a, b) = unsafe {
-            (
-                std::slice::from_raw_parts(self.data().add(pos), first),
-                std::slice::from_raw_parts(self.data(), n - first),
-            )
-        };
-        Some(if b.is_empty() { f(&[a]) } else { f(&[a, b]) })
-    }
-
-    /// Receiver: the published bytes now, or why the indices are corrupt
-    /// (more than the ring holds: `head` ahead of `tail + cap`, or behind
-    /// `tail`).
-    pub(super) fn published(&self) -> Result<Published, String> {
+    /// `(tail, published bytes from tail)` now, or why the indices are
+    /// corrupt (more than the ring holds: `head` ahead of `tail + cap`, or
+    /// behind `tail`). Lock-free: only a `Consumer` acts on it.
+    fn snapshot(&self) -> Result<(u64, usize), String> {
         let head = self.u64_at(OFF_HEAD).load(Ordering::Acquire);
         let tail = self.u64_at(OFF_TAIL).load(Ordering::Relaxed);
         let avail = head.wrapping_sub(tail);
         if avail > self.cap as u64 {
             return Err(format!("ring corrupted (head {head}, tail {tail})"));
         }
-        Ok(Published {
-            tail,
-            avail: avail as usize,
-        })
+        Ok((tail, avail as usize))
     }
 
     /// Receiver: whether any byte is waiting (a corrupt ring counts: the
-    /// reader that looks finds out).
+    /// reader that looks finds out). Needs no side: it only looks.
     pub(super) fn has_data(&self) -> bool {
-        self.published().map_or(true, |p| p.avail > 0)
-    }
-
-    /// Receiver: consumes `n` bytes of the snapshot. False (nothing
-    /// consumed) if they are not all published.
-    pub(super) fn consume(&self, p: &Published, n: usize) -> bool {
-        if !p.holds(n) {
-            return false;
-        }
-        self.u64_at(OFF_TAIL)
-            .store(p.tail.wrapping_add(n as u64), Ordering::Release);
-        self.notify(OFF_SPACE_SEQ, OFF_SEND_SLEEPING);
-        true
+        self.snapshot().map_or(true, |(_, avail)| avail > 0)
     }
 
     /// The indices `(head, tail)` as they are now (for the testing hook).
@@ -475,14 +410,6 @@ impl Ring {
             self.u64_at(OFF_HEAD).load(Ordering::Acquire),
             self.u64_at(OFF_TAIL).load(Ordering::Acquire),
         )
-    }
-
-    /// Overwrites both indices, as a corrupt peer could (for the testing
-    /// hook): `tail`, then `head` with Release, then wakes a sleeper.
-    pub(super) fn set_indices(&self, head: u64, tail: u64) {
-        self.u64_at(OFF_TAIL).store(tail, Ordering::Release);
-        self.u64_at(OFF_HEAD).store(head, Ordering::Release);
-        self.wake_reader();
     }
 
     /// Reader thread: sleeps for `d` at most (a sender may wake it sooner).
@@ -494,90 +421,13 @@ impl Ring {
         self.u32_at(OFF_RECV_SLEEPING).store(0, Ordering::Relaxed);
     }
 
-    /// Sender: `(head, tail, free bytes from head)`, or why the indices
-    /// are corrupt.
-    fn free(&self) -> Result<(u64, u64, usize), String> {
-        let head = self.u64_at(OFF_HEAD).load(Ordering::Relaxed);
-        let tail = self.u64_at(OFF_TAIL).load(Ordering::Acquire);
-        let used = head.wrapping_sub(tail);
-        if used > self.cap as u64 {
-            return Err(format!("ring corrupted (head {head}, tail {tail})"));
-        }
-        Ok((head, tail, self.cap - used as usize))
-    }
-
-    /// Sender: appends all of `src`, waiting for space as needed.
-    pub(super) fn write_all(&self, mut src: &[u8], stop: &AtomicBool) -> Result<(), String> {
-        let head_w = self.u64_at(OFF_HEAD);
-        let tail_w = self.u64_at(OFF_TAIL);
-        let recv_pid = self.u32_at(OFF_RECV_PID).load(Ordering::Acquire);
-        while !src.is_empty() {
-            let (head, tail, free) = self.free()?;
-            if free == 0 {
-                // Wait for `tail` to move from the value that made the ring
-                // full (a fresh load here could already be the receiver's
-                // last move, and wait for one that never comes; Miri found
-                // it).
-                self.wait(
-                    OFF_SPACE_SEQ,
-                    OFF_SEND_SLEEPING,
-                    true,
-                    || tail_w.load(Ordering::Acquire) != tail,
-                    || {
-                        if stop.load(Ordering::Acquire) {
-                            Some("endpoint stopped".into())
-                        } else if self.closed() & RECEIVER_CLOSED != 0 {
-                            Some("receiver closed the ring".into())
-                        } else if !pid_alive(recv_pid) {
-                            Some(format!("receiving process {recv_pid} is gone"))
-                        } else {
-                            None
-                        }
-                    },
-                )?;
-                continue;
-            }
-            let n = free.min(src.len());
-            // SAFETY: `n <= free <= cap`; bytes [head, head + n) are free
-            // (the receiver consumed everything below `tail`, and `n <=
-            // free`); only this side writes them until `head` moves below.
-            unsafe { self.copy_in(head, &src[..n]) };
-            head_w.store(head.wrapping_add(n as u64), Ordering::Release);
-            self.notify(OFF_DATA_SEQ, OFF_RECV_SLEEPING);
-            src = &src[n..];
-        }
-        Ok(())
-    }
-
-    /// Sender: appends all of `parts` if they fit now, as one publication;
-    /// false (and nothing written) if they do not, or the ring is corrupt
-    /// (the caller then sends through `write_all`, which says so).
-    pub(super) fn try_write(&self, parts: &[&[u8]]) -> bool {
-        let Ok((head, _, free)) = self.free() else {
-            return false;
-        };
-        let total = parts.iter().try_fold(0usize, |t, p| t.checked_add(p.len()));
-        if total.is_none_or(|t| t > free) {
-            return false;
-        }
-        let mut at = head;
-        for p in parts {
-            // SAFETY: [head, head + total) is free (checked above, total <=
-            // free <= cap) and only this side writes it until `head` is
-            // published below.
-            unsafe { self.copy_in(at, p) };
-            at = at.wrapping_add(p.len() as u64);
-        }
-        self.u64_at(OFF_HEAD).store(at, Ordering::Release);
-        self.notify(OFF_DATA_SEQ, OFF_RECV_SLEEPING);
-        true
-    }
-
     /// Receiver: waits until data is published, the sender closed, or
     /// `give_up()` says why not. `eager` spins and yields first (for the
     /// rest of a frame); otherwise it sleeps at once (an idle reader
     /// thread: receiving tasks poll the rings themselves, and a spinning
-    /// reader thread would take their cores).
+    /// reader thread would take their cores). Needs no side: it only
+    /// looks, and a reader thread waits here without the consumer lock, so
+    /// that receiving tasks may take frames meanwhile.
     pub(super) fn wait_data(&self, stop: &AtomicBool, eager: bool) -> Result<(), String> {
         let head_w = self.u64_at(OFF_HEAD);
         let tail = self.u64_at(OFF_TAIL).load(Ordering::Relaxed);
@@ -598,79 +448,9 @@ impl Ring {
             },
         )
     }
-
-    /// Receiver: fills `dst`, waiting for data as needed. `Err(None)` is a
-    /// clean end of stream (the sender closed after its last frame).
-    pub(super) fn read_exact(
-        &self,
-        dst: &mut [u8],
-        stop: &AtomicBool,
-    ) -> Result<(), Option<String>> {
-        let mut got = 0;
-        while got < dst.len() {
-            // The close flag before the head: the sender closes after its
-            // last byte, so a close seen here means that byte is seen
-            // below. (Head first lost a frame published just before the
-            // close; Miri found it, see the tests.)
-            let closed = self.closed() & SENDER_CLOSED != 0;
-            let p = self.published().map_err(Some)?;
-            if p.avail == 0 {
-                if closed {
-                    return Err(if got == 0 {
-                        None
-                    } else {
-                        Some("ring closed in the middle of a frame".into())
-                    });
-                }
-                self.wait_data(stop, true).map_err(Some)?;
-                continue;
-            }
-            let n = p.avail.min(dst.len() - got);
-            let copied = self.peek(&p, 0, &mut dst[got..got + n]) && self.consume(&p, n);
-            debug_assert!(copied, "n <= avail");
-            got += n;
-        }
-        Ok(())
-    }
-
-    /// Receiver: reads the next whole frame, waiting for its bytes; its
-    /// payload goes into a buffer from `take(len)` (allocated only once the
-    /// header, `len` included, has been checked against `max_frame`).
-    /// `Err(None)` is a clean end of stream.
-    pub(super) fn read_frame<B: AsMut<[u8]>>(
-        &self,
-        max_frame: usize,
-        stop: &AtomicBool,
-        take: impl FnOnce(usize) -> B,
-    ) -> Result<(Header, B), Option<String>> {
-        let mut hb = [0u8; HEADER_LEN];
-        self.read_exact(&mut hb, stop)?;
-        let header =
-            Header::decode(&hb, max_frame).map_err(|e| Some(format!("protocol violation: {e}")))?;
-        let mut payload = take(header.len as usize);
-        self.read_exact(payload.as_mut(), stop).map_err(|e| {
-            Some(e.unwrap_or_else(|| "ring closed in the middle of a frame".into()))
-        })?;
-        Ok((header, payload))
-    }
-
-    /// Receiver, without waiting: the next frame's header and the
-    /// snapshot it was read from, if its header is published and valid.
-    /// `Ok(None)`: not a whole header yet. The payload may not all be
-    /// published yet (`p.holds(HEADER_LEN + len)` says).
-    pub(super) fn peek_frame(
-        &self,
-        max_frame: usize,
-    ) -> Result<Option<(Header, Published)>, String> {
-        let p = self.published()?;
-        let mut hb = [0u8; HEADER_LEN];
-        if !self.peek(&p, 0, &mut hb) {
-            return Ok(None);
-        }
-        let h = Header::decode(&hb, max_frame).map_err(|e| format!("protocol violation: {e}"))?;
-        Ok(Some((h, p)))
-    }
 }
+
+mod sides;
 
 #[cfg(test)]
 mod tests;

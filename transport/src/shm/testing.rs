@@ -47,7 +47,7 @@ impl RawPeer {
     /// Appends `bytes` (anything: a frame, part of one, garbage) to the
     /// ring to `peer` and publishes them; false if they do not fit now.
     pub fn publish(&self, peer: Rank, bytes: &[&[u8]]) -> bool {
-        self.to(peer).try_write(bytes)
+        self.to(peer).producer().try_write(bytes)
     }
 
     /// `(head, tail)` of the ring to `peer`.
@@ -58,7 +58,8 @@ impl RawPeer {
     /// Overwrites the indices of the ring to `peer` (this side owns
     /// `head`; `tail` is the receiver's).
     pub fn set_indices_to(&self, peer: Rank, head: u64, tail: u64) {
-        self.to(peer).set_indices(head, tail)
+        let ring = self.to(peer);
+        ring.producer().set_indices(&ring.consumer(), head, tail)
     }
 
     /// `(head, tail)` of the ring from `peer`.
@@ -69,16 +70,18 @@ impl RawPeer {
     /// Overwrites the indices of the ring from `peer` (this side owns
     /// `tail`; `head` is the sender's).
     pub fn set_indices_from(&self, peer: Rank, head: u64, tail: u64) {
-        self.from(peer).set_indices(head, tail)
+        let ring = self.from(peer);
+        ring.producer().set_indices(&ring.consumer(), head, tail)
     }
 
     /// Takes everything published in the ring from `peer`.
     pub fn take_from(&self, peer: Rank) -> Result<Vec<u8>, String> {
-        let ring = self.from(peer);
-        let p = ring.published()?;
+        let mut taking = self.from(peer).consumer();
+        let p = taking.published()?;
         let mut out = vec![0u8; p.len()];
-        ring.peek(&p, 0, &mut out);
-        ring.consume(&p, out.len());
+        if !(p.peek(0, &mut out) && p.consume(out.len())) {
+            return Err("a snapshot did not hold its own length".into());
+        }
         Ok(out)
     }
 

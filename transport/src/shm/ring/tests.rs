@@ -4,7 +4,7 @@
 //! any use of memory the protocol has not handed over.
 
 use super::*;
-use crate::{Epoch, FrameKind, OpId, OpTag};
+use crate::{Epoch, FrameKind, Header, OpId, OpTag, HEADER_LEN};
 use std::sync::Arc;
 
 /// Small enough for Miri, large enough for whole frames.
@@ -31,15 +31,25 @@ fn payload(len: usize, seed: usize) -> Vec<u8> {
 
 /// Writes raw bytes at the head and publishes them, as a sender would.
 fn publish(r: &Ring, bytes: &[u8]) {
-    assert!(r.try_write(&[bytes]), "fits");
+    assert!(r.producer().try_write(&[bytes]), "fits");
+}
+
+/// Overwrites the indices, as a corrupt peer could.
+fn set_indices(r: &Ring, head: u64, tail: u64) {
+    r.producer().set_indices(&r.consumer(), head, tail);
 }
 
 fn read_err(r: &Ring) -> String {
     let stop = AtomicBool::new(false);
-    match r.read_frame(1 << 20, &stop, |n| vec![0u8; n]) {
+    match r.consumer().read_frame(1 << 20, &stop, |n| vec![0u8; n]) {
         Err(Some(why)) => why,
         other => panic!("expected an error, got {:?}", other.map(|(h, _)| h)),
     }
+}
+
+/// The header of the next frame, peeked in place, or why not.
+fn peek_header(r: &Ring) -> Result<Option<Header>, String> {
+    Ok(r.consumer().peek_frame(1 << 20)?.map(|(h, _)| h))
 }
 
 #[test]
@@ -53,36 +63,38 @@ fn frames_flow_through_a_small_ring_between_two_threads() {
     let tx = {
         let (ring, stop) = (ring.clone(), stop.clone());
         std::thread::spawn(move || {
+            let tx = ring.producer();
             for (k, &len) in sizes.iter().enumerate() {
                 let h = header(len, k as u32).encode();
                 let body = payload(len, k);
-                if !ring.try_write(&[&h, &body]) {
-                    ring.write_all(&h, &stop).unwrap();
-                    ring.write_all(&body, &stop).unwrap();
+                if !tx.try_write(&[&h, &body]) {
+                    tx.write_all(&h, &stop).unwrap();
+                    tx.write_all(&body, &stop).unwrap();
                 }
             }
             ring.close(SENDER_CLOSED);
         })
     };
+    let mut rx = ring.consumer();
     for (k, &len) in sizes.iter().enumerate() {
         // Odd frames through the in-place path where they are whole.
         if k % 2 == 1 {
-            if let Ok(Some((h, p))) = ring.peek_frame(1 << 20) {
+            if let Ok(Some((h, p))) = rx.peek_frame(1 << 20) {
                 if p.holds(HEADER_LEN + h.len as usize) {
                     let n = h.len as usize;
-                    let body = ring.lend(&p, HEADER_LEN, n, |parts| parts.concat());
+                    let body = p.lend(HEADER_LEN, n, |parts| parts.concat());
                     assert_eq!(h, header(len, k as u32));
                     assert_eq!(body.as_deref(), Some(&payload(len, k)[..]));
-                    assert!(ring.consume(&p, HEADER_LEN + n));
+                    assert!(p.consume(HEADER_LEN + n));
                     continue;
                 }
             }
         }
-        let (h, body) = ring.read_frame(1 << 20, &stop, |n| vec![0u8; n]).unwrap();
+        let (h, body) = rx.read_frame(1 << 20, &stop, |n| vec![0u8; n]).unwrap();
         assert_eq!(h, header(len, k as u32));
         assert_eq!(body, payload(len, k), "frame {k}");
     }
-    let end = ring.read_frame(1 << 20, &stop, |n| vec![0u8; n]);
+    let end = rx.read_frame(1 << 20, &stop, |n| vec![0u8; n]);
     assert!(matches!(end, Err(None)), "a clean end of stream");
     tx.join().unwrap();
 }
@@ -90,13 +102,15 @@ fn frames_flow_through_a_small_ring_between_two_threads() {
 #[test]
 fn try_write_is_all_or_nothing() {
     let ring = Ring::heap(CAP);
-    assert!(ring.try_write(&[&[1; 200]]));
-    assert!(!ring.try_write(&[&[2; 40], &[3; 17]]), "57 > 56 free");
-    assert!(ring.try_write(&[&[2; 40], &[3; 16]]));
-    let p = ring.published().unwrap();
+    let tx = ring.producer();
+    assert!(tx.try_write(&[&[1; 200]]));
+    assert!(!tx.try_write(&[&[2; 40], &[3; 17]]), "57 > 56 free");
+    assert!(tx.try_write(&[&[2; 40], &[3; 16]]));
+    let mut rx = ring.consumer();
+    let p = rx.published().unwrap();
     assert!(p.holds(CAP) && !p.holds(CAP + 1));
     let mut all = vec![0u8; CAP];
-    assert!(ring.peek(&p, 0, &mut all));
+    assert!(p.peek(0, &mut all));
     assert_eq!(all[199..202], [1, 2, 2]);
     assert_eq!(all[CAP - 1], 3);
 }
@@ -107,14 +121,15 @@ fn indices_that_wrap_at_2_pow_64_still_carry_frames() {
     // bytes goes on. A frame that straddles the wrap must arrive whole.
     let ring = Ring::heap(CAP);
     let start = u64::MAX - 9;
-    ring.set_indices(start, start);
+    set_indices(&ring, start, start);
     let body = payload(100, 5);
     publish(&ring, &header(100, 1).encode());
     publish(&ring, &body);
     let stop = AtomicBool::new(false);
-    let (h, got) = ring.read_frame(1 << 20, &stop, |n| vec![0u8; n]).unwrap();
+    let mut rx = ring.consumer();
+    let (h, got) = rx.read_frame(1 << 20, &stop, |n| vec![0u8; n]).unwrap();
     assert_eq!((h, got), (header(100, 1), body));
-    assert_eq!(ring.published().unwrap().avail, 0);
+    assert_eq!(rx.published().unwrap().len(), 0);
     assert_eq!(ring.u64_at(OFF_TAIL).load(Ordering::Relaxed), 130);
 }
 
@@ -127,16 +142,16 @@ fn a_head_beyond_the_ring_is_refused() {
     publish(&ring, &header(2 * CAP, 0).encode());
     let claim = (HEADER_LEN + 2 * CAP) as u64;
     // the reader thread's path
-    ring.set_indices(claim, 0);
+    set_indices(&ring, claim, 0);
     assert!(ring.has_data(), "the reader looks, and reports it");
     let why = read_err(&ring);
     assert!(why.contains("ring corrupted"), "{why}");
     // the in-place path (the header is still in the buffer)
-    ring.set_indices(claim, 0);
-    let peeked = ring.peek_frame(1 << 20).map(|f| f.map(|(h, _)| h));
+    set_indices(&ring, claim, 0);
+    let peeked = peek_header(&ring);
     assert!(peeked.is_err(), "{peeked:?}");
     // as large as it gets
-    ring.set_indices(u64::MAX / 2, 3);
+    set_indices(&ring, u64::MAX / 2, 3);
     assert!(read_err(&ring).contains("ring corrupted"));
 }
 
@@ -144,7 +159,7 @@ fn a_head_beyond_the_ring_is_refused() {
 fn a_head_behind_the_tail_is_refused() {
     // head - tail wraps to a huge length
     let ring = Ring::heap(CAP);
-    ring.set_indices(100, 140);
+    set_indices(&ring, 100, 140);
     let why = read_err(&ring);
     assert!(why.contains("ring corrupted (head 100, tail 140)"), "{why}");
 }
@@ -168,12 +183,12 @@ fn a_corrupt_tail_stops_the_sender() {
         })
     };
     // the receiver claims to have consumed more than was written
-    ring.set_indices(10, 10 + CAP as u64 + 5);
-    assert!(!ring.try_write(&[b"x"]));
-    let first = ring.write_all(b"x", &stop);
+    set_indices(&ring, 10, 10 + CAP as u64 + 5);
+    assert!(!ring.producer().try_write(&[b"x"]));
+    let first = ring.producer().write_all(b"x", &stop);
     // and behind: the sender would have overwritten unread bytes
-    ring.set_indices(CAP as u64 * 3, 0);
-    let second = ring.write_all(b"x", &stop);
+    set_indices(&ring, CAP as u64 * 3, 0);
+    let second = ring.producer().write_all(b"x", &stop);
     drop(done);
     let timed_out = watchdog.join().unwrap();
     assert!(!timed_out, "the sender waited: {first:?} {second:?}");
@@ -197,7 +212,7 @@ fn bad_headers_are_protocol_violations() {
         publish(&ring, &h);
         publish(&ring, &[0; 8]);
         // the in-place path sees it without consuming, then the reader
-        let peeked = ring.peek_frame(1 << 20).unwrap_err();
+        let peeked = peek_header(&ring).unwrap_err();
         assert!(peeked.contains(want), "{peeked}");
         let why = read_err(&ring);
         assert!(
@@ -213,7 +228,7 @@ fn a_length_beyond_the_frame_limit_is_refused_before_allocating() {
     publish(&ring, &header(usize::MAX, 0).encode());
     let stop = AtomicBool::new(false);
     let mut allocated = false;
-    let r = ring.read_frame(4096, &stop, |n| {
+    let r = ring.consumer().read_frame(4096, &stop, |n| {
         allocated = true;
         vec![0u8; n]
     });
@@ -232,15 +247,20 @@ fn a_length_beyond_the_ring_is_never_lent_and_a_cut_frame_is_an_error() {
     let ring = Ring::heap(CAP);
     publish(&ring, &header(3 * CAP, 0).encode());
     publish(&ring, &[1; 100]);
-    let (h, p) = ring.peek_frame(1 << 20).unwrap().unwrap();
+    let mut rx = ring.consumer();
+    let (h, p) = rx.peek_frame(1 << 20).unwrap().unwrap();
     assert_eq!(h.len, 3 * CAP as u64);
     assert!(!p.holds(HEADER_LEN + 3 * CAP));
-    assert!(ring
-        .lend(&p, HEADER_LEN, 3 * CAP, |_| unreachable!())
-        .is_none());
-    assert!(ring.lend(&p, usize::MAX, 2, |_| unreachable!()).is_none());
-    assert!(!ring.peek(&p, 1, &mut [0; CAP]));
-    assert!(!ring.consume(&p, CAP + 1));
+    assert!(p.lend(HEADER_LEN, 3 * CAP, |_| unreachable!()).is_none());
+    assert!(p.lend(usize::MAX, 2, |_| unreachable!()).is_none());
+    assert!(!p.peek(1, &mut [0; CAP]));
+    assert!(!p.consume(CAP + 1));
+    assert_eq!(
+        rx.published().unwrap().len(),
+        HEADER_LEN + 100,
+        "nothing consumed"
+    );
+    drop(rx);
     ring.close(SENDER_CLOSED);
     let why = read_err(&ring);
     assert!(why.contains("closed in the middle of a frame"), "{why}");
@@ -257,17 +277,59 @@ fn a_sleeping_receiver_is_woken_and_a_stop_is_seen() {
         let (ring, stop) = (ring.clone(), stop.clone());
         std::thread::spawn(move || {
             ring.wait_data(&stop, false).unwrap();
-            let p = ring.published().unwrap();
+            let mut rx = ring.consumer();
+            let p = rx.published().unwrap();
             let mut b = [0u8; 5];
-            assert!(ring.peek(&p, 0, &mut b) && ring.consume(&p, 5));
+            assert!(p.peek(0, &mut b) && p.consume(5));
             took.send(b).unwrap();
             // now nothing comes: only the stop ends the wait
             ring.wait_data(&stop, false)
         })
     };
-    assert!(ring.try_write(&[b"hello"]));
+    assert!(ring.producer().try_write(&[b"hello"]));
     let got = taken.recv_timeout(Duration::from_secs(60));
     assert_eq!(got.as_ref().map(|b| &b[..]), Ok(&b"hello"[..]));
     stop.store(true, Ordering::Release);
     assert_eq!(rx.join().unwrap(), Err("endpoint stopped".into()));
+}
+
+#[test]
+fn each_side_is_held_by_one_at_a_time() {
+    // What makes the unsafe copies sound in this process: one consumer and
+    // one producer per ring, each holding its side until dropped.
+    let ring = Ring::heap(CAP);
+    let rx = ring.try_consumer().expect("nobody holds it");
+    assert!(ring.try_consumer().is_none(), "two consumers at once");
+    let tx = ring.try_producer().expect("the sides are held apart");
+    assert!(ring.try_producer().is_none(), "two producers at once");
+    drop(rx);
+    assert!(ring.try_consumer().is_some(), "free once dropped");
+    drop(tx);
+    assert!(ring.try_producer().is_some(), "free once dropped");
+}
+
+#[test]
+fn a_side_dropped_in_a_panic_is_taken_again() {
+    // The locks guard no data (a panic leaves the indices whole), so a
+    // poisoned lock must not lock the polling tasks out for good.
+    let ring = Arc::new(Ring::heap(CAP));
+    let held = ring.clone();
+    let died = std::thread::spawn(move || {
+        let _rx = held.consumer();
+        panic!("a consumer that panics");
+    })
+    .join();
+    assert!(died.is_err());
+    publish(&ring, b"abc");
+    let mut rx = ring.try_consumer().expect("not locked out");
+    let p = rx.published().unwrap();
+    let mut b = [0u8; 3];
+    assert!(p.peek(0, &mut b) && p.consume(3) && &b == b"abc");
+}
+
+#[test]
+#[should_panic(expected = "both sides of one ring")]
+fn indices_are_set_only_holding_both_sides_of_that_ring() {
+    let (a, b) = (Ring::heap(CAP), Ring::heap(CAP));
+    a.producer().set_indices(&b.consumer(), 1, 0);
 }
