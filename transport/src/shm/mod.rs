@@ -5,10 +5,10 @@
 //! receiver and mapped by both. Frames (the same [`Header`] + payload as
 //! TCP) are streamed through it, so a frame may be larger than the ring.
 //! A sender copies into the ring straight from the op's buffer
-//! ([`Transport::try_send_now`]; a frame that does not fit waits in that
-//! buffer, not in a copy, see [`Transport::sends_in_place`]). A receiving
+//! ([`Transport::try_send_now`](crate::Transport::try_send_now); a frame that does not fit waits in that
+//! buffer, not in a copy, see [`Transport::sends_in_place`](crate::Transport::sends_in_place)). A receiving
 //! task that polls the rings takes a frame of its op in place
-//! ([`Transport::recv_in_place`]): the plan reduces or copies it straight
+//! ([`Transport::recv_in_place`](crate::Transport::recv_in_place)): the plan reduces or copies it straight
 //! out of the ring into the op's buffer, so a byte is copied once on its
 //! way (the reduction reads it where the sender put it). Frames that
 //! arrive while no task polls, or ahead of what the plan can take, are
@@ -177,7 +177,7 @@ pub struct ShmWire {
     polling: std::sync::atomic::AtomicUsize,
     stop: Arc<AtomicBool>,
     readers_done: Vec<Arc<AtomicBool>>,
-    /// Frames consumed in place (see [`Transport::recv_in_place`]).
+    /// Frames consumed in place (see [`Transport::recv_in_place`](crate::Transport::recv_in_place)).
     lent: AtomicU64,
     polled: Arc<PollClock>,
     /// Buffers for frames copied out of the rings.
