@@ -55,8 +55,8 @@ pub struct SessionConfig {
     /// always allowed). Sends that a backend makes later copy their bytes,
     /// so this bounds the extra memory a large op takes at once.
     ///
-    /// Memory: an op's working buffer (its size, or the whole output for
-    /// gathers) and those copies come from the transport's buffer pool
+    /// Memory: an op's working buffer ([`OpSpec::work_len`] bytes) and
+    /// those copies come from the transport's buffer pool
     /// ([`Transport::pool`]), which the transport's received payloads come
     /// from too. Buffers go back to it when dropped (an [`OpOutput`] when
     /// the caller drops it), and it keeps at most its budget of them idle
