@@ -19,6 +19,7 @@
 use std::time::Duration;
 
 use kungfu_topology::{fnv1a64, AutoThresholds, PeerList, Strategy};
+use kungfu_transport::pool::BufferPool;
 
 use crate::BootstrapError;
 
@@ -59,6 +60,10 @@ pub struct WorkerEnv {
     pub connect_timeout: Duration,
     pub op_timeout: Duration,
     pub chunk_bytes: usize,
+    /// The budget of the process's buffer pool: idle buffers kept for
+    /// reuse, in bytes at most (`KUNGFU_BUFFER_POOL_BYTES`; 256 MiB; see
+    /// `kungfu_transport::pool`).
+    pub buffer_pool_bytes: usize,
     /// `AUTO`'s size threshold (`KUNGFU_AUTO_LARGE_BYTES`).
     pub auto: AutoThresholds,
     /// How long a receive polls before it sleeps (`KUNGFU_SPIN_US`; the
@@ -275,6 +280,7 @@ impl WorkerEnv {
         let auto = AutoThresholds {
             large_bytes: bytes("KUNGFU_AUTO_LARGE_BYTES", def.large_bytes)?,
         };
+        let buffer_pool_bytes = bytes("KUNGFU_BUFFER_POOL_BYTES", BufferPool::DEFAULT_BUDGET)?;
         let spin = get("KUNGFU_SPIN_US")
             .map(|v| parse("KUNGFU_SPIN_US", &v).map(Duration::from_micros))
             .transpose()?;
@@ -297,6 +303,7 @@ impl WorkerEnv {
             connect_timeout: ms("KUNGFU_CONNECT_TIMEOUT_MS", 60_000)?,
             op_timeout: ms("KUNGFU_OP_TIMEOUT_MS", 60_000)?,
             chunk_bytes,
+            buffer_pool_bytes,
         })
     }
 }
@@ -330,6 +337,7 @@ mod tests {
         assert_eq!(e.auto, AutoThresholds::default());
         assert_eq!(e.spin, None);
         assert_eq!(e.listen_fd, None);
+        assert_eq!(e.buffer_pool_bytes, 256 << 20);
         let base = [
             ("KUNGFU_RANK", "0"),
             ("KUNGFU_SIZE", "1"),
@@ -337,11 +345,16 @@ mod tests {
         ];
         let tuned = [
             base.as_slice(),
-            &[("KUNGFU_AUTO_LARGE_BYTES", "4096"), ("KUNGFU_SPIN_US", "7")],
+            &[
+                ("KUNGFU_AUTO_LARGE_BYTES", "4096"),
+                ("KUNGFU_SPIN_US", "7"),
+                ("KUNGFU_BUFFER_POOL_BYTES", "0"),
+            ],
         ]
         .concat();
         let e = env(&tuned).unwrap();
         assert_eq!(e.auto.large_bytes, 4096);
+        assert_eq!(e.buffer_pool_bytes, 0);
         let passed = [base.as_slice(), &[("KUNGFU_LISTEN_FD", "7")]].concat();
         assert_eq!(env(&passed).unwrap().listen_fd, Some(7));
         let bad = [base.as_slice(), &[("KUNGFU_LISTEN_FD", "seven")]].concat();

@@ -20,11 +20,13 @@
 //! # Ok(()) }
 //! ```
 
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use kungfu_collectives::{CollectiveError, Element, ReduceOp, Session, SessionConfig};
 use kungfu_topology::{PeerList, Rank, Strategy};
 use kungfu_transport::any::{self, AnyTransport};
+use kungfu_transport::pool::BufferPool;
 use kungfu_transport::shm::ShmConfig;
 use kungfu_transport::tcp::TcpConfig;
 use kungfu_transport::{ClusterVersion, Epoch, TransportError};
@@ -66,6 +68,9 @@ pub struct Worker {
     env: WorkerEnv,
     peers: PeerList,
     session: Session<AnyTransport>,
+    /// The process's buffer pool: every cluster version's endpoint uses
+    /// it, so a resize keeps the buffers and the budget is the process's.
+    pool: Arc<BufferPool>,
     cluster_id: u64,
     /// When this worker began joining its current cluster version, and when
     /// its session was ready.
@@ -144,12 +149,14 @@ impl Worker {
                 got?
             }
         };
-        let session = connect(&env, &peers, cluster_id, listener, deadline).await?;
+        let pool = BufferPool::new(env.buffer_pool_bytes);
+        let session = connect(&env, &peers, cluster_id, &pool, listener, deadline).await?;
         let fresh = env.config_server.is_some() && env.cluster_version > 0;
         Ok(Worker {
             env,
             peers,
             session,
+            pool,
             cluster_id,
             joined: (began, SystemTime::now()),
             fresh,
@@ -342,7 +349,14 @@ impl Worker {
         let listener = listen::listen(&me, self.env.listen_fd).await?;
         let old = self.session.clone();
         let (new, ()) = tokio::join!(
-            connect(&env, &cfg.peers, self.cluster_id, listener, deadline),
+            connect(
+                &env,
+                &cfg.peers,
+                self.cluster_id,
+                &self.pool,
+                listener,
+                deadline
+            ),
             old.close(linger)
         );
         self.session = new?;
@@ -408,11 +422,13 @@ fn op_failed(e: CollectiveError) -> BootstrapError {
     BootstrapError::Elastic(e.to_string())
 }
 
-/// Connects the transport `env` asks for and starts a session on it.
+/// Connects the transport `env` asks for, its wires on `pool`, and starts
+/// a session on it.
 async fn connect(
     env: &WorkerEnv,
     peers: &PeerList,
     cluster_id: u64,
+    pool: &Arc<BufferPool>,
     listener: TcpListener,
     deadline: Instant,
 ) -> Result<Session<AnyTransport>, BootstrapError> {
@@ -430,6 +446,7 @@ async fn connect(
             env.size,
         );
         c.connect_timeout = connect_timeout;
+        c.pool = Some(pool.clone());
         if let Some(spin) = env.spin {
             c.spin = spin;
         }
@@ -444,6 +461,7 @@ async fn connect(
             peers.clone(),
         );
         c.connect_timeout = connect_timeout;
+        c.pool = Some(pool.clone());
         if let Some(spin) = env.spin {
             c.spin = spin;
         }
@@ -477,4 +495,46 @@ async fn connect(
             ..SessionConfig::default()
         },
     )?)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::IntoRawFd;
+
+    use kungfu_transport::Transport;
+
+    use super::*;
+
+    /// The budget the environment gives sizes the one pool of the process:
+    /// the worker's, its endpoint's (whose wires fill payloads from it)
+    /// and its session's.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_environment_sizes_the_pool_of_the_process() {
+        for transport in ["tcp", "shm"] {
+            // as kungfu-run passes it: bound, and owned by the worker
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let peers = format!("127.0.0.1:{}", l.local_addr().unwrap().port());
+            let fd = l.into_raw_fd().to_string();
+            let vars = [
+                ("KUNGFU_RANK", "0"),
+                ("KUNGFU_SIZE", "1"),
+                ("KUNGFU_PEERS", peers.as_str()),
+                ("KUNGFU_LISTEN_FD", fd.as_str()),
+                ("KUNGFU_TRANSPORT", transport),
+                ("KUNGFU_BUFFER_POOL_BYTES", "12345"),
+            ];
+            let get = |k: &str| {
+                vars.iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            };
+            let w = Worker::start(WorkerEnv::from_vars(&get).unwrap())
+                .await
+                .unwrap();
+            let pool = w.session().transport().pool();
+            assert_eq!(pool.budget(), 12345, "{transport}");
+            assert!(Arc::ptr_eq(pool, &w.pool), "{transport}");
+            w.close(Duration::ZERO).await;
+        }
+    }
 }

@@ -18,6 +18,7 @@ use kungfu_topology::{PeerList, Rank};
 use tokio::net::TcpListener;
 
 use crate::endpoint::{Endpoint, Matcher, Pump};
+use crate::pool::BufferPool;
 use crate::region::Region;
 use crate::shm::{ShmConfig, ShmWire};
 use crate::tcp::{TcpConfig, TcpWire};
@@ -93,27 +94,29 @@ pub async fn connect_tcp(
     listener: TcpListener,
 ) -> Result<Arc<AnyTransport>, TransportError> {
     let (rank, size, version) = (cfg.rank, cfg.peers.len(), cfg.version);
-    let (wire, matcher, ecfg) = TcpWire::connect(cfg, listener).await?;
+    let (wire, matcher, pool, ecfg) = TcpWire::connect(cfg, listener).await?;
     let wires = vec![AnyWire::Tcp(wire)];
-    let e = Endpoint::new(rank, size, version, "tcp", matcher, wires, ecfg);
+    let e = Endpoint::new(rank, size, version, "tcp", matcher, pool, wires, ecfg);
     Ok(Arc::new(e))
 }
 
 /// Shared memory to every peer (all on this host).
 pub async fn connect_shm(cfg: ShmConfig) -> Result<Arc<AnyTransport>, TransportError> {
     let (rank, size, version) = (cfg.rank, cfg.size, cfg.version);
-    let (wire, matcher, ecfg) = ShmWire::connect(cfg).await?;
+    let (wire, matcher, pool, ecfg) = ShmWire::connect(cfg).await?;
     let wires = vec![AnyWire::Shm(wire)];
-    let e = Endpoint::new(rank, size, version, "shm", matcher, wires, ecfg);
+    let e = Endpoint::new(rank, size, version, "shm", matcher, pool, wires, ecfg);
     Ok(Arc::new(e))
 }
 
 /// Shared memory to the ranks on this rank's host, TCP to the others, one
-/// matcher for both. `tcp` and `shm` give every setting but the peer split
-/// and the matcher, which this fills in from `peers`, and the cluster
-/// version and starting epoch, which are `tcp`'s for both (one matcher, one
-/// epoch). Receives poll the rings as over shared memory alone (its spin);
-/// the runtime polls the sockets whenever they yield.
+/// matcher and one buffer pool for both. `tcp` and `shm` give every
+/// setting but the peer split and the matcher, which this fills in from
+/// `peers`, and the cluster version, starting epoch and pool, which are
+/// `tcp`'s for both (one matcher, one epoch, one pool: `tcp.pool`, else
+/// `shm.pool`, else a new one). Receives poll the rings as over shared
+/// memory alone (its spin); the runtime polls the sockets whenever they
+/// yield.
 pub async fn connect_auto(
     mut tcp: TcpConfig,
     mut shm: ShmConfig,
@@ -123,6 +126,10 @@ pub async fn connect_auto(
     let me = tcp.rank;
     let local: PeerSet = peers.hosts()[peers.host_of(me)].iter().copied().collect();
     let matcher = Arc::new(Matcher::new(tcp.epoch, tcp.mailbox_bytes));
+    let pool = (tcp.pool.take().or(shm.pool.take()))
+        .unwrap_or_else(|| BufferPool::new(BufferPool::DEFAULT_BUDGET));
+    tcp.pool = Some(pool.clone());
+    shm.pool = Some(pool.clone());
     shm.version = tcp.version;
     shm.epoch = tcp.epoch;
     tcp.skip = local.clone();
@@ -131,9 +138,9 @@ pub async fn connect_auto(
     shm.matcher = Some(matcher.clone());
     let (size, version) = (peers.len(), tcp.version);
     let (t, s) = tokio::join!(TcpWire::connect(tcp, listener), ShmWire::connect(shm));
-    let ((tcp, _, _), (shm, _, ecfg)) = (t?, s?);
+    let ((tcp, _, _, _), (shm, _, _, ecfg)) = (t?, s?);
     // Shared memory first: a rank reached by both goes through the ring.
     let wires = vec![AnyWire::Shm(shm), AnyWire::Tcp(tcp)];
-    let e = Endpoint::new(me, size, version, "shm+tcp", matcher, wires, ecfg);
+    let e = Endpoint::new(me, size, version, "shm+tcp", matcher, pool, wires, ecfg);
     Ok(Arc::new(e))
 }

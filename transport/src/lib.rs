@@ -52,6 +52,16 @@
 //! instead of allocating. Frames of an older epoch are refused; frames of a
 //! retired op instance are dropped.
 //!
+//! Buffers come from one [`pool::BufferPool`] per endpoint
+//! ([`Transport::pool`]; the runtime gives every endpoint of a process the
+//! same one): the wires' received payloads, and the collectives' working
+//! buffers and copies of frames sent later. It keeps at most its budget of
+//! idle bytes ([`pool::BufferPool::DEFAULT_BUDGET`], 256 MiB, unless the
+//! configs' `pool` says otherwise). The memory of an endpoint is then at
+//! most: that budget idle, plus the matcher's budget of unmatched payloads
+//! (`mailbox_bytes`), plus what the layer above holds (for the collectives:
+//! the working buffers of ops in flight and their send windows).
+//!
 //! # Errors
 //!
 //! A lost peer (closed connection, protocol violation, killed endpoint)
@@ -78,6 +88,7 @@ use bytes::Bytes;
 use kungfu_topology::Rank;
 
 use crate::endpoint::Matcher;
+use crate::pool::BufferPool;
 
 mod peerset;
 pub use peerset::PeerSet;
@@ -180,6 +191,12 @@ pub trait Transport: Send + Sync + 'static {
     /// receives take from: its epoch, unmatched frames, strays and lost
     /// peers.
     fn matcher(&self) -> &Matcher;
+
+    /// The buffer pool of this endpoint's process (see [`pool`]): its
+    /// wires' received payloads come from it, and the collectives take
+    /// their working buffers and the copies of frames sent later from it,
+    /// so one budget bounds the idle buffers of all of them.
+    fn pool(&self) -> &Arc<BufferPool>;
 
     /// The cluster version this endpoint was connected at; fixed for its
     /// life (a resize connects a new endpoint).

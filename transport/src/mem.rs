@@ -15,6 +15,7 @@ use bytes::Bytes;
 use kungfu_topology::Rank;
 
 use crate::endpoint::{Endpoint, EndpointConfig, Matcher};
+use crate::pool::BufferPool;
 use crate::wire::{Caps, Wire};
 use crate::{ClusterVersion, Epoch, Header, Transport, TransportError};
 
@@ -56,6 +57,9 @@ pub struct MemConfig {
     /// `Some((seed, max))`: every send sleeps a random time in `0..max`
     /// first, drawn from an RNG seeded with `seed`.
     pub delay: Option<(u64, Duration)>,
+    /// The buffer pool of every endpoint of the network (one process, one
+    /// pool); `None`: a new one of [`BufferPool::DEFAULT_BUDGET`].
+    pub pool: Option<Arc<BufferPool>>,
 }
 
 impl Default for MemConfig {
@@ -66,6 +70,7 @@ impl Default for MemConfig {
             max_frame: 64 << 20,
             mailbox_bytes: 256 << 20,
             delay: None,
+            pool: None,
         }
     }
 }
@@ -85,6 +90,8 @@ impl MemNetwork {
     #[allow(clippy::new_ret_no_self)]
     pub fn new(n: usize, config: MemConfig) -> Vec<Arc<MemTransport>> {
         let seed = config.delay.map_or(0, |(s, _)| s);
+        let pool =
+            (config.pool.clone()).unwrap_or_else(|| BufferPool::new(BufferPool::DEFAULT_BUDGET));
         let net = Arc::new(Net {
             matchers: (0..n)
                 .map(|_| Arc::new(Matcher::new(config.epoch, config.mailbox_bytes)))
@@ -114,6 +121,7 @@ impl MemNetwork {
                     version,
                     "mem",
                     matcher,
+                    pool.clone(),
                     vec![wire],
                     cfg,
                 ))

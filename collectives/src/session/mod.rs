@@ -28,9 +28,9 @@ use tokio::sync::oneshot;
 use crate::names::{check_name, NameTable};
 use crate::op::{MachineConfig, OpInstance, OpMachine};
 use crate::plan::build::{build, PlanInput};
-use crate::pool::{BufPool, PooledBuf};
+use crate::pool::PooledBuf;
 use crate::{CollectiveError, DType, Element, OpKind, OpSpec, ReduceOp};
-use kungfu_transport::pool::FramePool;
+use kungfu_transport::pool::BufferPool;
 
 use driver::watch_strays;
 use running::RunningOp;
@@ -52,17 +52,22 @@ pub struct SessionConfig {
     /// An op fails when it makes no progress for this long.
     pub op_timeout: Duration,
     /// Bytes of one op's frames in flight at most (at least one frame is
-    /// always allowed). Sends copy their bytes, so this bounds the extra
-    /// memory a large op takes at once.
+    /// always allowed). Sends that a backend makes later copy their bytes,
+    /// so this bounds the extra memory a large op takes at once.
+    ///
+    /// Memory: an op's working buffer ([`OpSpec::work_len`] bytes) and
+    /// those copies come from the transport's buffer pool
+    /// ([`Transport::pool`]), which the transport's received payloads come
+    /// from too. Buffers go back to it when dropped (an [`OpOutput`] when
+    /// the caller drops it), and it keeps at most its budget of them idle
+    /// ([`kungfu_transport::pool`]; the runtime reads
+    /// `KUNGFU_BUFFER_POOL_BYTES`, 256 MiB by default), so ops in the
+    /// steady state allocate no buffer.
     pub max_inflight_bytes: usize,
-    /// Idle working buffers kept for reuse, in bytes at most: ops in the
-    /// steady state then allocate no buffer (0 turns the pool off).
-    pub buffer_pool_bytes: usize,
 }
 
 impl Default for SessionConfig {
-    /// `AUTO`, 1 MiB chunks, 60 s without progress, 64 MiB in flight, a
-    /// 256 MiB buffer pool.
+    /// `AUTO`, 1 MiB chunks, 60 s without progress, 64 MiB in flight.
     fn default() -> SessionConfig {
         SessionConfig {
             strategy: Strategy::Auto,
@@ -70,7 +75,6 @@ impl Default for SessionConfig {
             chunk_bytes: 1 << 20,
             op_timeout: Duration::from_secs(60),
             max_inflight_bytes: 64 << 20,
-            buffer_pool_bytes: 256 << 20,
         }
     }
 }
@@ -177,9 +181,9 @@ struct Inner<T> {
     plans: Mutex<plans::PlanCache>,
     tombstones: Mutex<Tombstones>,
     runtime: tokio::runtime::Handle,
-    pool: Arc<BufPool>,
-    /// Buffers for the copies of frames that backends send later.
-    frames: Arc<FramePool>,
+    /// The transport's: working buffers and the copies of frames that
+    /// backends send later.
+    pool: Arc<BufferPool>,
     /// The strategy of ops started from now on (starts as the config's).
     strategy: Mutex<Strategy>,
     /// Completed ops by the strategy they ran on.
@@ -245,10 +249,8 @@ impl<T: Transport> Session<T> {
                 "chunk_bytes and op_timeout must be positive".into(),
             ));
         }
-        let pool = BufPool::new(config.buffer_pool_bytes);
         let inner = Arc::new(Inner {
-            pool,
-            frames: FramePool::new(config.max_inflight_bytes),
+            pool: transport.pool().clone(),
             strategy: Mutex::new(config.strategy),
             stats: Mutex::new(HashMap::new()),
             peer_stats: Mutex::new(vec![PeerStats::default(); peers.len()]),
@@ -728,7 +730,10 @@ impl<T: Transport> Session<T> {
             }
         };
         let (op, seq) = lock(&self.inner.names).begin(&name)?;
-        let mut work = self.inner.pool.take(spec.work_len(n).expect("validated"));
+        let mut work = self
+            .inner
+            .pool
+            .take_vec(spec.work_len(n).expect("validated"));
         spec.init_work_into(input, me, n, work.vec_mut());
         let op = OpInstance {
             name,

@@ -75,7 +75,7 @@ impl RunningOp {
                                 pending.push_back((id, to, header, range))
                             }
                             Ok(false) => {
-                                let mut copy = inner.frames.take(range.len());
+                                let mut copy = inner.pool.take(range.len());
                                 copy.as_mut().copy_from_slice(&work[range]);
                                 m.handle_copied(id, work);
                                 let (t, payload) = (t.clone(), copy.freeze());

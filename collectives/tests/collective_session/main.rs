@@ -18,6 +18,7 @@ use kungfu_transport::{Epoch, FrameKind, Header, OpTag};
 mod failures;
 mod group;
 mod ops;
+mod pool;
 mod stats;
 mod swap;
 

@@ -8,6 +8,7 @@ use bytes::Bytes;
 use kungfu_topology::Rank;
 
 use super::{recv_spinning, spin_recv, Matcher, Pump};
+use crate::pool::BufferPool;
 use crate::wire::{Caps, Wire};
 use crate::{
     Capabilities, ClusterVersion, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
@@ -23,15 +24,18 @@ pub struct EndpointConfig {
     pub oversubscribed: bool,
 }
 
-/// One rank's endpoint: a matcher, and one or more wires with a route per
-/// peer (the first wire that reaches it). Shared memory inside a host and
-/// TCP across is an endpoint over two wires, not a third backend.
+/// One rank's endpoint: a matcher, a buffer pool, and one or more wires
+/// with a route per peer (the first wire that reaches it). Shared memory
+/// inside a host and TCP across is an endpoint over two wires, not a third
+/// backend.
 pub struct Endpoint<W> {
     me: Rank,
     size: usize,
     version: ClusterVersion,
     name: &'static str,
     matcher: Arc<Matcher>,
+    /// The pool the wires fill payloads from (see [`Transport::pool`]).
+    pool: Arc<BufferPool>,
     wires: Vec<W>,
     /// The wire index of each rank; None for this rank and unreachable ones.
     route: Vec<Option<usize>>,
@@ -42,13 +46,16 @@ pub struct Endpoint<W> {
 
 impl<W: Wire> Endpoint<W> {
     /// The endpoint of rank `me` of `size` over `wires`, which deliver into
-    /// `matcher`, at cluster version `version`. `name` is what [`Transport::capabilities`] reports.
+    /// `matcher` payloads taken from `pool`, at cluster version `version`.
+    /// `name` is what [`Transport::capabilities`] reports.
+    #[allow(clippy::too_many_arguments)] // each is one of the parts an endpoint joins
     pub fn new(
         me: Rank,
         size: usize,
         version: ClusterVersion,
         name: &'static str,
         matcher: Arc<Matcher>,
+        pool: Arc<BufferPool>,
         wires: Vec<W>,
         cfg: EndpointConfig,
     ) -> Endpoint<W> {
@@ -69,6 +76,7 @@ impl<W: Wire> Endpoint<W> {
             version,
             name,
             matcher,
+            pool,
             wires,
             route,
             polled,
@@ -133,6 +141,10 @@ impl<W: Wire> Transport for Endpoint<W> {
 
     fn matcher(&self) -> &Matcher {
         &self.matcher
+    }
+
+    fn pool(&self) -> &Arc<BufferPool> {
+        &self.pool
     }
 
     fn version(&self) -> ClusterVersion {

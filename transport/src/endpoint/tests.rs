@@ -248,6 +248,7 @@ async fn a_lost_peer_with_frames_of_the_tag_queued_fails_that_tag_last() {
 /// test as a reader task would.
 struct Loopback {
     matcher: Matcher,
+    pool: Arc<crate::pool::BufferPool>,
     size: usize,
 }
 
@@ -262,6 +263,10 @@ impl Transport for Loopback {
 
     fn matcher(&self) -> &Matcher {
         &self.matcher
+    }
+
+    fn pool(&self) -> &Arc<crate::pool::BufferPool> {
+        &self.pool
     }
 
     fn version(&self) -> crate::ClusterVersion {
@@ -306,6 +311,7 @@ impl Transport for Loopback {
 async fn a_backend_gets_the_matcher_methods_provided() {
     let t = Loopback {
         matcher: Matcher::new(Epoch(1), 1 << 20),
+        pool: crate::pool::BufferPool::new(0),
         size: 3,
     };
     provided_methods_act_on_the_matcher(&t).await;

@@ -75,7 +75,7 @@ use self::io::{read_loop, write_loop, PollClock, ReadPolicy, WriterMsg};
 use self::ring::{Ring, RECEIVER_CLOSED, SENDER_CLOSED};
 use crate::endpoint::{Endpoint, EndpointConfig};
 use crate::endpoint::{Matcher, Pump};
-use crate::pool::FramePool;
+use crate::pool::BufferPool;
 use crate::wire::{Apply, Caps, Wire};
 use crate::{ClusterVersion, Epoch, Header, Instant, OpTag, PeerSet, TransportError};
 
@@ -87,8 +87,6 @@ mod ring;
 pub use self::files::{remove_cluster_files, ring_file_prefix, RING_DIR};
 pub use self::hooks::TEST_STOP_VAR;
 
-/// Idle receive buffers kept for reuse (see [`FramePool`]).
-const FRAME_POOL_BYTES: usize = 256 << 20;
 /// Settings of a shared-memory endpoint.
 #[derive(Clone)]
 pub struct ShmConfig {
@@ -107,6 +105,9 @@ pub struct ShmConfig {
     pub local: Option<PeerSet>,
     /// A matcher shared with another backend (see [`crate::any::connect_auto`]).
     pub matcher: Option<Arc<Matcher>>,
+    /// The process's buffer pool, which frames copied out of the rings
+    /// come from; `None`: a new one of [`BufferPool::DEFAULT_BUDGET`].
+    pub pool: Option<Arc<BufferPool>>,
     /// Data bytes of each ring (rounded up to a power of two, at least 4 KiB).
     pub ring_bytes: usize,
     pub max_frame: usize,
@@ -134,7 +135,7 @@ impl ShmConfig {
     }
 
     /// Defaults: 4 MiB rings in `/dev/shm`, 64 MiB frames, a 256 MiB
-    /// mailbox, 30 s to connect.
+    /// mailbox, a new buffer pool, 30 s to connect.
     pub fn new(
         cluster_id: u64,
         version: ClusterVersion,
@@ -150,6 +151,7 @@ impl ShmConfig {
             size,
             local: None,
             matcher: None,
+            pool: None,
             ring_bytes: 4 << 20,
             max_frame: 64 << 20,
             mailbox_bytes: 256 << 20,
@@ -181,7 +183,7 @@ pub struct ShmWire {
     lent: AtomicU64,
     polled: Arc<PollClock>,
     /// Buffers for frames copied out of the rings.
-    frames: Arc<FramePool>,
+    frames: Arc<BufferPool>,
     /// The testing hook stops this process after its first frame sent.
     stop_after_send: Option<ShmConfig>,
 }
@@ -193,8 +195,8 @@ impl Endpoint<ShmWire> {
     /// cluster version and epoch.
     pub async fn connect(cfg: ShmConfig) -> Result<Arc<ShmTransport>, TransportError> {
         let (rank, size, version) = (cfg.rank, cfg.size, cfg.version);
-        let (wire, matcher, ecfg) = ShmWire::connect(cfg).await?;
-        let e = Endpoint::new(rank, size, version, "shm", matcher, vec![wire], ecfg);
+        let (wire, matcher, pool, ecfg) = ShmWire::connect(cfg).await?;
+        let e = Endpoint::new(rank, size, version, "shm", matcher, pool, vec![wire], ecfg);
         Ok(Arc::new(e))
     }
 
@@ -207,12 +209,13 @@ impl Endpoint<ShmWire> {
 
 impl ShmWire {
     /// [`ShmTransport::connect`]'s wire, with the matcher its readers
-    /// deliver into (`cfg.matcher`, or a new one) and how its endpoint
-    /// should receive: polling the rings itself for `cfg.spin`, yielding
-    /// to the OS when ranks outnumber cores.
+    /// deliver into (`cfg.matcher`, or a new one), the pool their payloads
+    /// come from (`cfg.pool`, or a new one) and how its endpoint should
+    /// receive: polling the rings itself for `cfg.spin`, yielding to the
+    /// OS when ranks outnumber cores.
     pub async fn connect(
         cfg: ShmConfig,
-    ) -> Result<(ShmWire, Arc<Matcher>, EndpointConfig), TransportError> {
+    ) -> Result<(ShmWire, Arc<Matcher>, Arc<BufferPool>, EndpointConfig), TransportError> {
         kill_point(&cfg, Stage::Start);
         let n = cfg.size;
         if cfg.rank.idx() >= n {
@@ -272,7 +275,10 @@ impl ShmWire {
         // 45-100 us with, 21-59 without).
         let eager = !oversubscribed;
         let polled = Arc::new(PollClock::new());
-        let frames = FramePool::new(FRAME_POOL_BYTES);
+        let frames = cfg
+            .pool
+            .clone()
+            .unwrap_or_else(|| BufferPool::new(BufferPool::DEFAULT_BUDGET));
         for (peer, ring) in inbound.iter().enumerate() {
             let Some(ring) = ring.clone() else { continue };
             let done = Arc::new(AtomicBool::new(false));
@@ -318,9 +324,9 @@ impl ShmWire {
             polling: std::sync::atomic::AtomicUsize::new(0),
             lent: AtomicU64::new(0),
             polled,
-            frames,
+            frames: frames.clone(),
         };
-        Ok((wire, matcher, ecfg))
+        Ok((wire, matcher, frames, ecfg))
     }
 }
 

@@ -9,7 +9,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::endpoint::Matcher;
-use crate::pool::FramePool;
+use crate::pool::BufferPool;
 use crate::{Header, TransportError, HEADER_LEN};
 
 /// Frames a writer coalesces into one flush.
@@ -33,7 +33,7 @@ pub(super) async fn read_loop(
     peer: Rank,
     matcher: Arc<Matcher>,
     max_frame: usize,
-    frames: Arc<FramePool>,
+    frames: Arc<BufferPool>,
 ) {
     let mut rd = BufReader::with_capacity(IO_BUFFER, rd);
     loop {

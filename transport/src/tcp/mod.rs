@@ -23,7 +23,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 use crate::endpoint::{Endpoint, EndpointConfig, Matcher};
-use crate::pool::FramePool;
+use crate::pool::BufferPool;
 use crate::wire::{Caps, Wire};
 use crate::{ClusterVersion, Epoch, Header, Instant, PeerSet, Transport, TransportError};
 
@@ -55,6 +55,9 @@ pub struct TcpConfig {
     pub skip: PeerSet,
     /// A matcher shared with another backend.
     pub matcher: Option<Arc<Matcher>>,
+    /// The process's buffer pool, which received payloads come from;
+    /// `None`: a new one of [`BufferPool::DEFAULT_BUDGET`].
+    pub pool: Option<Arc<BufferPool>>,
     /// How long a receive stays runnable (letting the runtime poll the
     /// sockets) before it sleeps. Measured on 2 cores, 4-byte allreduce:
     /// 2 ranks ~100 -> ~25 us; 4 ranks (more than cores, so the spin
@@ -75,8 +78,8 @@ impl TcpConfig {
         }
     }
 
-    /// Defaults: 30 s to connect, 64 MiB frames, a 256 MiB mailbox, 50 us
-    /// of spinning before a receive sleeps.
+    /// Defaults: 30 s to connect, 64 MiB frames, a 256 MiB mailbox, a
+    /// new buffer pool, 50 us of spinning before a receive sleeps.
     pub fn new(
         cluster_id: u64,
         version: ClusterVersion,
@@ -95,6 +98,7 @@ impl TcpConfig {
             mailbox_bytes: 256 << 20,
             skip: PeerSet::new(),
             matcher: None,
+            pool: None,
             spin: Duration::from_micros(50),
         }
     }
@@ -126,8 +130,8 @@ impl Endpoint<TcpWire> {
         listener: TcpListener,
     ) -> Result<Arc<TcpTransport>, TransportError> {
         let (rank, size, version) = (config.rank, config.peers.len(), config.version);
-        let (wire, matcher, cfg) = TcpWire::connect(config, listener).await?;
-        let e = Endpoint::new(rank, size, version, "tcp", matcher, vec![wire], cfg);
+        let (wire, matcher, pool, cfg) = TcpWire::connect(config, listener).await?;
+        let e = Endpoint::new(rank, size, version, "tcp", matcher, pool, vec![wire], cfg);
         Ok(Arc::new(e))
     }
 
@@ -140,12 +144,13 @@ impl Endpoint<TcpWire> {
 
 impl TcpWire {
     /// [`TcpTransport::connect`]'s wire, with the matcher its readers
-    /// deliver into (`config.matcher`, or a new one) and how its endpoint
-    /// should receive.
+    /// deliver into (`config.matcher`, or a new one), the pool their
+    /// payloads come from (`config.pool`, or a new one) and how its
+    /// endpoint should receive.
     pub async fn connect(
         config: TcpConfig,
         listener: TcpListener,
-    ) -> Result<(TcpWire, Arc<Matcher>, EndpointConfig), TransportError> {
+    ) -> Result<(TcpWire, Arc<Matcher>, Arc<BufferPool>, EndpointConfig), TransportError> {
         let n = config.peers.len();
         if config.rank.idx() >= n {
             return Err(TransportError::NoSuchPeer {
@@ -169,8 +174,10 @@ impl TcpWire {
         let mut writers = Vec::with_capacity(n);
         let mut tasks = Vec::with_capacity(n);
         let mut readers = Vec::with_capacity(n);
-        // receive buffers, recycled (see FramePool)
-        let frames = FramePool::new(256 << 20);
+        let pool = cfg
+            .pool
+            .clone()
+            .unwrap_or_else(|| BufferPool::new(BufferPool::DEFAULT_BUDGET));
         for r in 0..n {
             let rank = Rank(r as u32);
             let Some(stream) = streams.remove(&rank) else {
@@ -185,7 +192,7 @@ impl TcpWire {
                 rank,
                 matcher.clone(),
                 cfg.max_frame,
-                frames.clone(),
+                pool.clone(),
             )));
             tasks.push(tokio::spawn(write_loop(wr, rank, rx, matcher.clone())));
         }
@@ -199,7 +206,7 @@ impl TcpWire {
             spin: cfg.spin,
             oversubscribed: cfg.peers.local_size(cfg.rank) > crate::host_cpus(),
         };
-        Ok((wire, matcher, ecfg))
+        Ok((wire, matcher, pool, ecfg))
     }
 }
 
