@@ -251,9 +251,6 @@ impl std::fmt::Debug for BufferPool {
     }
 }
 
-/// shm/io.rs still names the pool by its former name.
-pub(crate) type FramePool = BufferPool;
-
 /// A pooled buffer being filled; [`FrameBuf::freeze`] makes it a payload.
 pub struct FrameBuf {
     buf: Vec<u8>,

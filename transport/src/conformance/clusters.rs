@@ -74,6 +74,7 @@ fn mem_config(cfg: &ConformanceConfig, delay: Option<(u64, Duration)>) -> MemCon
         max_frame: cfg.max_frame,
         mailbox_bytes: cfg.mailbox_bytes,
         delay,
+        pool: None,
     }
 }
 

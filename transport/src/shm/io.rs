@@ -13,7 +13,7 @@ use tokio::sync::oneshot;
 use super::ring::{Ring, SENDER_CLOSED};
 use super::ShmWire;
 use crate::endpoint::{Matcher, Pump};
-use crate::pool::FramePool;
+use crate::pool::BufferPool;
 use crate::wire::Apply;
 use crate::{OpTag, PeerSet, TransportError, HEADER_LEN};
 
@@ -90,7 +90,7 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
 #[derive(Clone)]
 pub(super) struct ReadPolicy {
     pub(super) max_frame: usize,
-    pub(super) frames: Arc<FramePool>,
+    pub(super) frames: Arc<BufferPool>,
     /// Spin before sleeping (ranks have a core each).
     pub(super) eager: bool,
     pub(super) polled: Arc<PollClock>,
