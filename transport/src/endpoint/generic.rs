@@ -99,13 +99,13 @@ impl<W: Wire> Endpoint<W> {
         self.wire_to(peer).map(Wire::caps)
     }
 
-    /// The wire to `to`, after the checks every send makes.
-    fn checked(&self, to: Rank, len: usize) -> Result<&W, TransportError> {
-        let w = self.wire_to(to);
-        let max = w.map_or(usize::MAX, |w| w.caps().max_frame);
+    /// The wire to `to` and its caps, after the checks every send makes.
+    fn checked(&self, to: Rank, len: usize) -> Result<(&W, Caps), TransportError> {
+        let route = self.wire_to(to).map(|w| (w, w.caps()));
+        let max = route.map_or(usize::MAX, |(_, c)| c.max_frame);
         self.matcher
-            .check_send(to, self.size, w.is_some(), len, max)?;
-        Ok(w.expect("checked"))
+            .check_send(to, self.size, route.is_some(), len, max)?;
+        Ok(route.expect("checked"))
     }
 }
 
@@ -163,6 +163,7 @@ impl<W: Wire> Transport for Endpoint<W> {
 
     async fn send(&self, to: Rank, header: Header, payload: Bytes) -> Result<(), TransportError> {
         self.checked(to, payload.len())?
+            .0
             .send(to, header, payload)
             .await
     }
@@ -173,10 +174,12 @@ impl<W: Wire> Transport for Endpoint<W> {
         header: Header,
         payload: &[u8],
     ) -> Result<bool, TransportError> {
-        let w = self.checked(to, payload.len())?;
-        if !w.caps().inject {
+        // A wire that never injects costs no check here (tcp: every
+        // transmit asks); its send makes them.
+        if self.caps_to(to).is_some_and(|c| !c.inject) {
             return Ok(false);
         }
+        let (w, _) = self.checked(to, payload.len())?;
         w.inject(to, header, payload)
     }
 
