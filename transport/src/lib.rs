@@ -109,9 +109,11 @@ pub mod shm;
 pub mod tcp;
 pub mod wire;
 
+pub use endpoint::{Arrival, RecvKey};
 pub use header::{
     ClusterVersion, Epoch, FrameKind, Generation, Header, HeaderError, OpId, OpTag, HEADER_LEN,
 };
+pub use region::{Mem, MemMut, Region};
 pub use tokio::time::Instant;
 
 /// A received frame.
@@ -244,25 +246,52 @@ pub trait Transport: Send + Sync + 'static {
         self.matcher().recv(tag, from, deadline)
     }
 
-    /// Like [`Transport::recv`], but a backend that holds frames in memory
+    /// The receive of an op that posts receives and takes frames in
+    /// place: like [`Transport::recv`], but it also returns
+    /// [`Arrival::Landed`] for a receive posted with
+    /// [`Transport::post_recv`], and a backend that holds frames in memory
     /// it can lend (shared memory: the ring) first offers the payload of a
     /// frame of `tag` in place to `apply`, in one or two pieces; if `apply`
     /// returns true it has consumed the frame, which then costs no copy and
-    /// no allocation, and this resolves to `Ok(None)`. Otherwise the frame
-    /// comes back owned, as from `recv`. `apply` must not block. The
-    /// default lends nothing.
+    /// no allocation, and this resolves to [`Arrival::Applied`]. Otherwise
+    /// the frame comes back owned, as [`Arrival::Frame`]. `apply` must not
+    /// block. The default lends nothing.
     fn recv_in_place<'a, F>(
         &'a self,
         tag: OpTag,
         from: &'a PeerSet,
         deadline: Instant,
         apply: F,
-    ) -> impl Future<Output = Result<Option<Frame>, TransportError>> + Send + 'a
+    ) -> impl Future<Output = Result<Arrival, TransportError>> + Send + 'a
     where
         F: FnMut(Rank, &Header, &[&[u8]]) -> bool + Send + 'a,
     {
         drop(apply);
-        async move { self.recv(tag, from, deadline).await.map(Some) }
+        self.matcher().recv_arrival(tag, from, deadline)
+    }
+
+    /// Posts a receive: the data frame `key` names is written into `mem`,
+    /// a range of the op's memory, by whichever wire carries it (or copied
+    /// in, if it came before this). `Ok(Some(header))` when it is there
+    /// already; `Ok(None)` when posted: a receive then returns
+    /// [`Arrival::Landed`] for it. A frame of that key with another length
+    /// is not landed: it arrives as a frame, for the op to refuse.
+    ///
+    /// The share `mem` is held until the frame lands or the op is retired
+    /// ([`Transport::retire`]); a wire that is writing it keeps it (and
+    /// with it the region) alive past that, so memory is never freed
+    /// under a write.
+    fn post_recv(&self, key: RecvKey, mem: MemMut) -> Result<Option<Header>, TransportError> {
+        self.matcher().post(key, mem)
+    }
+
+    /// Whether receiving from `from` into posted memory pays: the wire to
+    /// it writes frames where they belong (TCP reads the socket into the
+    /// posted range) rather than lending them in place (shared memory's
+    /// ring, which an op applies from directly). Default: false.
+    fn posts_from(&self, from: Rank) -> bool {
+        let _ = from;
+        false
     }
 
     /// Ends op instance `tag` (done or failed): its queued and later frames

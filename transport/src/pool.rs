@@ -313,6 +313,17 @@ impl PooledBuf {
     pub fn capacity(&self) -> usize {
         self.vec.capacity()
     }
+
+    /// The vector and the pool it goes back to (see
+    /// [`Region::from_pooled`](crate::region::Region::from_pooled)).
+    pub(crate) fn into_parts(mut self) -> (Vec<u8>, Weak<BufferPool>) {
+        let pool = std::mem::take(&mut self.pool);
+        (std::mem::take(&mut self.vec), pool)
+    }
+
+    pub(crate) fn from_parts(vec: Vec<u8>, pool: Weak<BufferPool>) -> PooledBuf {
+        PooledBuf { vec, pool }
+    }
 }
 
 impl Deref for PooledBuf {

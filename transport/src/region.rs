@@ -24,9 +24,11 @@ use std::any::Any;
 use std::mem::ManuallyDrop;
 use std::ops::Range;
 use std::ptr::NonNull;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use bytes::Bytes;
+
+use crate::pool::{BufferPool, PooledBuf};
 
 /// A share the rules refuse.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -48,6 +50,8 @@ enum Owner {
     /// A vector's buffer, taken apart (rebuilt and dropped with the region).
     Vec {
         cap: usize,
+        /// Where the vector goes when the region is dropped (if anywhere).
+        pool: Weak<BufferPool>,
     },
     Bytes(#[allow(dead_code)] Bytes),
     /// The caller's memory; the hook runs when the region is dropped.
@@ -88,10 +92,22 @@ unsafe impl Sync for Region {}
 impl Region {
     /// A region that owns `v`.
     pub fn from_vec(v: Vec<u8>) -> Arc<Region> {
+        Region::vec_in(v, Weak::new())
+    }
+
+    /// A region that owns a pooled buffer: it goes back to its pool when
+    /// the region is dropped, unless taken back with
+    /// [`Region::into_pooled`].
+    pub fn from_pooled(b: PooledBuf) -> Arc<Region> {
+        let (v, pool) = b.into_parts();
+        Region::vec_in(v, pool)
+    }
+
+    fn vec_in(v: Vec<u8>, pool: Weak<BufferPool>) -> Arc<Region> {
         let mut v = ManuallyDrop::new(v);
         let (len, cap) = (v.len(), v.capacity());
         let ptr = NonNull::new(v.as_mut_ptr()).expect("a vector's pointer is not null");
-        Region::new(ptr, len, Owner::Vec { cap })
+        Region::new(ptr, len, Owner::Vec { cap, pool })
     }
 
     /// A read-only region over `b` (write shares are refused).
@@ -215,30 +231,38 @@ impl Region {
 
     /// The vector back, if `region` owns one and nothing else holds it.
     pub fn into_vec(region: Arc<Region>) -> Result<Vec<u8>, Arc<Region>> {
+        Region::into_pooled(region).map(|b| b.into_parts().0)
+    }
+
+    /// The pooled buffer back (see [`Region::from_pooled`]; a region made
+    /// by [`Region::from_vec`] gives a buffer of no pool), if `region`
+    /// owns a vector and nothing else holds it.
+    pub fn into_pooled(region: Arc<Region>) -> Result<PooledBuf, Arc<Region>> {
         if !matches!(region.owner, Owner::Vec { .. }) {
             return Err(region);
         }
         let mut r = Arc::try_unwrap(region)?;
-        let Owner::Vec { cap } = r.owner else {
+        // Leave nothing for Drop to free.
+        let Owner::Vec { cap, pool } = std::mem::replace(&mut r.owner, Owner::Foreign(None)) else {
             unreachable!("checked above")
         };
-        // Leave nothing for Drop to free.
-        r.owner = Owner::Foreign(None);
         // SAFETY: ptr, len and cap are those of the vector taken apart in
-        // `from_vec`, whose buffer nothing else holds (no share is left:
+        // `vec_in`, whose buffer nothing else holds (no share is left:
         // each holds the Arc that try_unwrap found unique).
-        Ok(unsafe { Vec::from_raw_parts(r.ptr.as_ptr(), r.len, cap) })
+        let v = unsafe { Vec::from_raw_parts(r.ptr.as_ptr(), r.len, cap) };
+        Ok(PooledBuf::from_parts(v, pool))
     }
 }
 
 impl Drop for Region {
     fn drop(&mut self) {
         match &mut self.owner {
-            // SAFETY: as in `into_vec`: the vector taken apart in
-            // `from_vec`, dropped once, here.
-            Owner::Vec { cap } => unsafe {
-                drop(Vec::from_raw_parts(self.ptr.as_ptr(), self.len, *cap))
-            },
+            Owner::Vec { cap, pool } => {
+                // SAFETY: as in `into_pooled`: the vector taken apart in
+                // `vec_in`, rebuilt once, here.
+                let v = unsafe { Vec::from_raw_parts(self.ptr.as_ptr(), self.len, *cap) };
+                drop(PooledBuf::from_parts(v, std::mem::take(pool)));
+            }
             Owner::Bytes(_) => {}
             Owner::Foreign(release) => {
                 if let Some(f) = release.take() {

@@ -30,7 +30,8 @@ use bytes::Bytes;
 use kungfu_topology::Rank;
 
 use crate::endpoint::Pump;
-use crate::region::Region;
+use crate::endpoint::RecvKey;
+use crate::region::{MemMut, Region};
 use crate::{Header, OpTag, PeerSet, TransportError};
 
 /// What a wire can do. See the module docs.
@@ -72,6 +73,19 @@ pub trait Wire: Send + Sync + 'static {
     fn register(&self, region: &Arc<Region>) -> Result<(), TransportError> {
         let _ = region;
         Ok(())
+    }
+
+    /// Takes a posted receive, if the wire matches receives itself
+    /// (libfabric's tagged receives, a verbs rendezvous): it then writes
+    /// the frame into `mem` and reports [`Matcher::landed`] to the
+    /// endpoint's matcher. The default gives `mem` back (`Ok(Some)`), and
+    /// the endpoint's matcher matches it in software: a reader
+    /// [`claim`](crate::endpoint::Matcher::claim)s it and writes into it.
+    ///
+    /// [`Matcher::landed`]: crate::endpoint::Matcher::landed
+    fn post_recv(&self, key: RecvKey, mem: MemMut) -> Result<Option<MemMut>, TransportError> {
+        let _ = key;
+        Ok(Some(mem))
     }
 
     /// Sends a frame now, straight from `payload`, if it can without

@@ -37,7 +37,7 @@ use kungfu_transport::{FrameKind, Header, Instant, OpTag, PeerSet, TransportErro
 
 use crate::abort::Abort;
 use crate::dtype::scale_down;
-use crate::plan::{ActionId, Plan};
+use crate::plan::{ActionId, Plan, PlanError, RecvReady, Work};
 use crate::{CollectiveError, OpSpec, ReduceOp};
 
 /// Data frames received from one peer for one op.
@@ -257,6 +257,16 @@ impl OpMachine {
         })
     }
 
+    /// A receive the driver may post into the working buffer (see
+    /// [`Plan::poll_recv`]); its frame then lands there, and the driver
+    /// reports [`OpMachine::handle_landed`].
+    pub fn poll_recv(&mut self) -> Option<RecvReady> {
+        if !self.is_running() {
+            return None;
+        }
+        self.plan.poll_recv()
+    }
+
     /// When the op fails unless something happens first.
     pub fn poll_timeout(&self) -> Option<Instant> {
         self.is_running().then_some(self.deadline)
@@ -264,14 +274,17 @@ impl OpMachine {
 
     /// How the op ended, once. On [`OpEvent::Done`] the output was scaled
     /// (an average) in `work`.
-    pub fn poll_event(&mut self, work: &mut [u8]) -> Option<OpEvent> {
+    pub fn poll_event<W: Work + ?Sized>(&mut self, work: &mut W) -> Option<OpEvent> {
         if self.is_running() && self.plan.is_done() && self.outstanding.is_empty() {
+            self.state = State::Ended(OpEvent::Done);
             if let (Some(ReduceOp::Avg), Some(r)) =
                 (self.op.spec.kind.reduce_op(), self.output_range())
             {
-                scale_down(self.op.spec.dtype, &mut work[r], self.size);
+                let (dtype, size) = (self.op.spec.dtype, self.size);
+                if !work.write(r.clone(), &mut |out| scale_down(dtype, out, size)) {
+                    self.planned(self.me, Err(PlanError::Busy { range: r }));
+                }
             }
-            self.state = State::Ended(OpEvent::Done);
         }
         match std::mem::replace(&mut self.state, State::Finished) {
             State::Ended(e) => Some(e),
@@ -285,23 +298,24 @@ impl OpMachine {
     /// The bytes of a handed-out data frame were copied: the plan may
     /// overwrite its range. The send itself is still in flight (it counts
     /// against the window until [`OpMachine::handle_sent`]).
-    pub fn handle_copied(&mut self, id: ActionId, work: &mut [u8]) {
+    pub fn handle_copied<W: Work + ?Sized>(&mut self, id: ActionId, work: &mut W) {
         if let Some(o) = self.outstanding.iter_mut().find(|o| o.id == id) {
             if !o.released {
                 o.released = true;
-                self.plan.handle_sent(id, work);
+                let r = self.plan.handle_sent(id, work);
+                self.planned(self.me, r);
             }
         }
     }
 
     /// A handed-out data frame was sent (handed whole to the transport),
     /// or its send failed.
-    pub fn handle_sent(
+    pub fn handle_sent<W: Work + ?Sized>(
         &mut self,
         now: Instant,
         id: ActionId,
         result: Result<(), TransportError>,
-        work: &mut [u8],
+        work: &mut W,
     ) {
         if !self.is_running() {
             return;
@@ -316,19 +330,20 @@ impl OpMachine {
             return;
         }
         if !o.released {
-            self.plan.handle_sent(id, work);
+            let r = self.plan.handle_sent(id, work);
+            self.planned(self.me, r);
         }
         self.progress(now);
     }
 
     /// A frame of this op arrived, owned.
-    pub fn handle_frame(
+    pub fn handle_frame<W: Work + ?Sized>(
         &mut self,
         now: Instant,
         from: Rank,
         header: &Header,
         payload: Bytes,
-        work: &mut [u8],
+        work: &mut W,
     ) {
         if !self.is_running() {
             return;
@@ -345,13 +360,52 @@ impl OpMachine {
             }
             FrameKind::Data => {
                 self.arrived(now, from, payload.len());
-                if let Err(e) =
-                    self.plan
-                        .handle_frame(from, header.chunk, header.step, payload, work)
-                {
-                    let e = self.protocol(from, e.to_string());
-                    self.fail(e);
-                }
+                let r = self
+                    .plan
+                    .handle_frame(from, header.chunk, header.step, payload, work);
+                self.planned(from, r);
+            }
+        }
+    }
+
+    /// The frame of a receive posted for [`OpMachine::poll_recv`] landed
+    /// in the working buffer (`header` is the frame's).
+    pub fn handle_landed<W: Work + ?Sized>(
+        &mut self,
+        now: Instant,
+        from: Rank,
+        header: &Header,
+        work: &mut W,
+    ) {
+        if !self.is_running() {
+            return;
+        }
+        self.progress(now);
+        if header.digest != self.op.digest {
+            let e = self.mismatch(from, header.digest);
+            return self.fail(e);
+        }
+        let len = usize::try_from(header.len).unwrap_or(usize::MAX);
+        self.arrived(now, from, len);
+        let r = self
+            .plan
+            .handle_landed(from, header.chunk, header.step, len, work);
+        self.planned(from, r);
+    }
+
+    /// The driver could not lend or take a range of the working memory (a
+    /// plan that uses one range twice at once): the op fails.
+    pub fn handle_internal(&mut self, e: PlanError) {
+        self.planned(self.me, Err(e));
+    }
+
+    /// Fails the op if the plan refused what `from` sent (or, from this
+    /// rank, an internal error).
+    fn planned(&mut self, from: Rank, r: Result<(), PlanError>) {
+        if let Err(e) = r {
+            if self.is_running() {
+                let e = self.protocol(from, e.to_string());
+                self.fail(e);
             }
         }
     }
@@ -362,13 +416,13 @@ impl OpMachine {
     /// [`OpMachine::handle_frame`] (an abort, another digest, a frame
     /// ahead of its dependencies, a piece that splits an element, a frame
     /// the plan does not expect).
-    pub fn try_apply(
+    pub fn try_apply<W: Work + ?Sized>(
         &mut self,
         now: Instant,
         from: Rank,
         header: &Header,
         parts: &[&[u8]],
-        work: &mut [u8],
+        work: &mut W,
     ) -> bool {
         if !self.is_running() || header.kind != FrameKind::Data || header.digest != self.op.digest {
             return false;

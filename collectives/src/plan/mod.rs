@@ -35,6 +35,43 @@ mod tests;
 
 pub use chunk::{chunks, segment};
 
+/// The op's working memory, as a plan writes it: one range at a time.
+///
+/// A plain slice for tests and the simulation; a
+/// [`Region`](kungfu_transport::Region) when ranges of it may be lent to
+/// wires (a posted receive holds its range until the frame lands, so the
+/// plan may not write it meanwhile: such a write is refused, never racy).
+pub trait Work {
+    /// Runs `f` on `range`, writable; false (and `f` not run) if the range
+    /// is lent out.
+    fn write(&mut self, range: Range<usize>, f: &mut dyn FnMut(&mut [u8])) -> bool;
+}
+
+impl Work for [u8] {
+    fn write(&mut self, range: Range<usize>, f: &mut dyn FnMut(&mut [u8])) -> bool {
+        f(&mut self[range]);
+        true
+    }
+}
+
+impl Work for Vec<u8> {
+    fn write(&mut self, range: Range<usize>, f: &mut dyn FnMut(&mut [u8])) -> bool {
+        self.as_mut_slice().write(range, f)
+    }
+}
+
+impl Work for Arc<kungfu_transport::Region> {
+    fn write(&mut self, range: Range<usize>, f: &mut dyn FnMut(&mut [u8])) -> bool {
+        match kungfu_transport::Region::write(self, range) {
+            Ok(mut m) => {
+                f(m.as_mut_slice());
+                true
+            }
+            Err(_) => false,
+        }
+    }
+}
+
 /// Identifies an action of a plan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ActionId(u32);
@@ -49,6 +86,8 @@ enum Action {
     },
     Recv {
         from: Rank,
+        chunk: u32,
+        step: u16,
         range: Range<usize>,
         /// Reduce in this operand order, or (None) overwrite.
         reduce: Option<Order>,
@@ -83,6 +122,8 @@ pub enum PlanError {
     Unexpected { from: Rank, chunk: u32, step: u16 },
     #[error("duplicate frame (chunk {chunk}, step {step}) from {from}")]
     Duplicate { from: Rank, chunk: u32, step: u16 },
+    #[error("internal error: range {range:?} of the working buffer is lent out")]
+    Busy { range: Range<usize> },
     #[error("frame (chunk {chunk}, step {step}) from {from} has {got} bytes, expected {want}")]
     Length {
         from: Rank,
@@ -165,6 +206,8 @@ impl PlanBuilder {
         let id = self.push(
             Action::Recv {
                 from,
+                chunk,
+                step,
                 range,
                 reduce,
             },
@@ -181,6 +224,7 @@ impl PlanBuilder {
         let mut dependents = vec![Vec::new(); n];
         let mut deps_left = vec![0u32; n];
         let mut ready = Vec::new();
+        let mut postable = Vec::new();
         let mut peers = PeerSet::new();
         let mut targets = PeerSet::new();
         for (i, deps) in self.deps.iter().enumerate() {
@@ -188,8 +232,12 @@ impl PlanBuilder {
             for d in deps {
                 dependents[d.0 as usize].push(ActionId(i as u32));
             }
-            if deps.is_empty() && matches!(self.actions[i], Action::Send { .. }) {
-                ready.push(ActionId(i as u32));
+            if deps.is_empty() {
+                match self.actions[i] {
+                    Action::Send { .. } => ready.push(ActionId(i as u32)),
+                    Action::Recv { reduce: None, .. } => postable.push(ActionId(i as u32)),
+                    Action::Recv { .. } => {}
+                }
             }
             match &self.actions[i] {
                 Action::Send { to, .. } => {
@@ -204,6 +252,7 @@ impl PlanBuilder {
             deps_left,
             dependents,
             ready: ready.into_iter().collect(),
+            postable,
             recv_index: self.recv_index,
             dtype,
             op,
@@ -232,6 +281,8 @@ pub struct PlanGraph {
     dependents: Vec<Vec<ActionId>>,
     /// Sends ready at the start.
     ready: Vec<ActionId>,
+    /// Copy receives ready at the start.
+    postable: Vec<ActionId>,
     recv_index: HashMap<(Rank, u32, u16), ActionId>,
     dtype: DType,
     op: ReduceOp,
@@ -246,23 +297,41 @@ impl PlanGraph {
             state: vec![State::Waiting; self.actions.len()],
             deps_left: self.deps_left.clone(),
             ready: self.ready.iter().copied().collect(),
+            postable: self.postable.clone(),
             arrived: HashMap::new(),
             done: 0,
             graph: self,
         }
     }
 
-    fn apply(&self, id: ActionId, payload: &[u8], work: &mut [u8]) {
+    fn apply<W: Work + ?Sized>(
+        &self,
+        id: ActionId,
+        parts: &[&[u8]],
+        work: &mut W,
+    ) -> Result<(), PlanError> {
         let Action::Recv {
             ref range, reduce, ..
         } = self.actions[id.0 as usize]
         else {
             unreachable!("apply on a receive");
         };
-        let dst = &mut work[range.clone()];
-        match reduce {
-            Some(order) => reduce_into_ordered(self.dtype, self.op, dst, payload, order),
-            None => dst.copy_from_slice(payload),
+        let written = work.write(range.clone(), &mut |dst| {
+            let mut at = 0;
+            for p in parts {
+                let dst = &mut dst[at..at + p.len()];
+                match reduce {
+                    Some(order) => reduce_into_ordered(self.dtype, self.op, dst, p, order),
+                    None => dst.copy_from_slice(p),
+                }
+                at += p.len();
+            }
+        });
+        match written {
+            true => Ok(()),
+            false => Err(PlanError::Busy {
+                range: range.clone(),
+            }),
         }
     }
 }
@@ -276,6 +345,9 @@ pub struct Plan {
     state: Vec<State>,
     deps_left: Vec<u32>,
     ready: VecDeque<ActionId>,
+    /// Copy receives whose dependencies are done, not yet handed out by
+    /// [`Plan::poll_recv`].
+    postable: Vec<ActionId>,
     arrived: HashMap<ActionId, Bytes>,
     done: usize,
 }
@@ -328,36 +400,89 @@ impl Plan {
         })
     }
 
+    /// A receive that may be posted now: a copy receive (it overwrites its
+    /// range) whose dependencies are done, so nothing of the plan touches
+    /// its range until it completes. The driver may post it (the frame
+    /// then lands in `range`, and it reports [`Plan::handle_landed`]) or
+    /// leave it to arrive as a frame.
+    pub fn poll_recv(&mut self) -> Option<RecvReady> {
+        // Some arrived (as frames) before they were asked for.
+        let id = loop {
+            let id = self.postable.pop()?;
+            if self.state[id.0 as usize] == State::Waiting {
+                break id;
+            }
+        };
+        let Action::Recv {
+            from,
+            chunk,
+            step,
+            ref range,
+            ..
+        } = self.graph.actions[id.0 as usize]
+        else {
+            unreachable!("only receives are postable");
+        };
+        Some(RecvReady {
+            from,
+            chunk,
+            step,
+            range: range.clone(),
+        })
+    }
+
     /// The bytes of a transmitted range are taken (copied, or sent from
     /// place): actions that overwrite them may now run.
-    pub fn handle_sent(&mut self, id: ActionId, work: &mut [u8]) {
+    pub fn handle_sent<W: Work + ?Sized>(
+        &mut self,
+        id: ActionId,
+        work: &mut W,
+    ) -> Result<(), PlanError> {
         assert_eq!(
             self.state[id.0 as usize],
             State::InFlight,
             "handle_sent for an action not handed out"
         );
-        self.complete(id, work);
+        self.complete(id, work)
     }
 
     /// A data frame of this op arrived.
-    pub fn handle_frame(
+    pub fn handle_frame<W: Work + ?Sized>(
         &mut self,
         from: Rank,
         chunk: u32,
         step: u16,
         payload: Bytes,
-        work: &mut [u8],
+        work: &mut W,
     ) -> Result<(), PlanError> {
         let id = self.expected(from, chunk, step, payload.len())?;
         let i = id.0 as usize;
         if self.deps_left[i] == 0 {
-            self.graph.apply(id, &payload, work);
-            self.complete(id, work);
+            self.graph.apply(id, &[&payload], work)?;
+            self.complete(id, work)
         } else {
             self.state[i] = State::Arrived;
             self.arrived.insert(id, payload);
+            Ok(())
         }
-        Ok(())
+    }
+
+    /// The frame of a posted receive (see [`Plan::poll_recv`]) of `len`
+    /// bytes landed in its range.
+    pub fn handle_landed<W: Work + ?Sized>(
+        &mut self,
+        from: Rank,
+        chunk: u32,
+        step: u16,
+        len: usize,
+        work: &mut W,
+    ) -> Result<(), PlanError> {
+        let id = self.expected(from, chunk, step, len)?;
+        if self.deps_left[id.0 as usize] != 0 {
+            // Only a receive handed out by poll_recv is posted.
+            return Err(PlanError::Unexpected { from, chunk, step });
+        }
+        self.complete(id, work)
     }
 
     /// Applies a data frame straight from borrowed memory (`parts`, the
@@ -366,38 +491,23 @@ impl Plan {
     /// `Ok(false)` when not (dependencies pending, or a piece that splits an
     /// element): the caller then passes the frame, owned, to
     /// [`Plan::handle_frame`]. Errors are those of `handle_frame`.
-    pub fn try_apply(
+    pub fn try_apply<W: Work + ?Sized>(
         &mut self,
         from: Rank,
         chunk: u32,
         step: u16,
         parts: &[&[u8]],
-        work: &mut [u8],
+        work: &mut W,
     ) -> Result<bool, PlanError> {
         let got: usize = parts.iter().map(|p| p.len()).sum();
         let id = self.expected(from, chunk, step, got)?;
         let i = id.0 as usize;
-        let g = &*self.graph;
-        let Action::Recv {
-            ref range, reduce, ..
-        } = g.actions[i]
-        else {
-            unreachable!("recv_index holds receives");
-        };
-        let esize = g.dtype.size();
+        let esize = self.graph.dtype.size();
         if self.deps_left[i] != 0 || parts.iter().any(|p| p.len() % esize != 0) {
             return Ok(false);
         }
-        let mut at = range.start;
-        for p in parts {
-            let dst = &mut work[at..at + p.len()];
-            match reduce {
-                Some(order) => reduce_into_ordered(g.dtype, g.op, dst, p, order),
-                None => dst.copy_from_slice(p),
-            }
-            at += p.len();
-        }
-        self.complete(id, work);
+        self.graph.apply(id, parts, work)?;
+        self.complete(id, work)?;
         Ok(true)
     }
 
@@ -453,7 +563,7 @@ impl Plan {
 
     /// Marks `id` complete and runs whatever that unblocks (iteratively, so
     /// long chains do not recurse).
-    fn complete(&mut self, id: ActionId, work: &mut [u8]) {
+    fn complete<W: Work + ?Sized>(&mut self, id: ActionId, work: &mut W) -> Result<(), PlanError> {
         let g = &*self.graph;
         // Receives unblocked on the way (rare past the first), handled
         // iteratively so long chains do not recurse; no allocation unless
@@ -473,12 +583,23 @@ impl Plan {
                     (Action::Send { .. }, _) => self.ready.push_back(d),
                     (Action::Recv { .. }, State::Arrived) => {
                         let payload = self.arrived.remove(&d).expect("arrived payload");
-                        g.apply(d, &payload, work);
+                        g.apply(d, &[&payload], work)?;
                         stack.push(d);
                     }
+                    (Action::Recv { reduce: None, .. }, State::Waiting) => self.postable.push(d),
                     _ => {}
                 }
             }
         }
+        Ok(())
     }
+}
+
+/// A receive the driver may post: see [`Plan::poll_recv`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecvReady {
+    pub from: Rank,
+    pub chunk: u32,
+    pub step: u16,
+    pub range: Range<usize>,
 }

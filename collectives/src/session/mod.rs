@@ -752,7 +752,7 @@ impl<T: Transport> Session<T> {
         };
         Ok(RunningOp {
             m: OpMachine::new(op, plan, me, n, cfg, kungfu_transport::Instant::now()),
-            work,
+            work: kungfu_transport::Region::from_pooled(work),
         })
     }
 

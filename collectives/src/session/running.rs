@@ -5,22 +5,38 @@
 
 use std::collections::VecDeque;
 use std::ops::Range;
+use std::sync::Arc;
 
 use kungfu_topology::Rank;
-use kungfu_transport::{Header, Instant, Transport, TransportError};
+use kungfu_transport::{Arrival, Header, Instant, Mem, RecvKey, Region, Transport, TransportError};
 use tokio::task::JoinSet;
 
 use super::driver::send_abort;
 use super::{Inner, OpOutput};
 use crate::op::{OpEvent, OpMachine, Transmit};
-use crate::plan::ActionId;
+use crate::plan::{ActionId, PlanError};
 use crate::pool::PooledBuf;
 use crate::CollectiveError;
 
-/// One op in flight: its machine and working buffer.
+/// One op in flight: its machine and working memory. Ranges of the memory
+/// are lent to the transport while receives are posted into them, so it is
+/// a [`Region`], shared range by range, not a slice.
 pub(super) struct RunningOp {
     pub(super) m: OpMachine,
-    pub(super) work: PooledBuf,
+    pub(super) work: Arc<Region>,
+}
+
+/// `range` of the working memory, to send from.
+fn read(m: &mut OpMachine, work: &Arc<Region>, range: Range<usize>) -> Option<Mem> {
+    match work.read(range.clone()) {
+        Ok(mem) => Some(mem),
+        Err(_) => {
+            // Only a plan that sends a range it also receives into at the
+            // same time could get here.
+            m.handle_internal(PlanError::Busy { range });
+            None
+        }
+    }
 }
 
 /// A frame kept in the working buffer until a shared-memory ring has room.
@@ -32,7 +48,7 @@ impl RunningOp {
         inner: &Inner<T>,
     ) -> Result<OpOutput, CollectiveError> {
         let t = &inner.transport;
-        let (m, work) = (&mut self.m, &mut *self.work);
+        let (m, work) = (&mut self.m, &mut self.work);
         // A lost rank fails the op now, unless we only receive from it and
         // some of its frames for this op are here (a broadcast root that
         // sent everything and closed): then the receives decide.
@@ -52,9 +68,13 @@ impl RunningOp {
             let mut k = 0;
             while k < pending.len() {
                 let (id, to, header, ref range) = pending[k];
-                match t.try_send_now(to, header, &work[range.clone()]) {
+                let Some(mem) = read(m, work, range.clone()) else {
+                    break;
+                };
+                match t.try_send_now(to, header, mem.as_slice()) {
                     Ok(false) => k += 1,
                     r => {
+                        drop(mem);
                         pending.remove(k);
                         m.handle_sent(Instant::now(), id, r.map(drop), work);
                     }
@@ -68,20 +88,27 @@ impl RunningOp {
                         header,
                         range,
                     } => {
+                        let Some(mem) = read(m, work, range.clone()) else {
+                            break;
+                        };
                         // Straight from the buffer where the backend can
                         // (no copy into an owned payload, no task).
-                        match t.try_send_now(to, header, &work[range.clone()]) {
+                        match t.try_send_now(to, header, mem.as_slice()) {
                             Ok(false) if t.sends_in_place(to) => {
                                 pending.push_back((id, to, header, range))
                             }
                             Ok(false) => {
                                 let mut copy = inner.pool.take(range.len());
-                                copy.as_mut().copy_from_slice(&work[range]);
+                                copy.as_mut().copy_from_slice(mem.as_slice());
+                                drop(mem);
                                 m.handle_copied(id, work);
                                 let (t, payload) = (t.clone(), copy.freeze());
                                 sends.spawn(async move { (id, t.send(to, header, payload).await) });
                             }
-                            r => m.handle_sent(Instant::now(), id, r.map(drop), work),
+                            r => {
+                                drop(mem);
+                                m.handle_sent(Instant::now(), id, r.map(drop), work)
+                            }
                         }
                     }
                     Transmit::Abort {
@@ -89,6 +116,31 @@ impl RunningOp {
                         header,
                         payload,
                     } => send_abort(inner, to, header, payload),
+                }
+            }
+            // Receives whose range is free: the wire writes their frames
+            // straight into the working memory.
+            while let Some(r) = m.poll_recv() {
+                if !t.posts_from(r.from) {
+                    continue;
+                }
+                let key = RecvKey {
+                    tag: m.tag(),
+                    from: r.from,
+                    chunk: r.chunk,
+                    step: r.step,
+                };
+                let posted = match work.write(r.range.clone()) {
+                    Ok(mem) => t.post_recv(key, mem),
+                    Err(_) => {
+                        m.handle_internal(PlanError::Busy { range: r.range });
+                        break;
+                    }
+                };
+                match posted {
+                    Ok(None) => {}
+                    Ok(Some(header)) => m.handle_landed(Instant::now(), r.from, &header, work),
+                    Err(e) => m.handle_error(e),
                 }
             }
             if let Some(e) = m.poll_event(work) {
@@ -113,13 +165,14 @@ impl RunningOp {
                     }),
                 },
                 // Frames the machine can take now are applied straight from
-                // the transport's memory (shm: the ring); anything else comes
-                // back owned.
+                // the transport's memory (shm: the ring); posted ones land
+                // in the working memory; anything else comes back owned.
                 r = t.recv_in_place(tag, &listen, recv_deadline, |from: Rank, h: &Header, parts: &[&[u8]]| {
                     m.try_apply(Instant::now(), from, h, parts, work)
                 }) => match r {
-                    Ok(None) => {}
-                    Ok(Some(f)) => m.handle_frame(Instant::now(), f.from, &f.header, f.payload, work),
+                    Ok(Arrival::Applied) => {}
+                    Ok(Arrival::Frame(f)) => m.handle_frame(Instant::now(), f.from, &f.header, f.payload, work),
+                    Ok(Arrival::Landed { from, header }) => m.handle_landed(Instant::now(), from, &header, work),
                     Err(e @ TransportError::PeerLost { peer, .. }) => {
                         m.handle_peer_lost(Instant::now(), peer, e);
                         listen.clone_from(m.listening());
@@ -131,7 +184,7 @@ impl RunningOp {
         };
         match event {
             OpEvent::Done => Ok(OpOutput {
-                work: std::mem::replace(&mut self.work, PooledBuf::unpooled(Vec::new())),
+                work: take_output(&mut self.work),
                 range: self.m.output_range(),
                 version: inner.transport.version(),
                 epoch: self.m.tag().epoch,
@@ -139,5 +192,21 @@ impl RunningOp {
             }),
             OpEvent::Failed(e) => Err(e),
         }
+    }
+}
+
+/// The working memory of a finished op, as a buffer (no copy: at the end
+/// no range of it is lent out, so the op holds it alone).
+fn take_output(work: &mut Arc<Region>) -> PooledBuf {
+    let region = std::mem::replace(work, Region::from_vec(Vec::new()));
+    match Region::into_pooled(region) {
+        Ok(b) => b,
+        // Held elsewhere still (a share not yet dropped): copy it out.
+        Err(region) => PooledBuf::unpooled(
+            region
+                .read(0..region.len())
+                .map(|m| m.as_slice().to_vec())
+                .unwrap_or_default(),
+        ),
     }
 }

@@ -1,7 +1,6 @@
 //! Cases of delivery: every byte, in place, in any order.
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use super::{
     join_all, others, poll_once, queued, rank, receive, send_ok, shuffle, soon, spawn_sends, tag,
@@ -102,11 +101,7 @@ pub async fn exact_delivery<C: Cluster>() {
 /// that is allowed). Where it does not, nothing may be lent.
 pub async fn in_place_delivery<C: Cluster>() {
     let n = 3;
-    let cfg = ConformanceConfig {
-        // the receive keeps polling, so it finds its frame in the ring
-        spin: Duration::from_secs(2),
-        ..ConformanceConfig::default()
-    };
+    let cfg = ConformanceConfig::polling();
     let ts = C::connect(n, cfg.clone()).await;
     let ring = cfg.ring_bytes;
     let mut seq = 0;

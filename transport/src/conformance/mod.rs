@@ -27,6 +27,12 @@
 //!   everything fails with [`TransportError::Closed`](crate::TransportError::Closed).
 //! - [`bad_input`]: ranks out of range, itself, oversized frames: clear
 //!   errors, no panic, the endpoint stays usable.
+//! - [`posted_receives`]: receives posted into ranges of one region, of
+//!   every size (frames that wrap a ring included), before and after their
+//!   frames came, land intact and only in their range; a frame of another
+//!   length does not land; retiring releases the range.
+//! - [`posted_failures`]: posted receives under cancel, retire, an older
+//!   epoch, a lost peer and a closed endpoint.
 //!
 //! # Adding a backend
 //!
@@ -82,10 +88,12 @@ pub mod clusters;
 mod delivery;
 mod failures;
 mod faults;
+mod posted;
 
 pub use delivery::{exact_delivery, in_place_delivery, out_of_order};
 pub use failures::{bad_input, closed_endpoint, lost_peer};
 pub use faults::{back_pressure, cancel_safety, retired_tags_become_strays, stale_epochs};
+pub use posted::{posted_failures, posted_receives};
 
 /// A bound on each whole case (a backend that hangs fails, it does not
 /// stall the run).
@@ -117,6 +125,17 @@ impl Default for ConformanceConfig {
             max_frame: 16 << 20,
             ring_bytes: 4096,
             spin: Duration::from_micros(50),
+        }
+    }
+}
+
+impl ConformanceConfig {
+    /// Receives keep polling (for 2 s), so they find their frames in a
+    /// ring and take them from there (lent, or landed where posted).
+    fn polling() -> ConformanceConfig {
+        ConformanceConfig {
+            spin: Duration::from_secs(2),
+            ..ConformanceConfig::default()
         }
     }
 }
@@ -170,7 +189,7 @@ macro_rules! conformance_tests {
         $crate::conformance_tests!(@each $cluster;
             exact_delivery in_place_delivery out_of_order cancel_safety
             retired_tags_become_strays stale_epochs lost_peer back_pressure
-            closed_endpoint bad_input);
+            closed_endpoint bad_input posted_receives posted_failures);
     };
     (@each $cluster:ty; $($case:ident)*) => {
         $(
@@ -456,6 +475,13 @@ async fn receive<T: Transport>(
                     accept
                 })
                 .await?;
+            let frame = match frame {
+                crate::Arrival::Frame(f) => Some(f),
+                crate::Arrival::Applied => None,
+                crate::Arrival::Landed { from, header } => {
+                    panic!("{from}: a landed receive {header:?}, but none was posted")
+                }
+            };
             Ok(Got { frame, offers })
         }
     }

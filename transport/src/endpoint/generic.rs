@@ -7,8 +7,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use kungfu_topology::Rank;
 
-use super::{recv_spinning, spin_recv, Matcher, Pump};
+use super::{recv_spinning, spin_recv, Arrival, Matcher, Pump, RecvKey};
 use crate::pool::BufferPool;
+use crate::region::MemMut;
 use crate::wire::{Caps, Wire};
 use crate::{
     Capabilities, ClusterVersion, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
@@ -183,6 +184,10 @@ impl<W: Wire> Transport for Endpoint<W> {
         w.inject(to, header, payload)
     }
 
+    fn posts_from(&self, from: Rank) -> bool {
+        self.caps_to(from).is_some_and(|c| !c.lends)
+    }
+
     fn sends_in_place(&self, to: Rank) -> bool {
         self.caps_to(to).is_some_and(|c| c.holds_sends)
     }
@@ -198,8 +203,10 @@ impl<W: Wire> Transport for Endpoint<W> {
             return recv_spinning(&self.matcher, tag, from, deadline, spin, os, || false).await;
         }
         let none = None::<fn(Rank, &Header, &[&[u8]]) -> bool>;
-        let f = self.recv_polling(tag, from, deadline, none).await?;
-        Ok(f.expect("nothing is lent without apply"))
+        match self.recv_polling(tag, from, deadline, none).await? {
+            Arrival::Frame(f) => Ok(f),
+            other => unreachable!("nothing is lent without apply, got {other:?}"),
+        }
     }
 
     async fn recv_in_place<'a, F>(
@@ -208,15 +215,37 @@ impl<W: Wire> Transport for Endpoint<W> {
         from: &'a PeerSet,
         deadline: Instant,
         apply: F,
-    ) -> Result<Option<Frame>, TransportError>
+    ) -> Result<Arrival, TransportError>
     where
         F: FnMut(Rank, &Header, &[&[u8]]) -> bool + Send + 'a,
     {
         if self.polled.is_empty() {
             drop(apply);
-            return self.recv(tag, from, deadline).await.map(Some);
+            let (spin, os) = (self.cfg.spin, self.cfg.oversubscribed);
+            let take = || self.matcher.try_arrival(tag, from);
+            return match spin_recv(take, spin, os, || Pump::Idle).await {
+                Some(r) => r,
+                None => self.matcher.recv_arrival(tag, from, deadline).await,
+            };
         }
         self.recv_polling(tag, from, deadline, Some(apply)).await
+    }
+
+    fn post_recv(&self, key: RecvKey, mem: MemMut) -> Result<Option<Header>, TransportError> {
+        // No check that the peer is alive: what it sent before it was lost
+        // may be queued, and lands now.
+        let size = self.size;
+        let w = self.wire_to(key.from).ok_or(TransportError::NoSuchPeer {
+            peer: key.from,
+            size,
+        })?;
+        if w.caps().needs_registration {
+            w.register(mem.region())?;
+        }
+        match w.post_recv(key, mem)? {
+            Some(mem) => self.matcher.post(key, mem),
+            None => Ok(None),
+        }
     }
 
     async fn close(&self, linger: Duration) {
@@ -248,18 +277,21 @@ impl<W: Wire> Transport for Endpoint<W> {
 
 impl<W: Wire> Endpoint<W> {
     /// A receive that polls the polled wires itself while it spins (a
-    /// frame of `tag` first lent to `apply`, if given: `Ok(None)` when it
-    /// consumed one), then sleeps until a frame is delivered or `deadline`.
+    /// frame of `tag` first lent to `apply`, if given:
+    /// [`Arrival::Applied`] when it consumed one), then sleeps until a
+    /// frame is delivered or `deadline`. With `apply`, landed receives are
+    /// arrivals too; without, only frames are.
     async fn recv_polling<F>(
         &self,
         tag: OpTag,
         from: &PeerSet,
         deadline: Instant,
         mut apply: Option<F>,
-    ) -> Result<Option<Frame>, TransportError>
+    ) -> Result<Arrival, TransportError>
     where
         F: FnMut(Rank, &Header, &[&[u8]]) -> bool + Send,
     {
+        let landed = apply.is_some();
         {
             let _polling = Polling::start(self);
             let pump = || {
@@ -277,13 +309,27 @@ impl<W: Wire> Endpoint<W> {
                 Pump::moved(moved)
             };
             let (spin, os) = (self.cfg.spin, self.cfg.oversubscribed);
-            if let Some(r) = spin_recv(&self.matcher, tag, from, spin, os, pump).await {
+            let take = || match landed {
+                true => self.matcher.try_arrival(tag, from),
+                false => self
+                    .matcher
+                    .try_recv(tag, from)
+                    .map(|r| r.map(Arrival::Frame)),
+            };
+            if let Some(r) = spin_recv(take, spin, os, pump).await {
                 return r;
             }
         }
         for &i in &self.polled {
             self.wires[i].going_to_sleep();
         }
-        self.matcher.recv(tag, from, deadline).await.map(Some)
+        match landed {
+            true => self.matcher.recv_arrival(tag, from, deadline).await,
+            false => self
+                .matcher
+                .recv(tag, from, deadline)
+                .await
+                .map(Arrival::Frame),
+        }
     }
 }

@@ -4,17 +4,36 @@
 //! [`Matcher::deliver`] frames, ops [`Matcher::recv`] them by [`OpTag`]. A
 //! frame is removed only inside a poll that returns it, so a dropped
 //! receive loses nothing.
+//!
+//! # Posted receives
+//!
+//! An op may also [`Matcher::post`] a receive: one frame, named exactly by
+//! a [`RecvKey`], lands in a range of the op's own memory (a [`MemMut`]).
+//! A reader that can write a payload where it belongs (TCP reads the
+//! socket straight into it) first [`Matcher::claim`]s the range, fills it
+//! and reports [`Matcher::landed`]; any other delivery of that frame is
+//! copied into the range here. Either way the op then receives
+//! [`Arrival::Landed`] (header only) instead of the payload. A frame that
+//! came before its receive was posted is unexpected (eager): it waits
+//! queued, and [`Matcher::post`] copies it in at once.
+//!
+//! The range stays the op's memory throughout: the matcher or a reader
+//! holds the share until the frame landed or the op was retired, so a
+//! dropped op never frees memory that a reader is still writing (the
+//! region outlives every share). Landed frames hold no budget.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::poll_fn;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll, Waker};
+use std::task::{Poll, Waker};
 
 use bytes::Bytes;
 use kungfu_topology::Rank;
 use tokio::sync::Notify;
 
-use crate::{Epoch, Frame, Header, Instant, OpTag, PeerSet, TransportError};
+use crate::region::MemMut;
+use crate::{Epoch, Frame, FrameKind, Header, Instant, OpTag, PeerSet, TransportError};
 
 /// How many retired op instances are remembered (their late frames become
 /// strays).
@@ -22,16 +41,61 @@ const RETIRED_MEMORY: usize = 4096;
 /// How many stray headers are kept for the layer above; more are dropped.
 const STRAY_MEMORY: usize = 4096;
 
+/// The one frame a posted receive is for: a data frame of op instance
+/// `tag` from `from`, tagged `(chunk, step)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RecvKey {
+    pub tag: OpTag,
+    pub from: Rank,
+    pub chunk: u32,
+    pub step: u16,
+}
+
+impl RecvKey {
+    /// The key of a data frame with `header` from `from` (None for other
+    /// kinds, which are never posted for).
+    pub fn of(from: Rank, header: &Header) -> Option<RecvKey> {
+        (header.kind == FrameKind::Data).then_some(RecvKey {
+            tag: header.tag,
+            from,
+            chunk: header.chunk,
+            step: header.step,
+        })
+    }
+}
+
+/// What a receive of an op takes from the matcher.
+#[derive(Debug)]
+pub enum Arrival {
+    /// A frame, payload and all (unexpected, or not posted for).
+    Frame(Frame),
+    /// The frame of a posted receive is in the op's memory.
+    Landed { from: Rank, header: Header },
+    /// A frame was consumed in place by the receive's `apply` (see
+    /// [`crate::Transport::recv_in_place`]).
+    Applied,
+}
+
 #[derive(Default)]
 struct Slot {
     frames: VecDeque<Frame>,
+    /// Posted receives that completed, not yet taken.
+    landed: VecDeque<(Rank, Header)>,
     wakers: Vec<Waker>,
+}
+
+impl Slot {
+    fn is_idle(&self) -> bool {
+        self.frames.is_empty() && self.landed.is_empty() && self.wakers.is_empty()
+    }
 }
 
 struct Inner {
     epoch: Epoch,
     slots: HashMap<OpTag, Slot>,
     queued_bytes: usize,
+    /// Receives posted and not yet landed (nor claimed by a reader).
+    posted: HashMap<RecvKey, MemMut>,
     lost: HashMap<Rank, Arc<str>>,
     closed: bool,
     retired: HashSet<OpTag>,
@@ -47,6 +111,9 @@ struct Inner {
 /// Per-endpoint matching store. See the module docs.
 pub struct Matcher {
     inner: Mutex<Inner>,
+    /// `inner.posted.len()`, readable without the lock: readers skip
+    /// looking for a posted range when there is none.
+    posted_n: AtomicUsize,
     space: Notify,
     budget: usize,
 }
@@ -61,6 +128,7 @@ impl Matcher {
                 epoch,
                 slots: HashMap::new(),
                 queued_bytes: 0,
+                posted: HashMap::new(),
                 lost: HashMap::new(),
                 closed: false,
                 retired: HashSet::new(),
@@ -70,9 +138,15 @@ impl Matcher {
                 strays: VecDeque::new(),
                 stray_wakers: Vec::new(),
             }),
+            posted_n: AtomicUsize::new(0),
             space: Notify::new(),
             budget,
         }
+    }
+
+    /// Publishes `inner.posted.len()` to readers that skip the lock.
+    fn count_posted(&self, inner: &Inner) {
+        self.posted_n.store(inner.posted.len(), Ordering::Release);
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -119,6 +193,8 @@ impl Matcher {
             return;
         }
         inner.epoch = epoch;
+        let released = take_posted(&mut inner, |k| k.tag.epoch < epoch);
+        self.count_posted(&inner);
         let mut freed = 0;
         inner.slots.retain(|tag, slot| {
             let keep = tag.epoch >= epoch;
@@ -129,6 +205,7 @@ impl Matcher {
         });
         inner.queued_bytes -= freed;
         drop(inner);
+        drop(released);
         if freed > 0 {
             self.space.notify_waiters();
         }
@@ -179,6 +256,13 @@ impl Matcher {
             push_stray(&mut inner, from, header);
             return Ok(None);
         }
+        if let Some(mut mem) = claim_in(&mut inner, from, &header, len) {
+            self.count_posted(&inner);
+            drop(inner);
+            mem.as_mut_slice().copy_from_slice(&payload);
+            self.landed(from, header, mem);
+            return Ok(None);
+        }
         if !(force || inner.queued_bytes == 0 || inner.queued_bytes + len <= self.budget) {
             return Ok(Some(payload));
         }
@@ -198,40 +282,49 @@ impl Matcher {
     /// The next frame of `tag` from a rank in `from`, or the reason none
     /// will come, if either is known now; never waits.
     pub fn try_recv(&self, tag: OpTag, from: &PeerSet) -> Option<Result<Frame, TransportError>> {
-        self.take(tag, from, None)
+        self.take(tag, from, None, false).map(frame_only)
     }
 
-    fn poll_recv(
+    /// As [`Matcher::try_recv`], for an op that posts receives: a landed
+    /// receive is an arrival too.
+    pub fn try_arrival(
         &self,
-        cx: &mut Context<'_>,
         tag: OpTag,
         from: &PeerSet,
-    ) -> Poll<Result<Frame, TransportError>> {
-        match self.take(tag, from, Some(cx.waker())) {
-            Some(r) => Poll::Ready(r),
-            None => Poll::Pending,
-        }
+    ) -> Option<Result<Arrival, TransportError>> {
+        self.take(tag, from, None, true)
     }
 
-    /// Takes a matching frame, or reports closure or a lost peer; else
-    /// registers `waker` (if any) and returns `None`.
+    /// Takes a matching frame (or, with `landed`, a landed receive), or
+    /// reports closure or a lost peer; else registers `waker` (if any) and
+    /// returns `None`.
     fn take(
         &self,
         tag: OpTag,
         from: &PeerSet,
         waker: Option<&Waker>,
-    ) -> Option<Result<Frame, TransportError>> {
+        landed: bool,
+    ) -> Option<Result<Arrival, TransportError>> {
         let mut inner = self.lock();
         if let Some(slot) = inner.slots.get_mut(&tag) {
+            if landed {
+                if let Some(i) = slot.landed.iter().position(|(r, _)| from.contains(*r)) {
+                    let (from, header) = slot.landed.remove(i).expect("index just found");
+                    if slot.is_idle() {
+                        inner.slots.remove(&tag);
+                    }
+                    return Some(Ok(Arrival::Landed { from, header }));
+                }
+            }
             if let Some(i) = slot.frames.iter().position(|f| from.contains(f.from)) {
                 let frame = slot.frames.remove(i).expect("index just found");
-                if slot.frames.is_empty() && slot.wakers.is_empty() {
+                if slot.is_idle() {
                     inner.slots.remove(&tag);
                 }
                 inner.queued_bytes -= frame.payload.len();
                 drop(inner);
                 self.space.notify_waiters();
-                return Some(Ok(frame));
+                return Some(Ok(Arrival::Frame(frame)));
             }
         }
         if inner.closed {
@@ -257,19 +350,40 @@ impl Matcher {
             for w in slot.wakers.drain(..) {
                 w.wake();
             }
-            if slot.frames.is_empty() {
+            if slot.is_idle() {
                 inner.slots.remove(&tag);
             }
         }
     }
 
-    /// See [`crate::Transport::recv`].
+    /// See [`crate::Transport::recv`]. Landed receives are not taken.
     pub async fn recv(
         &self,
         tag: OpTag,
         from: &PeerSet,
         deadline: Instant,
     ) -> Result<Frame, TransportError> {
+        frame_only(self.wait(tag, from, deadline, false).await)
+    }
+
+    /// As [`Matcher::recv`], for an op that posts receives: a landed
+    /// receive is an arrival too.
+    pub async fn recv_arrival(
+        &self,
+        tag: OpTag,
+        from: &PeerSet,
+        deadline: Instant,
+    ) -> Result<Arrival, TransportError> {
+        self.wait(tag, from, deadline, true).await
+    }
+
+    async fn wait(
+        &self,
+        tag: OpTag,
+        from: &PeerSet,
+        deadline: Instant,
+        landed: bool,
+    ) -> Result<Arrival, TransportError> {
         struct Guard<'a>(&'a Matcher, OpTag);
         impl Drop for Guard<'_> {
             fn drop(&mut self) {
@@ -277,12 +391,128 @@ impl Matcher {
             }
         }
         let _guard = Guard(self, tag);
-        match tokio::time::timeout_at(deadline, poll_fn(|cx| self.poll_recv(cx, tag, from))).await {
+        let poll = poll_fn(|cx| match self.take(tag, from, Some(cx.waker()), landed) {
+            Some(r) => Poll::Ready(r),
+            None => Poll::Pending,
+        });
+        match tokio::time::timeout_at(deadline, poll).await {
             Ok(r) => r,
             Err(_) => Err(TransportError::Timeout {
                 what: format!("a frame of op {} seq {} ({})", tag.op, tag.seq, tag.epoch),
             }),
         }
+    }
+
+    /// Posts a receive: the frame `key` names lands in `mem` (see the
+    /// module docs). `Ok(Some(header))` when it had already come (it is
+    /// copied in now, and no [`Arrival::Landed`] follows); `Ok(None)` when
+    /// it is posted, to be taken as [`Arrival::Landed`]. A queued frame of
+    /// that key with another length stays queued (the op finds it wrong
+    /// when it takes it). Refused when closed or for an older epoch;
+    /// a receive of a retired op, or a second one for a key, is dropped.
+    pub fn post(&self, key: RecvKey, mut mem: MemMut) -> Result<Option<Header>, TransportError> {
+        let mut inner = self.lock();
+        if inner.closed {
+            return Err(TransportError::Closed);
+        }
+        if key.tag.epoch < inner.epoch {
+            return Err(TransportError::StaleEpoch {
+                peer: key.from,
+                frame: key.tag.epoch,
+                current: inner.epoch,
+            });
+        }
+        if inner.retired.contains(&key.tag) {
+            return Ok(None);
+        }
+        let queued = inner.slots.get_mut(&key.tag).and_then(|slot| {
+            let i = slot.frames.iter().position(|f| {
+                RecvKey::of(f.from, &f.header) == Some(key) && f.payload.len() == mem.len()
+            })?;
+            slot.frames.remove(i)
+        });
+        match queued {
+            Some(f) => {
+                inner.queued_bytes -= f.payload.len();
+                drop(inner);
+                self.space.notify_waiters();
+                mem.as_mut_slice().copy_from_slice(&f.payload);
+                Ok(Some(f.header))
+            }
+            None => {
+                if let std::collections::hash_map::Entry::Vacant(e) = inner.posted.entry(key) {
+                    e.insert(mem);
+                    self.count_posted(&inner);
+                }
+                // else `mem` (a second post of a key) is released, after
+                // the lock (see `take_posted`)
+                Ok(None)
+            }
+        }
+    }
+
+    /// Takes the posted range the frame `header` from `from` lands in, if
+    /// a receive is posted for it with its length: the caller writes the
+    /// payload into it and then calls [`Matcher::landed`] (or drops it, if
+    /// the payload never came: the receive then waits for nothing, and the
+    /// op's deadline or a lost peer ends it).
+    pub fn claim(&self, from: Rank, header: &Header) -> Option<MemMut> {
+        if self.posted_n.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let len = usize::try_from(header.len).ok()?;
+        let mut inner = self.lock();
+        let mem = claim_in(&mut inner, from, header, len);
+        self.count_posted(&inner);
+        mem
+    }
+
+    /// Copies a payload given in pieces (a ring that wraps) into its
+    /// posted range, if one is posted for it: true when it landed.
+    pub fn land_parts(&self, from: Rank, header: &Header, parts: &[&[u8]]) -> bool {
+        if self.posted_n.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        let len = parts.iter().map(|p| p.len()).sum();
+        let mut inner = self.lock();
+        let Some(mut mem) = claim_in(&mut inner, from, header, len) else {
+            return false;
+        };
+        self.count_posted(&inner);
+        drop(inner);
+        let dst = mem.as_mut_slice();
+        let mut at = 0;
+        for p in parts {
+            dst[at..at + p.len()].copy_from_slice(p);
+            at += p.len();
+        }
+        self.landed(from, *header, mem);
+        true
+    }
+
+    /// A claimed range holds its frame: the op receives
+    /// [`Arrival::Landed`]. The share is released first, so the op owns
+    /// all of its memory again when it sees the arrival.
+    pub fn landed(&self, from: Rank, header: Header, mem: MemMut) {
+        drop(mem);
+        let mut inner = self.lock();
+        if inner.closed || header.tag.epoch < inner.epoch {
+            return;
+        }
+        if inner.retired.contains(&header.tag) {
+            push_stray(&mut inner, from, header);
+            return;
+        }
+        let slot = inner.slots.entry(header.tag).or_default();
+        slot.landed.push_back((from, header));
+        for w in slot.wakers.drain(..) {
+            w.wake();
+        }
+    }
+
+    /// How many receives are posted and not landed (for tests).
+    pub fn posted(&self) -> usize {
+        self.lock().posted.len()
     }
 
     /// Marks `peer` lost: receives that name it fail once nothing of theirs
@@ -359,6 +589,9 @@ impl Matcher {
             for f in &slot.frames {
                 silent.remove(f.from);
             }
+            for (from, _) in &slot.landed {
+                silent.remove(*from);
+            }
         }
         match lost_in(&inner, &silent) {
             Some(e) => Err(e),
@@ -374,6 +607,8 @@ impl Matcher {
     /// See [`crate::Transport::retire`].
     pub fn retire(&self, tag: OpTag) {
         let mut inner = self.lock();
+        let released = take_posted(&mut inner, |k| k.tag == tag);
+        self.count_posted(&inner);
         if let Some(slot) = inner.slots.remove(&tag) {
             let freed: usize = slot.frames.iter().map(|f| f.payload.len()).sum();
             inner.queued_bytes -= freed;
@@ -392,6 +627,7 @@ impl Matcher {
             }
         }
         drop(inner);
+        drop(released);
         self.space.notify_waiters();
     }
 
@@ -399,6 +635,8 @@ impl Matcher {
     pub fn close(&self) {
         let mut inner = self.lock();
         inner.closed = true;
+        let released = take_posted(&mut inner, |_| true);
+        self.count_posted(&inner);
         inner.slots.retain(|_, s| {
             for w in s.wakers.drain(..) {
                 w.wake();
@@ -410,6 +648,7 @@ impl Matcher {
             w.wake();
         }
         drop(inner);
+        drop(released);
         self.space.notify_waiters();
     }
 
@@ -464,6 +703,35 @@ fn lost_in(inner: &Inner, from: &PeerSet) -> Option<TransportError> {
             peer: *r,
             reason: why.clone(),
         })
+}
+
+/// Takes the posted range for a frame `header` from `from`, if one is
+/// posted for it with its length.
+fn claim_in(inner: &mut Inner, from: Rank, header: &Header, len: usize) -> Option<MemMut> {
+    let key = RecvKey::of(from, header)?;
+    match inner.posted.get(&key) {
+        Some(m) if m.len() == len => inner.posted.remove(&key),
+        _ => None,
+    }
+}
+
+/// Removes the posted receives `which` selects, to be dropped by the
+/// caller once it let go of the lock: releasing a share may release the
+/// region, whose hook (the C ABI's completion callback) may call back into
+/// this endpoint.
+fn take_posted(inner: &mut Inner, which: impl Fn(&RecvKey) -> bool) -> Vec<MemMut> {
+    if inner.posted.is_empty() {
+        return Vec::new();
+    }
+    let keys: Vec<RecvKey> = inner.posted.keys().filter(|k| which(k)).copied().collect();
+    keys.iter().filter_map(|k| inner.posted.remove(k)).collect()
+}
+
+fn frame_only(r: Result<Arrival, TransportError>) -> Result<Frame, TransportError> {
+    match r? {
+        Arrival::Frame(f) => Ok(f),
+        other => unreachable!("asked for frames only, got {other:?}"),
+    }
 }
 
 fn push_stray(inner: &mut Inner, from: Rank, mut header: Header) {

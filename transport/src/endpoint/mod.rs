@@ -48,7 +48,7 @@ mod matching;
 mod tests;
 
 pub use self::generic::{Endpoint, EndpointConfig};
-pub use self::matching::Matcher;
+pub use self::matching::{Arrival, Matcher, RecvKey};
 
 /// What one poll of a backend's inbound queues did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -86,30 +86,32 @@ pub(crate) async fn recv_spinning(
     mut pump: impl FnMut() -> bool + Send,
 ) -> Result<Frame, TransportError> {
     let pump = || Pump::moved(pump());
-    match spin_recv(matcher, tag, from, spin, yield_os, pump).await {
-        Some(r) => r.map(|f| f.expect("plain pumps consume nothing")),
+    let take = || matcher.try_recv(tag, from).map(|r| r.map(Arrival::Frame));
+    match spin_recv(take, spin, yield_os, pump).await {
+        Some(Ok(Arrival::Frame(f))) => Ok(f),
+        Some(Ok(other)) => unreachable!("plain pumps consume nothing, got {other:?}"),
+        Some(Err(e)) => Err(e),
         None => matcher.recv(tag, from, deadline).await,
     }
 }
 
 /// The spinning phase of [`recv_spinning`]: `None` if nothing came within
-/// `spin`; `Some(Ok(None))` when `pump` consumed a frame of `tag` in place.
+/// `spin` (`take` asks the matcher); [`Arrival::Applied`] when `pump`
+/// consumed a frame in place.
 pub(crate) async fn spin_recv(
-    matcher: &Matcher,
-    tag: OpTag,
-    from: &PeerSet,
+    mut take: impl FnMut() -> Option<Result<Arrival, TransportError>> + Send,
     spin: std::time::Duration,
     yield_os: bool,
     mut pump: impl FnMut() -> Pump + Send,
-) -> Option<Result<Option<Frame>, TransportError>> {
+) -> Option<Result<Arrival, TransportError>> {
     let spin_until = std::time::Instant::now() + spin;
     let mut polls = 0u32;
     loop {
-        if let Some(r) = matcher.try_recv(tag, from) {
-            return Some(r.map(Some));
+        if let Some(r) = take() {
+            return Some(r);
         }
         match pump() {
-            Pump::Consumed => return Some(Ok(None)),
+            Pump::Consumed => return Some(Ok(Arrival::Applied)),
             Pump::Moved => continue,
             Pump::Idle => {}
         }

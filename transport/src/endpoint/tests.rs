@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use kungfu_topology::Rank;
 
-use super::{recv_spinning, spin_recv, Matcher, Pump};
+use super::{recv_spinning, spin_recv, Arrival, Matcher, Pump};
 use crate::{
     Capabilities, Epoch, FrameKind, Header, Instant, OpId, OpTag, PeerSet, Transport,
     TransportError,
@@ -396,13 +396,14 @@ async fn a_spin_ends_when_the_pump_consumes_a_peer_is_lost_or_time_is_up() {
             Pump::Idle
         }
     };
-    let r = spin_recv(&mb, tag(1), &all, long, false, consume_second).await;
-    assert!(matches!(r, Some(Ok(None))), "{r:?}");
+    let take = || mb.try_arrival(tag(1), &all);
+    let r = spin_recv(take, long, false, consume_second).await;
+    assert!(matches!(r, Some(Ok(Arrival::Applied))), "{r:?}");
     assert_eq!(calls, 2);
 
     let short = Duration::from_millis(2);
     let t0 = std::time::Instant::now();
-    let r = spin_recv(&mb, tag(1), &all, short, true, || Pump::Idle).await;
+    let r = spin_recv(take, short, true, || Pump::Idle).await;
     assert!(r.is_none(), "{r:?}");
     assert!(t0.elapsed() >= short);
 
@@ -412,9 +413,190 @@ async fn a_spin_ends_when_the_pump_consumes_a_peer_is_lost_or_time_is_up() {
     assert!(matches!(r, Err(TransportError::Timeout { .. })), "{r:?}");
 
     mb.fail_peer(Rank(1), "gone");
-    let r = spin_recv(&mb, tag(1), &all, long, false, || Pump::Idle).await;
+    let r = spin_recv(take, long, false, || Pump::Idle).await;
     assert!(
         matches!(r, Some(Err(TransportError::PeerLost { .. }))),
         "{r:?}"
     );
+}
+
+mod posted {
+    use super::*;
+    use crate::region::Region;
+    use crate::RecvKey;
+
+    fn key(t: OpTag, from: u32) -> RecvKey {
+        RecvKey {
+            tag: t,
+            from: Rank(from),
+            chunk: 0,
+            step: 0,
+        }
+    }
+
+    async fn arrival(mb: &Matcher, t: OpTag) -> Result<Arrival, TransportError> {
+        mb.recv_arrival(
+            t,
+            &PeerSet::all(2),
+            Instant::now() + Duration::from_millis(50),
+        )
+        .await
+    }
+
+    #[tokio::test]
+    async fn a_posted_receive_lands_in_its_range_and_holds_no_budget() {
+        let mb = Matcher::new(Epoch(1), 1 << 20);
+        let region = Region::from_vec(vec![0u8; 8]);
+        let posted = mb.post(key(tag(1), 1), region.write(2..6).unwrap());
+        assert!(matches!(posted, Ok(None)), "{posted:?}");
+        // Not a frame for plain receives, and not this key: queued as usual.
+        mb.deliver(Rank(1), header(tag(2), 4), Bytes::from_static(b"else"))
+            .await
+            .unwrap();
+        assert_eq!(mb.queued_bytes(), 4);
+        mb.deliver(Rank(1), header(tag(1), 4), Bytes::from_static(b"abcd"))
+            .await
+            .unwrap();
+        assert_eq!(mb.queued_bytes(), 4, "a landed frame holds no budget");
+        assert_eq!((mb.posted(), region.shares()), (0, 0));
+        match arrival(&mb, tag(1)).await {
+            Ok(Arrival::Landed { from, header: h }) => {
+                assert_eq!((from, h), (Rank(1), header(tag(1), 4)))
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            Region::into_vec(region).unwrap(),
+            [0, 0, b'a', b'b', b'c', b'd', 0, 0]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_frame_that_came_first_is_copied_in_when_posted() {
+        let mb = Matcher::new(Epoch(1), 1 << 20);
+        mb.deliver(Rank(1), header(tag(1), 3), Bytes::from_static(b"xyz"))
+            .await
+            .unwrap();
+        let region = Region::from_vec(vec![0u8; 3]);
+        let got = mb.post(key(tag(1), 1), region.write(0..3).unwrap());
+        assert!(
+            matches!(got, Ok(Some(h)) if h == header(tag(1), 3)),
+            "{got:?}"
+        );
+        assert_eq!((mb.queued_bytes(), mb.posted()), (0, 0));
+        assert_eq!(Region::into_vec(region).unwrap(), b"xyz");
+        // Nothing more arrives for it.
+        let r = arrival(&mb, tag(1)).await;
+        assert!(matches!(r, Err(TransportError::Timeout { .. })), "{r:?}");
+    }
+
+    #[tokio::test]
+    async fn a_frame_of_another_length_is_not_landed() {
+        let mb = Matcher::new(Epoch(1), 1 << 20);
+        let region = Region::from_vec(vec![0u8; 4]);
+        mb.post(key(tag(1), 1), region.write(0..4).unwrap())
+            .unwrap();
+        mb.deliver(Rank(1), header(tag(1), 5), Bytes::from_static(b"12345"))
+            .await
+            .unwrap();
+        match arrival(&mb, tag(1)).await {
+            Ok(Arrival::Frame(f)) => assert_eq!(&f.payload[..], b"12345"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(mb.posted(), 1, "the receive still waits for its frame");
+        // A queued frame of another length is left queued by a post too.
+        let (mb, other) = (
+            Matcher::new(Epoch(1), 1 << 20),
+            Region::from_vec(vec![0; 2]),
+        );
+        mb.deliver(Rank(1), header(tag(1), 5), Bytes::from_static(b"12345"))
+            .await
+            .unwrap();
+        let r = mb.post(key(tag(1), 1), other.write(0..2).unwrap());
+        assert!(matches!(r, Ok(None)), "{r:?}");
+        assert_eq!(mb.queued_bytes(), 5);
+    }
+
+    #[tokio::test]
+    async fn retiring_closing_or_advancing_releases_posted_memory() {
+        let mb = Matcher::new(Epoch(1), 1 << 20);
+        let region = Region::from_vec(vec![0u8; 4]);
+        mb.post(key(tag(1), 1), region.write(0..2).unwrap())
+            .unwrap();
+        mb.post(key(tag(2), 1), region.write(2..4).unwrap())
+            .unwrap();
+        mb.retire(tag(1));
+        assert_eq!((mb.posted(), region.shares()), (1, 1));
+        // A late frame of the retired op is a stray, not a landing.
+        mb.deliver(Rank(1), header(tag(1), 2), Bytes::from_static(b"no"))
+            .await
+            .unwrap();
+        let stray = mb.recv_stray(soon()).await.unwrap();
+        assert_eq!(stray.header.tag, tag(1));
+        mb.advance_epoch(Epoch(2));
+        assert_eq!((mb.posted(), region.shares()), (0, 0));
+        let stale = mb.post(key(tag(2), 1), region.write(2..4).unwrap());
+        assert!(
+            matches!(stale, Err(TransportError::StaleEpoch { .. })),
+            "{stale:?}"
+        );
+        assert_eq!(region.shares(), 0, "a refused post gives its share up");
+        let t3 = OpTag {
+            epoch: Epoch(2),
+            ..tag(3)
+        };
+        mb.post(key(t3, 1), region.write(0..4).unwrap()).unwrap();
+        mb.close();
+        assert_eq!(region.shares(), 0);
+        let closed = mb.post(key(t3, 1), region.write(0..4).unwrap());
+        assert!(matches!(closed, Err(TransportError::Closed)), "{closed:?}");
+        assert_eq!(Region::into_vec(region).unwrap(), [0; 4], "nothing landed");
+    }
+
+    #[tokio::test]
+    async fn a_claimed_range_outlives_its_retired_op_and_lands_as_a_stray() {
+        let mb = Matcher::new(Epoch(1), 1 << 20);
+        let region = Region::from_vec(vec![0u8; 4]);
+        mb.post(key(tag(1), 1), region.write(0..4).unwrap())
+            .unwrap();
+        let h = header(tag(1), 4);
+        assert!(mb.claim(Rank(0), &h).is_none(), "another sender");
+        assert!(
+            mb.claim(Rank(1), &header(tag(1), 3)).is_none(),
+            "another length"
+        );
+        let mut mem = mb.claim(Rank(1), &h).expect("posted for it");
+        // The op gives up while a reader writes: the memory stays.
+        mb.retire(tag(1));
+        let region = Region::into_vec(region).expect_err("the reader still holds a share");
+        mem.as_mut_slice().copy_from_slice(b"late");
+        mb.landed(Rank(1), h, mem);
+        assert_eq!(region.shares(), 0);
+        assert_eq!(mb.recv_stray(soon()).await.unwrap().header.tag, tag(1));
+        let r = arrival(&mb, tag(1)).await;
+        assert!(matches!(r, Err(TransportError::Timeout { .. })), "{r:?}");
+    }
+
+    #[tokio::test]
+    async fn plain_receives_leave_landed_arrivals_and_pieces_land_whole() {
+        let mb = Matcher::new(Epoch(1), 1 << 20);
+        let region = Region::from_vec(vec![0u8; 5]);
+        mb.post(key(tag(1), 1), region.write(0..5).unwrap())
+            .unwrap();
+        assert!(!mb.land_parts(Rank(1), &header(tag(1), 5), &[b"ab", b"c"]));
+        assert!(mb.land_parts(Rank(1), &header(tag(1), 5), &[b"ab", b"cde"]));
+        assert!(mb.try_recv(tag(1), &PeerSet::all(2)).is_none());
+        assert!(matches!(
+            mb.try_arrival(tag(1), &PeerSet::all(2)),
+            Some(Ok(Arrival::Landed { .. }))
+        ));
+        assert_eq!(Region::into_vec(region).unwrap(), b"abcde");
+        // A lost peer fails a receive that waits on a posted frame of it.
+        let region = Region::from_vec(vec![0u8; 1]);
+        mb.post(key(tag(2), 1), region.write(0..1).unwrap())
+            .unwrap();
+        mb.fail_peer(Rank(1), "gone");
+        let r = arrival(&mb, tag(2)).await;
+        assert!(matches!(r, Err(TransportError::PeerLost { .. })), "{r:?}");
+    }
 }

@@ -179,6 +179,16 @@ impl ShmWire {
                 if !p.holds(whole) {
                     break;
                 }
+                // A posted receive: copied from the ring into the op's
+                // memory (before lending: the op must not write it).
+                if p.lend(HEADER_LEN, len, |parts| {
+                    self.matcher.land_parts(sender, &header, parts)
+                }) == Some(true)
+                {
+                    p.consume(whole);
+                    res = Pump::Moved;
+                    continue;
+                }
                 if header.tag == tag
                     && from.contains(sender)
                     && p.lend(HEADER_LEN, len, |parts| apply(sender, &header, parts)) == Some(true)

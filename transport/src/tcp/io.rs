@@ -56,21 +56,32 @@ pub(super) async fn read_loop(
             }
         };
         let len = header.len as usize; // checked against max_frame by decode
+                                       // A posted receive: the payload goes straight into the op's memory.
+        if let Some(mut mem) = matcher.claim(peer, &header) {
+            if let Err(e) = rd.read_exact(mem.as_mut_slice()).await {
+                return matcher.fail_peer(peer, cut_frame(e));
+            }
+            matcher.landed(peer, header, mem);
+            continue;
+        }
         let mut buf = frames.take(len);
         if let Err(e) = rd.read_exact(buf.as_mut()).await {
-            let why = if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                "connection closed in the middle of a frame".to_string()
-            } else {
-                format!("read: {e}")
-            };
-            matcher.fail_peer(peer, why);
-            return;
+            return matcher.fail_peer(peer, cut_frame(e));
         }
         match matcher.deliver(peer, header, buf.freeze()).await {
             // Refused frames are counted by the matcher; the connection goes on.
             Ok(()) | Err(TransportError::StaleEpoch { .. }) => {}
             Err(_) => return,
         }
+    }
+}
+
+/// Why a connection that ended in the middle of a frame is lost.
+fn cut_frame(e: std::io::Error) -> String {
+    if e.kind() == std::io::ErrorKind::UnexpectedEof {
+        "connection closed in the middle of a frame".to_string()
+    } else {
+        format!("read: {e}")
     }
 }
 
