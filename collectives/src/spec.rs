@@ -140,9 +140,7 @@ impl OpSpec {
     /// [`OpSpec::init_work`] into `work` (cleared first), reusing its
     /// allocation.
     pub fn init_work_into(&self, input: &[u8], me: Rank, size: usize, work: &mut Vec<u8>) {
-        let b = self.block_bytes().expect("validated");
         let len = self.work_len(size).expect("validated");
-        let mine = me.idx() * b..(me.idx() + 1) * b;
         work.clear();
         match self.kind {
             // the input is the whole buffer: one pass, no zeroing first
@@ -150,13 +148,29 @@ impl OpSpec {
                 work.extend_from_slice(input)
             }
             OpKind::Broadcast { root } if root == me => work.extend_from_slice(input),
-            OpKind::Broadcast { .. } => work.resize(len, 0),
-            OpKind::Allgather | OpKind::Gather { .. } => {
+            _ => {
                 work.resize(len, 0);
-                work[mine].copy_from_slice(input);
+                self.init_work_in(input, me, size, work);
             }
+        }
+    }
+
+    /// [`OpSpec::init_work`] into `work`, which holds
+    /// [`OpSpec::work_len`] bytes (the caller's memory, for
+    /// [`Session::submit_in`](crate::Session::submit_in)). Bytes the op
+    /// overwrites before it reads them (all of a non-root's broadcast, the
+    /// other ranks' blocks of a gather) are left as they are.
+    pub fn init_work_in(&self, input: &[u8], me: Rank, size: usize, work: &mut [u8]) {
+        let b = self.block_bytes().expect("validated");
+        let mine = me.idx() * b..(me.idx() + 1) * b;
+        match self.kind {
+            OpKind::Allreduce(_) | OpKind::Reduce { .. } | OpKind::ReduceScatter(_) => {
+                work.copy_from_slice(input)
+            }
+            OpKind::Broadcast { root } if root == me => work.copy_from_slice(input),
+            OpKind::Broadcast { .. } => {}
+            OpKind::Allgather | OpKind::Gather { .. } => work[mine].copy_from_slice(input),
             OpKind::Alltoall => {
-                work.resize(len, 0);
                 let half = b * size;
                 work[..half].copy_from_slice(input);
                 work.copy_within(mine.clone(), half + mine.start);

@@ -46,6 +46,11 @@ pub(super) fn hold(req: Request, done: Completion) -> Option<(Request, Completio
     })
 }
 
+/// Whether a group is open on this thread (its allreduces are held).
+pub(super) fn is_open() -> bool {
+    GROUP.with(|g| g.borrow().depth > 0)
+}
+
 pub(super) fn start() {
     GROUP.with(|g| g.borrow_mut().depth += 1);
 }

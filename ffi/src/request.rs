@@ -1,10 +1,21 @@
 //! A data op from its C arguments to its completion: the checked buffers
 //! and copied input (`Request`), starting it (or holding it in the
 //! thread's open group), and writing its output to the caller's buffer.
+//!
+//! An op whose output is all of its working buffer (allreduce, broadcast,
+//! allgather; reduce and gather at the root) runs in the caller's `recv`
+//! buffer itself: the input is copied into it (or is there already, when
+//! `send == recv`), frames land in it, and nothing is copied back. The
+//! buffer is a [`Region`] over the caller's memory; the op completes (the
+//! callback runs, the handle is done) from its release hook, so only when
+//! neither the op nor any wire can touch it any more.
 
 use std::ffi::{c_char, c_void};
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex};
 
 use kungfu_collectives::{OpKind, OpSpec};
+use kungfu_transport::Region;
 
 use crate::handles::{Completion, OutPtr};
 use crate::{
@@ -120,8 +131,83 @@ pub(crate) fn start_op(
         let kind = kind(size_now()?)?;
         let ctx = ctx()?;
         let spec = OpSpec { kind, dtype, count };
+        let done = Completion::new(cb, user, out);
+        let Some(done) = start_in_place(&ctx, &name, spec, send, recv, done)? else {
+            return Ok(());
+        };
         let req = request(&ctx, name, spec, send, recv)?;
-        submit(&ctx, req, Completion::new(cb, user, out));
+        submit(&ctx, req, done);
         Ok(())
     })
+}
+
+/// Starts `spec` in the caller's `recv` buffer (see the module docs) if it
+/// can: its output is all of its working buffer, no group is open on this
+/// thread, and `send` is `recv` with the input laid out as the working
+/// buffer, or does not overlap it. Otherwise gives `done` back, for the
+/// copying path.
+fn start_in_place(
+    ctx: &Ctx,
+    name: &str,
+    spec: OpSpec,
+    send: *const c_void,
+    recv: *mut c_void,
+    done: Completion,
+) -> Res<Option<Completion>> {
+    let n = ctx.session.size();
+    let me = ctx.session.rank();
+    spec.validate(n).map_err(invalid)?;
+    let len = spec.work_len(n).expect("validated");
+    let Some(recv) = NonNull::new(recv.cast::<u8>()) else {
+        return Ok(Some(done));
+    };
+    if len == 0 || group::is_open() || spec.output_range(me, n) != Some(0..len) {
+        return Ok(Some(done));
+    }
+    let in_len = spec.input_len(n).expect("validated");
+    let needs_input = !matches!(spec.kind, OpKind::Broadcast { root } if root != me);
+    let (s, r) = (send as usize, recv.as_ptr() as usize);
+    let copy = if !needs_input {
+        false
+    } else if s == r {
+        // The input is the working buffer already; not so for a gather,
+        // whose input goes to this rank's block.
+        if in_len != len || matches!(spec.kind, OpKind::Allgather | OpKind::Gather { .. }) {
+            return Ok(Some(done));
+        }
+        false
+    } else if s < r + len && r < s.saturating_add(in_len) {
+        return Ok(Some(done));
+    } else {
+        if send.is_null() {
+            return Err(invalid("send buffer is NULL"));
+        }
+        true
+    };
+    let result: Arc<Mutex<Option<Res<()>>>> = Arc::default();
+    let ended = result.clone();
+    let release = Box::new(move || {
+        // The op never completed (the library stopped): `done` completes
+        // as finalized when dropped.
+        if let Some(r) = crate::lock(&ended).take() {
+            done.finish(r);
+        }
+    });
+    // SAFETY: the caller's recv buffer holds `len` bytes (the ABI's
+    // contract for this op) and stays valid, and unused by the caller,
+    // until the op completes: which is when this region is released.
+    let region = unsafe { Region::foreign(recv, len, release) };
+    if copy {
+        // SAFETY: the caller's send buffer holds `in_len` bytes (checked
+        // not NULL above, and not overlapping recv); u8 has no alignment.
+        let input = unsafe { std::slice::from_raw_parts(send as *const u8, in_len) };
+        let mut work = region.write(0..len).expect("a new region has no shares");
+        spec.init_work_in(input, me, n, work.as_mut_slice());
+    }
+    let callback = Box::new(move |r: Result<kungfu_collectives::OpOutput, _>| {
+        *crate::lock(&result) = Some(r.map(drop).map_err(|e| fail_of(&e)));
+    });
+    ctx.session
+        .submit_in_with_callback(name, spec, region, callback);
+    Ok(None)
 }

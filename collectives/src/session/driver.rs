@@ -9,7 +9,7 @@ use std::time::Duration;
 use kungfu_topology::Rank;
 use kungfu_transport::{FrameKind, Header, Instant, OpTag, Transport, TransportError};
 
-use super::{lock, Callback, Inner, Session};
+use super::{lock, Callback, Inner, Memory, Session};
 use crate::abort::{Abort, AbortReason};
 use crate::OpSpec;
 
@@ -18,11 +18,17 @@ impl<T: Transport> Session<T> {
         &self,
         name: Arc<str>,
         spec: OpSpec,
-        input: &[u8],
+        mem: Memory,
         done: Callback,
         internal: bool,
     ) {
-        match self.prepare(name.clone(), spec, input, internal) {
+        // The caller's memory outlives the error report: its release may be
+        // how the caller learns that the op ended.
+        let keep = match &mem {
+            Memory::Region(r) => Some(r.clone()),
+            Memory::Input(_) => None,
+        };
+        match self.prepare(name.clone(), spec, mem, internal) {
             Ok(mut op) => {
                 let inner = self.inner.clone();
                 inner
@@ -60,7 +66,10 @@ impl<T: Transport> Session<T> {
                     }
                 });
             }
-            Err(e) => done(Err(e)),
+            Err(e) => {
+                done(Err(e));
+                drop(keep);
+            }
         }
     }
 }

@@ -8,27 +8,23 @@
 //! op's last progress.
 
 mod driver;
+mod output;
 mod plans;
 mod running;
 mod stats;
 mod swap;
 
 use std::collections::HashMap;
-use std::future::Future;
-use std::ops::Range;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use kungfu_topology::{AutoThresholds, PeerList, Rank, Root, Strategy, Topology};
-use kungfu_transport::{ClusterVersion, Epoch, Generation, OpTag, Transport};
+use kungfu_transport::{Epoch, Generation, OpTag, Transport};
 use tokio::sync::oneshot;
 
 use crate::names::{check_name, NameTable};
 use crate::op::{MachineConfig, OpInstance, OpMachine};
 use crate::plan::build::{build, PlanInput};
-use crate::pool::PooledBuf;
 use crate::{CollectiveError, DType, Element, OpKind, OpSpec, ReduceOp};
 use kungfu_transport::pool::BufferPool;
 
@@ -38,7 +34,10 @@ use swap::{Deferred, Tombstones};
 
 pub use swap::{Agreement, SwapGate};
 
+pub use output::{Callback, OpHandle, OpOutput};
 pub use stats::{OpStats, PeerStats};
+
+use output::Memory;
 
 /// Settings of a [`Session`].
 #[derive(Clone, Debug)]
@@ -76,99 +75,6 @@ impl Default for SessionConfig {
             op_timeout: Duration::from_secs(60),
             max_inflight_bytes: 64 << 20,
         }
-    }
-}
-
-/// The result of an op: the working buffer and where this rank's output
-/// lies in it (`None` for non-roots of reduce and gather), and where the op
-/// ran: its generation (cluster version and epoch) and strategy.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct OpOutput {
-    work: PooledBuf,
-    range: Option<Range<usize>>,
-    /// The session's (a session never changes version).
-    version: ClusterVersion,
-    epoch: Epoch,
-    strategy: Strategy,
-}
-
-impl OpOutput {
-    /// The epoch the op ran at: ops started while a swap is under way wait
-    /// for it and run at the new epoch.
-    pub fn epoch(&self) -> Epoch {
-        self.epoch
-    }
-
-    /// The cluster version and epoch the op ran at: later than those of
-    /// every op that finished before a swap or a resize that this op
-    /// followed.
-    pub fn generation(&self) -> Generation {
-        Generation {
-            version: self.version,
-            epoch: self.epoch,
-        }
-    }
-
-    /// The strategy the op ran on (`AUTO` resolved to its choice).
-    pub fn strategy(&self) -> Strategy {
-        self.strategy
-    }
-
-    /// This rank's output bytes, if it has an output.
-    pub fn bytes(&self) -> Option<&[u8]> {
-        self.range.as_ref().map(|r| &self.work[r.clone()])
-    }
-
-    /// The output as elements; empty where the rank has no output.
-    pub fn to_vec<E: Element>(&self) -> Vec<E> {
-        self.bytes()
-            .map(bytemuck::pod_collect_to_vec::<u8, E>)
-            .unwrap_or_default()
-    }
-}
-
-/// A completion callback: runs once, on a runtime thread, with the result.
-pub type Callback = Box<dyn FnOnce(Result<OpOutput, CollectiveError>) + Send + 'static>;
-
-/// A pending op. Await it, or [`OpHandle::wait`] for it from a thread that
-/// is not a runtime worker. Dropping the handle does not cancel the op (the
-/// other ranks need this rank's part).
-#[must_use = "an op handle does nothing unless awaited or waited on"]
-pub struct OpHandle<O> {
-    rx: oneshot::Receiver<Result<O, CollectiveError>>,
-}
-
-impl<O> OpHandle<O> {
-    pub(crate) fn pair() -> (oneshot::Sender<Result<O, CollectiveError>>, OpHandle<O>) {
-        let (tx, rx) = oneshot::channel();
-        (tx, OpHandle { rx })
-    }
-
-    /// Blocks the calling thread until the op completes. Panics if called
-    /// on a thread that drives the tokio runtime (use `.await` there).
-    pub fn wait(self) -> Result<O, CollectiveError> {
-        self.rx
-            .blocking_recv()
-            .unwrap_or(Err(CollectiveError::Closed))
-    }
-
-    /// The result, if the op has completed.
-    pub fn try_result(&mut self) -> Option<Result<O, CollectiveError>> {
-        match self.rx.try_recv() {
-            Ok(r) => Some(r),
-            Err(oneshot::error::TryRecvError::Empty) => None,
-            Err(oneshot::error::TryRecvError::Closed) => Some(Err(CollectiveError::Closed)),
-        }
-    }
-}
-
-impl<O> Future for OpHandle<O> {
-    type Output = Result<O, CollectiveError>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        Pin::new(&mut self.rx)
-            .poll(cx)
-            .map(|r| r.unwrap_or(Err(CollectiveError::Closed)))
     }
 }
 
@@ -393,20 +299,52 @@ impl<T: Transport> Session<T> {
     /// bytes (it is copied, so it may be reused at once).
     pub fn submit(&self, name: &str, spec: OpSpec, input: &[u8]) -> OpHandle<OpOutput> {
         let (tx, h) = OpHandle::pair();
-        self.start(
-            name.into(),
-            spec,
-            input,
-            Box::new(move |r| drop(tx.send(r))),
-            false,
-        );
+        let done = Box::new(move |r| drop(tx.send(r)));
+        self.start(name.into(), spec, Memory::Input(input), done, false);
         h
     }
 
     /// Starts an op whose completion runs `callback` (once, with the final
     /// status) instead of completing a handle.
     pub fn submit_with_callback(&self, name: &str, spec: OpSpec, input: &[u8], callback: Callback) {
-        self.start(name.into(), spec, input, callback, false);
+        self.start(name.into(), spec, Memory::Input(input), callback, false);
+    }
+
+    /// Starts an op that works in `work` itself, with no copy in or out:
+    /// `work` holds [`OpSpec::work_len`] bytes laid out by
+    /// [`OpSpec::init_work`] (for allreduce, and broadcast at the root,
+    /// that is the input itself), and the output is left in it at
+    /// [`OpSpec::output_range`] (for allreduce, broadcast and allgather,
+    /// all of it). Frames of posted receives land in it straight from the
+    /// wire.
+    ///
+    /// The op holds `work` until it completes, and wires may hold ranges
+    /// of it a while after a failure; the returned output shares its
+    /// output range. A region over the caller's memory
+    /// ([`Region::foreign`](kungfu_transport::Region::foreign)) learns
+    /// that everyone is done with it from its release hook (the C ABI
+    /// completes its in-place ops from there).
+    pub fn submit_in(
+        &self,
+        name: &str,
+        spec: OpSpec,
+        work: Arc<kungfu_transport::Region>,
+    ) -> OpHandle<OpOutput> {
+        let (tx, h) = OpHandle::pair();
+        let done = Box::new(move |r| drop(tx.send(r)));
+        self.start(name.into(), spec, Memory::Region(work), done, false);
+        h
+    }
+
+    /// [`Session::submit_in`], completing with `callback`.
+    pub fn submit_in_with_callback(
+        &self,
+        name: &str,
+        spec: OpSpec,
+        work: Arc<kungfu_transport::Region>,
+        callback: Callback,
+    ) {
+        self.start(name.into(), spec, Memory::Region(work), callback, false);
     }
 
     fn typed<E: Element>(
@@ -423,7 +361,8 @@ impl<T: Transport> Session<T> {
             count,
         };
         let cb: Callback = Box::new(move |r| drop(tx.send(r.map(|o| o.to_vec::<E>()))));
-        self.start(name.into(), spec, bytemuck::cast_slice(input), cb, false);
+        let input = Memory::Input(bytemuck::cast_slice(input));
+        self.start(name.into(), spec, input, cb, false);
         h
     }
 
@@ -542,13 +481,8 @@ impl<T: Transport> Session<T> {
             dtype: DType::U8,
             count: 0,
         };
-        self.start(
-            name.into(),
-            spec,
-            &[],
-            Box::new(move |r| drop(tx.send(r.map(|_| ())))),
-            false,
-        );
+        let done = Box::new(move |r: Result<OpOutput, _>| drop(tx.send(r.map(|_| ()))));
+        self.start(name.into(), spec, Memory::Input(&[]), done, false);
         h
     }
 
@@ -629,23 +563,12 @@ impl<T: Transport> Session<T> {
         input: &[u8],
     ) -> OpHandle<OpOutput> {
         let (tx, h) = OpHandle::pair();
+        let done = Box::new(move |r| drop(tx.send(r)));
         if gated {
-            self.start_now(
-                name.into(),
-                spec,
-                input,
-                Box::new(move |r| drop(tx.send(r))),
-                true,
-            );
-            return h;
+            self.start_now(name.into(), spec, Memory::Input(input), done, true);
+        } else {
+            self.start(name.into(), spec, Memory::Input(input), done, true);
         }
-        self.start(
-            name.into(),
-            spec,
-            input,
-            Box::new(move |r| drop(tx.send(r))),
-            true,
-        );
         h
     }
 
@@ -664,16 +587,17 @@ impl<T: Transport> Session<T> {
 
     /// Validates, plans and spawns one op. Errors before the spawn complete
     /// the callback at once. During a swap, the caller's ops wait for it.
-    fn start(&self, name: Arc<str>, spec: OpSpec, input: &[u8], done: Callback, internal: bool) {
+    fn start(&self, name: Arc<str>, spec: OpSpec, mem: Memory, done: Callback, internal: bool) {
+        let mut mem = Some(mem);
         let op = lock(&self.inner.gate).admit((name, done), |(name, done)| Deferred {
             name,
             spec,
-            input: input.to_vec(),
+            memory: output::HeldMemory::of(mem.take().expect("admitted once")),
             done,
             internal,
         });
-        if let Some((name, done)) = op {
-            self.start_now(name, spec, input, done, internal);
+        if let (Some((name, done)), Some(mem)) = (op, mem) {
+            self.start_now(name, spec, mem, done, internal);
         }
     }
 
@@ -681,7 +605,7 @@ impl<T: Transport> Session<T> {
         &self,
         name: Arc<str>,
         spec: OpSpec,
-        input: &[u8],
+        mem: Memory,
         internal: bool,
     ) -> Result<RunningOp, CollectiveError> {
         let n = self.size();
@@ -694,12 +618,15 @@ impl<T: Transport> Session<T> {
             check_name(&name).map_err(invalid)?;
         }
         spec.validate(n).map_err(invalid)?;
-        let want = spec.input_len(n).expect("validated");
-        if input.len() != want {
+        let (want, got, what) = match &mem {
+            Memory::Input(input) => (spec.input_len(n), input.len(), "input"),
+            Memory::Region(r) => (spec.work_len(n), r.len(), "working"),
+        };
+        let want = want.expect("validated");
+        if got != want {
             return Err(invalid(format!(
-                "{} needs {want} input bytes, got {}",
+                "{} needs {want} {what} bytes, got {got}",
                 spec.describe(),
-                input.len()
             )));
         }
         let configured = self.strategy();
@@ -730,11 +657,17 @@ impl<T: Transport> Session<T> {
             }
         };
         let (op, seq) = lock(&self.inner.names).begin(&name)?;
-        let mut work = self
-            .inner
-            .pool
-            .take_vec(spec.work_len(n).expect("validated"));
-        spec.init_work_into(input, me, n, work.vec_mut());
+        let (work, shared) = match mem {
+            Memory::Input(input) => {
+                let mut work = self
+                    .inner
+                    .pool
+                    .take_vec(spec.work_len(n).expect("validated"));
+                spec.init_work_into(input, me, n, work.vec_mut());
+                (kungfu_transport::Region::from_pooled(work), false)
+            }
+            Memory::Region(r) => (r, true),
+        };
         let op = OpInstance {
             name,
             spec,
@@ -752,7 +685,8 @@ impl<T: Transport> Session<T> {
         };
         Ok(RunningOp {
             m: OpMachine::new(op, plan, me, n, cfg, kungfu_transport::Instant::now()),
-            work: kungfu_transport::Region::from_pooled(work),
+            work,
+            shared,
         })
     }
 

@@ -12,6 +12,7 @@ use kungfu_transport::{Arrival, Header, Instant, Mem, RecvKey, Region, Transport
 use tokio::task::JoinSet;
 
 use super::driver::send_abort;
+use super::output::Output;
 use super::{Inner, OpOutput};
 use crate::op::{OpEvent, OpMachine, Transmit};
 use crate::plan::{ActionId, PlanError};
@@ -24,6 +25,9 @@ use crate::CollectiveError;
 pub(super) struct RunningOp {
     pub(super) m: OpMachine,
     pub(super) work: Arc<Region>,
+    /// The caller's memory ([`super::Session::submit_in`]), not a pooled
+    /// buffer: the output stays in it.
+    pub(super) shared: bool,
 }
 
 /// `range` of the working memory, to send from.
@@ -184,8 +188,7 @@ impl RunningOp {
         };
         match event {
             OpEvent::Done => Ok(OpOutput {
-                work: take_output(&mut self.work),
-                range: self.m.output_range(),
+                out: self.output(),
                 version: inner.transport.version(),
                 epoch: self.m.tag().epoch,
                 strategy: self.m.strategy(),
@@ -195,18 +198,26 @@ impl RunningOp {
     }
 }
 
-/// The working memory of a finished op, as a buffer (no copy: at the end
-/// no range of it is lent out, so the op holds it alone).
-fn take_output(work: &mut Arc<Region>) -> PooledBuf {
-    let region = std::mem::replace(work, Region::from_vec(Vec::new()));
-    match Region::into_pooled(region) {
-        Ok(b) => b,
-        // Held elsewhere still (a share not yet dropped): copy it out.
-        Err(region) => PooledBuf::unpooled(
-            region
-                .read(0..region.len())
-                .map(|m| m.as_slice().to_vec())
-                .unwrap_or_default(),
-        ),
+impl RunningOp {
+    /// Where a finished op's output is: a pooled working buffer taken back
+    /// (no copy: at the end no range of it is lent out, so the op holds
+    /// it alone), or a read share of the caller's memory.
+    fn output(&mut self) -> Output {
+        let range = self.m.output_range();
+        if self.shared {
+            return Output::Shared(range.and_then(|r| self.work.read(r).ok()));
+        }
+        let region = std::mem::replace(&mut self.work, Region::from_vec(Vec::new()));
+        let buf = match Region::into_pooled(region) {
+            Ok(b) => b,
+            // Held elsewhere still (a share not yet dropped): copy it out.
+            Err(region) => PooledBuf::unpooled(
+                region
+                    .read(0..region.len())
+                    .map(|m| m.as_slice().to_vec())
+                    .unwrap_or_default(),
+            ),
+        };
+        Output::Owned(buf, range)
     }
 }

@@ -11,11 +11,11 @@ use kungfu_transport::{Epoch, OpTag, Transport};
 use super::{lock, Callback, OpHandle, Session};
 use crate::{CollectiveError, OpSpec};
 
-/// An op started during a swap, with its input copied.
+/// An op started during a swap, with its input copied (or its memory held).
 pub(super) struct Deferred {
     pub(super) name: Arc<str>,
     pub(super) spec: OpSpec,
-    pub(super) input: Vec<u8>,
+    pub(super) memory: super::output::HeldMemory,
     pub(super) done: Callback,
     pub(super) internal: bool,
 }
@@ -224,7 +224,7 @@ impl<T: Transport> Session<T> {
                 // another thread cannot overtake them.
                 let mut g = lock(&s.inner.gate);
                 for d in g.end() {
-                    s.start_now(d.name, d.spec, &d.input, d.done, d.internal);
+                    s.start_now(d.name, d.spec, d.memory.as_memory(), d.done, d.internal);
                 }
             }
         }

@@ -17,6 +17,7 @@ use kungfu_transport::{Epoch, FrameKind, Header, OpTag};
 
 mod failures;
 mod group;
+mod in_place;
 mod ops;
 mod pool;
 mod stats;

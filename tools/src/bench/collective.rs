@@ -2,6 +2,7 @@
 //! printed, and written as JSON and SVG.
 
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -11,6 +12,7 @@ use kungfu_tools::fmt_size;
 use kungfu_tools::plot::{svg, Series};
 use kungfu_topology::Rank;
 use kungfu_transport::any::AnyTransport;
+use kungfu_transport::Region;
 
 use super::monitor::{monitor_overhead, ROUNDS};
 use super::report::{cell, count_wrong, json, nccl_type, Row};
@@ -71,35 +73,37 @@ fn in_place_layout(spec: &OpSpec, n: usize, me: usize) -> InPlace {
     InPlace { len, input, output }
 }
 
-/// Runs one op in place on `buf`. Allreduce and broadcast use the
-/// session's in-place calls; the other ops have none, so the op is given
-/// its input slice of `buf` and its output is written back into `buf`.
-async fn op_in_place<E: Element>(
+/// Runs one op in place on `buf`: in the buffer itself
+/// ([`Session::submit_in`]: frames land in it, nothing is copied in or
+/// out) where it is the op's working buffer, which is every op but
+/// alltoall; alltoall is given its input from `buf` and its output is
+/// written back.
+async fn op_in_place(
     s: &Session<AnyTransport>,
     name: &str,
     spec: OpSpec,
     lay: &InPlace,
-    buf: &mut [E],
+    buf: &Arc<Region>,
 ) -> anyhow::Result<()> {
-    match spec.kind {
-        OpKind::Allreduce(op) => s.allreduce_in_place(name, buf, op).await?,
-        OpKind::Broadcast { root } => s.broadcast_in_place(name, buf, root).await?,
-        _ => {
-            let out = s
-                .submit(name, spec, bytemuck::cast_slice(&buf[lay.input.clone()]))
-                .await?;
-            match (lay.output.clone(), out.bytes()) {
-                (Some(r), Some(o)) if o.len() == std::mem::size_of_val(&buf[r.clone()]) => {
-                    bytemuck::cast_slice_mut::<E, u8>(&mut buf[r]).copy_from_slice(o)
-                }
-                (None, None) => {}
-                (r, o) => bail!(
-                    "{name}: an output of {:?} bytes for an in-place output of {:?} elements",
-                    o.map(<[u8]>::len),
-                    r.map(|r| r.len())
-                ),
-            }
+    if spec.work_len(s.size()) == Some(buf.len()) {
+        drop(s.submit_in(name, spec, buf.clone()).await?);
+        return Ok(());
+    }
+    let e = spec.dtype.size();
+    let bytes = |r: Range<usize>| r.start * e..r.end * e;
+    let input = buf.read(bytes(lay.input.clone()))?;
+    let out = s.submit(name, spec, input.as_slice()).await?;
+    drop(input);
+    match (lay.output.clone(), out.bytes()) {
+        (Some(r), Some(o)) if o.len() == r.len() * e => {
+            buf.write(bytes(r))?.as_mut_slice().copy_from_slice(o)
         }
+        (None, None) => {}
+        (r, o) => bail!(
+            "{name}: an output of {:?} bytes for an in-place output of {:?} elements",
+            o.map(<[u8]>::len),
+            r.map(|r| r.len())
+        ),
     }
     Ok(())
 }
@@ -118,41 +122,41 @@ async fn measure_in_place<E: Element>(
 ) -> anyhow::Result<(f64, u64, (f64, f64))> {
     let (n, me) = (s.size(), s.rank().idx());
     let lay = in_place_layout(&spec, n, me);
-    let mut buf: Vec<E> = Vec::new();
-    let fill = |buf: &mut Vec<E>| {
-        buf.clear();
-        buf.resize(lay.len, bytemuck::Zeroable::zeroed());
-        bytemuck::cast_slice_mut::<E, u8>(&mut buf[lay.input.clone()]).copy_from_slice(&inputs[me]);
+    let e = std::mem::size_of::<E>();
+    let buf = Region::from_vec(vec![0; lay.len * e]);
+    let fill = || -> anyhow::Result<()> {
+        let mut all = buf.write(0..buf.len())?;
+        let all = all.as_mut_slice();
+        all.fill(0);
+        all[lay.input.start * e..lay.input.end * e].copy_from_slice(&inputs[me]);
+        Ok(())
     };
-    fill(&mut buf);
+    fill()?;
     for _ in 0..args.warmup {
-        op_in_place(s, name, spec, &lay, &mut buf).await?;
+        op_in_place(s, name, spec, &lay, &buf).await?;
     }
-    fill(&mut buf);
+    fill()?;
     let h0 = heap::snapshot();
     let t0 = Instant::now();
     for _ in 0..args.iters {
-        op_in_place(s, name, spec, &lay, &mut buf).await?;
+        op_in_place(s, name, spec, &lay, &buf).await?;
     }
     let dt = t0.elapsed().as_secs_f64() / args.iters.max(1) as f64;
     let heap = heap_per_op(h0, args.iters);
     let mut wrong = 0;
     if args.check {
-        fill(&mut buf);
-        op_in_place(s, name, spec, &lay, &mut buf).await?;
-        let out = lay.output.clone().map(|r| &mut buf[r]);
+        fill()?;
+        op_in_place(s, name, spec, &lay, &buf).await?;
+        let out = lay.output.clone().map(|r| r.start * e..r.end * e);
         if args.corrupt_in_place {
-            if let Some(x) = out.and_then(|o| o.first_mut()) {
-                bytemuck::bytes_of_mut(x)[0] ^= 0x5a;
+            if let Some(r) = out.clone().filter(|r| !r.is_empty()) {
+                buf.write(r.start..r.start + 1)?.as_mut_slice()[0] ^= 0x5a;
             }
         }
-        let got = lay
-            .output
-            .clone()
-            .map(|r| bytemuck::cast_slice::<E, u8>(&buf[r]));
+        let got = out.map(|r| buf.read(r)).transpose()?;
         wrong = count_wrong(
             spec.dtype.size(),
-            got,
+            got.as_ref().map(|m| m.as_slice()),
             &reference::expected(&spec, me, inputs),
         );
     }

@@ -1,0 +1,163 @@
+//! What an op gives back: its output (in a pooled buffer, or in the
+//! caller's memory), the handle to await it, and the callback.
+
+use std::future::Future;
+use std::ops::Range;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use kungfu_topology::Strategy;
+use kungfu_transport::{ClusterVersion, Epoch, Generation, Mem, Region};
+use tokio::sync::oneshot;
+
+use crate::pool::PooledBuf;
+use crate::{CollectiveError, Element};
+
+/// Where an op's working memory comes from.
+pub(super) enum Memory<'a> {
+    /// Input bytes, laid out into a pooled buffer.
+    Input(&'a [u8]),
+    /// The caller's memory, laid out already ([`super::Session::submit_in`]).
+    Region(Arc<Region>),
+}
+
+/// [`Memory`], owned (an op held while a swap runs).
+pub(super) enum HeldMemory {
+    Input(Vec<u8>),
+    Region(Arc<Region>),
+}
+
+impl HeldMemory {
+    pub(super) fn of(m: Memory<'_>) -> HeldMemory {
+        match m {
+            Memory::Input(b) => HeldMemory::Input(b.to_vec()),
+            Memory::Region(r) => HeldMemory::Region(r),
+        }
+    }
+
+    pub(super) fn as_memory(&self) -> Memory<'_> {
+        match self {
+            HeldMemory::Input(b) => Memory::Input(b),
+            HeldMemory::Region(r) => Memory::Region(r.clone()),
+        }
+    }
+}
+
+/// Where an op's output is.
+#[derive(Clone, Debug)]
+pub(super) enum Output {
+    /// A pooled buffer, the output at a range of it.
+    Owned(PooledBuf, Option<Range<usize>>),
+    /// The caller's memory: a read share of the output range (or none,
+    /// where this rank has no output).
+    Shared(Option<Mem>),
+}
+
+/// The result of an op: the working memory and where this rank's output
+/// lies in it (`None` for non-roots of reduce and gather), and where the op
+/// ran: its generation (cluster version and epoch) and strategy.
+#[derive(Clone, Debug)]
+pub struct OpOutput {
+    pub(super) out: Output,
+    /// The session's (a session never changes version).
+    pub(super) version: ClusterVersion,
+    pub(super) epoch: Epoch,
+    pub(super) strategy: Strategy,
+}
+
+impl PartialEq for OpOutput {
+    /// Same output bytes, generation and strategy.
+    fn eq(&self, other: &OpOutput) -> bool {
+        self.bytes() == other.bytes()
+            && self.generation() == other.generation()
+            && self.strategy == other.strategy
+    }
+}
+
+impl Eq for OpOutput {}
+
+impl OpOutput {
+    /// The epoch the op ran at: ops started while a swap is under way wait
+    /// for it and run at the new epoch.
+    pub fn epoch(&self) -> Epoch {
+        self.epoch
+    }
+
+    /// The cluster version and epoch the op ran at: later than those of
+    /// every op that finished before a swap or a resize that this op
+    /// followed.
+    pub fn generation(&self) -> Generation {
+        Generation {
+            version: self.version,
+            epoch: self.epoch,
+        }
+    }
+
+    /// The strategy the op ran on (`AUTO` resolved to its choice).
+    pub fn strategy(&self) -> Strategy {
+        self.strategy
+    }
+
+    /// This rank's output bytes, if it has an output. For an op on the
+    /// caller's memory ([`super::Session::submit_in`]) they are that
+    /// memory, shared (read-only) while this lives.
+    pub fn bytes(&self) -> Option<&[u8]> {
+        match &self.out {
+            Output::Owned(work, range) => range.as_ref().map(|r| &work[r.clone()]),
+            Output::Shared(mem) => mem.as_ref().map(Mem::as_slice),
+        }
+    }
+
+    /// The output as elements; empty where the rank has no output.
+    pub fn to_vec<E: Element>(&self) -> Vec<E> {
+        self.bytes()
+            .map(bytemuck::pod_collect_to_vec::<u8, E>)
+            .unwrap_or_default()
+    }
+}
+
+/// A completion callback: runs once, on a runtime thread, with the result.
+pub type Callback = Box<dyn FnOnce(Result<OpOutput, CollectiveError>) + Send + 'static>;
+
+/// A pending op. Await it, or [`OpHandle::wait`] for it from a thread that
+/// is not a runtime worker. Dropping the handle does not cancel the op (the
+/// other ranks need this rank's part).
+#[must_use = "an op handle does nothing unless awaited or waited on"]
+pub struct OpHandle<O> {
+    rx: oneshot::Receiver<Result<O, CollectiveError>>,
+}
+
+impl<O> OpHandle<O> {
+    pub(crate) fn pair() -> (oneshot::Sender<Result<O, CollectiveError>>, OpHandle<O>) {
+        let (tx, rx) = oneshot::channel();
+        (tx, OpHandle { rx })
+    }
+
+    /// Blocks the calling thread until the op completes. Panics if called
+    /// on a thread that drives the tokio runtime (use `.await` there).
+    pub fn wait(self) -> Result<O, CollectiveError> {
+        self.rx
+            .blocking_recv()
+            .unwrap_or(Err(CollectiveError::Closed))
+    }
+
+    /// The result, if the op has completed.
+    pub fn try_result(&mut self) -> Option<Result<O, CollectiveError>> {
+        match self.rx.try_recv() {
+            Ok(r) => Some(r),
+            Err(oneshot::error::TryRecvError::Empty) => None,
+            Err(oneshot::error::TryRecvError::Closed) => Some(Err(CollectiveError::Closed)),
+        }
+    }
+}
+
+impl<O> Future for OpHandle<O> {
+    type Output = Result<O, CollectiveError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Pin::new(&mut self.rx)
+            .poll(cx)
+            .map(|r| r.unwrap_or(Err(CollectiveError::Closed)))
+    }
+}

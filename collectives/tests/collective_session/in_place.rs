@@ -1,0 +1,141 @@
+//! Ops on the caller's memory ([`Session::submit_in`]): no copy in or out,
+//! frames landing in it, and the memory held until everyone is done.
+
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use kungfu_collectives::reference;
+use kungfu_transport::Region;
+
+use super::*;
+
+fn spec(kind: OpKind, count: usize) -> OpSpec {
+    OpSpec {
+        kind,
+        dtype: DType::I32,
+        count,
+    }
+}
+
+fn ints(v: &[i32]) -> Vec<u8> {
+    bytemuck::cast_slice(v).to_vec()
+}
+
+/// Allreduce, broadcast and allgather of three ranks, each run in a region
+/// laid out by `init_work_in` (over many chunks, so frames land in place
+/// out of order): the output is in the region, the same bytes as the
+/// reference, and `bytes()` of the output is that memory, not a copy.
+#[test]
+fn ops_in_the_callers_memory_leave_their_output_there() {
+    rt().block_on(async {
+        let n = 3;
+        let ss = sessions(n, Strategy::Ring, 7, LONG);
+        let count = 1000;
+        let kinds = [
+            OpKind::Allreduce(ReduceOp::Sum),
+            OpKind::Broadcast { root: Rank(1) },
+            OpKind::Allgather,
+        ];
+        for (k, kind) in kinds.into_iter().enumerate() {
+            let spec = spec(kind, count);
+            let inputs: Vec<Vec<u8>> = (0..n)
+                .map(|r| {
+                    ints(
+                        &(0..count as i32)
+                            .map(|i| i * 7 + r as i32 * 1000)
+                            .collect::<Vec<_>>(),
+                    )
+                })
+                .collect();
+            let regions: Vec<Arc<Region>> = (0..n)
+                .map(|r| {
+                    let mut work = vec![0xaa; spec.work_len(n).unwrap()];
+                    spec.init_work_in(&inputs[r], Rank(r as u32), n, &mut work);
+                    Region::from_vec(work)
+                })
+                .collect();
+            let name = format!("in-place/{k}");
+            let hs: Vec<_> = ss
+                .iter()
+                .zip(&regions)
+                .map(|(s, r)| s.submit_in(&name, spec, r.clone()))
+                .collect();
+            for (r, h) in hs.into_iter().enumerate() {
+                let out = h.await.unwrap();
+                let want = reference::expected(&spec, r, &inputs).unwrap();
+                let got = out.bytes().expect("every rank has an output");
+                assert_eq!(got, &want[..], "{kind:?} rank {r}");
+                let region = &regions[r];
+                let lent = region.read(0..region.len()).unwrap();
+                assert_eq!(
+                    got.as_ptr(),
+                    lent.as_slice().as_ptr(),
+                    "{kind:?}: not a copy"
+                );
+                assert!(
+                    region.write(0..1).is_err(),
+                    "the output shares it, read-only"
+                );
+                drop(out);
+                drop(lent);
+                assert_eq!(region.shares(), 0);
+            }
+        }
+    });
+}
+
+/// A region over memory the op does not own: its release hook runs once,
+/// after the op and its output are done with it; a region of the wrong
+/// length is refused at once (and released).
+#[test]
+#[allow(unsafe_code)] // a region over memory it does not own is unsafe to make
+fn foreign_memory_is_released_once_when_everyone_is_done() {
+    rt().block_on(async {
+        let n = 2;
+        let ss = sessions(n, Strategy::Star, 3, LONG);
+        let spec = spec(OpKind::Allreduce(ReduceOp::Max), 64);
+        let released = Arc::new(AtomicUsize::new(0));
+        let mut bufs: Vec<Vec<i32>> = (0..n).map(|r| vec![r as i32; 64]).collect();
+        let mut hs = Vec::new();
+        for (s, buf) in ss.iter().zip(bufs.iter_mut()) {
+            let seen = released.clone();
+            let ptr = NonNull::new(buf.as_mut_ptr().cast::<u8>()).unwrap();
+            // SAFETY: `buf` outlives the region (the test waits for the
+            // hook before it reads `bufs`) and nothing else touches it.
+            let region = unsafe {
+                Region::foreign(
+                    ptr,
+                    256,
+                    Box::new(move || {
+                        seen.fetch_add(1, Ordering::SeqCst);
+                    }),
+                )
+            };
+            hs.push(s.submit_in("foreign", spec, region));
+        }
+        for h in hs {
+            let out = h.await.unwrap();
+            assert_eq!(out.to_vec::<i32>(), vec![1; 64]);
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while released.load(Ordering::SeqCst) < n && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(released.load(Ordering::SeqCst), n, "each released once");
+        assert_eq!(
+            bufs,
+            vec![vec![1; 64]; n],
+            "the output is in the caller's memory"
+        );
+
+        let short = Region::from_vec(vec![0; 255]);
+        let r = ss[0].submit_in("short", spec, short.clone()).await;
+        match r {
+            Err(CollectiveError::InvalidArgument { reason, .. }) => {
+                assert!(reason.contains("256 working bytes, got 255"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(Arc::strong_count(&short), 1, "the op let go of it");
+    });
+}
