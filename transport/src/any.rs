@@ -17,9 +17,9 @@ use bytes::Bytes;
 use kungfu_topology::{PeerList, Rank};
 use tokio::net::TcpListener;
 
-use crate::endpoint::{Endpoint, Matcher, Pump};
+use crate::endpoint::{Endpoint, Matcher, Pump, RecvKey};
 use crate::pool::BufferPool;
-use crate::region::Region;
+use crate::region::{Mem, MemMut, Region};
 use crate::shm::{ShmConfig, ShmWire};
 use crate::tcp::{TcpConfig, TcpWire};
 use crate::wire::{Apply, Caps, Wire};
@@ -59,12 +59,20 @@ impl Wire for AnyWire {
         each!(self, w => w.register(region))
     }
 
+    fn post_recv(&self, key: RecvKey, mem: MemMut) -> Result<Option<MemMut>, TransportError> {
+        each!(self, w => w.post_recv(key, mem))
+    }
+
     fn inject(&self, to: Rank, header: Header, payload: &[u8]) -> Result<bool, TransportError> {
         each!(self, w => w.inject(to, header, payload))
     }
 
     async fn send(&self, to: Rank, header: Header, payload: Bytes) -> Result<(), TransportError> {
         each!(self, w => w.send(to, header, payload).await)
+    }
+
+    async fn send_mem(&self, to: Rank, header: Header, payload: Mem) -> Result<(), TransportError> {
+        each!(self, w => w.send_mem(to, header, payload).await)
     }
 
     fn pump(&self, tag: OpTag, from: &PeerSet, apply: Option<Apply<'_>>) -> Pump {

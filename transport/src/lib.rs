@@ -231,6 +231,20 @@ pub trait Transport: Send + Sync + 'static {
         payload: Bytes,
     ) -> impl Future<Output = Result<(), TransportError>> + Send;
 
+    /// Sends one frame from a range of the op's memory, lent until the send
+    /// resolves (see [`wire::Caps::borrows_sends`]: only a wire that lets
+    /// go of the payload by then may be given one; the driver asks
+    /// [`Transport::peer_caps`]). The default sends it as
+    /// [`Bytes::from_owner`].
+    fn send_mem(
+        &self,
+        to: Rank,
+        header: Header,
+        payload: Mem,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send {
+        self.send(to, header, Bytes::from_owner(payload))
+    }
+
     /// Receives the next frame of op instance `tag` from any rank in
     /// `from`. Fails with [`TransportError::PeerLost`] once a rank in `from`
     /// is lost and no frame of `tag` is queued, and with
@@ -285,13 +299,13 @@ pub trait Transport: Send + Sync + 'static {
         self.matcher().post(key, mem)
     }
 
-    /// Whether receiving from `from` into posted memory pays: the wire to
-    /// it writes frames where they belong (TCP reads the socket into the
-    /// posted range) rather than lending them in place (shared memory's
-    /// ring, which an op applies from directly). Default: false.
-    fn posts_from(&self, from: Rank) -> bool {
-        let _ = from;
-        false
+    /// What the wire that carries frames to and from `peer` can do (see
+    /// [`wire::Caps`]): the op driver reads it to choose how to send (inject,
+    /// hold, lend the range, or copy) and which receives to post. `None`
+    /// for this rank and unreachable ones.
+    fn peer_caps(&self, peer: Rank) -> Option<wire::Caps> {
+        let _ = peer;
+        None
     }
 
     /// Ends op instance `tag` (done or failed): its queued and later frames
@@ -335,15 +349,6 @@ pub trait Transport: Send + Sync + 'static {
     ) -> Result<bool, TransportError> {
         let _ = (to, header, payload);
         Ok(false)
-    }
-
-    /// Whether [`Transport::try_send_now`] to `to` succeeds as soon as
-    /// there is room (shared memory): a caller whose frame did not fit may
-    /// then keep it in its own buffer and try again while it receives,
-    /// instead of copying it into an owned payload. Default: false.
-    fn sends_in_place(&self, to: Rank) -> bool {
-        let _ = to;
-        false
     }
 
     /// Closes gracefully: every frame already sent reaches its peer, the

@@ -60,6 +60,11 @@ pub struct MemConfig {
     /// The buffer pool of every endpoint of the network (one process, one
     /// pool); `None`: a new one of [`BufferPool::DEFAULT_BUDGET`].
     pub pool: Option<Arc<BufferPool>>,
+    /// Larger payloads wait for the receiver to post their receive and
+    /// land in it (a rendezvous, as RDMA wires do with large messages);
+    /// smaller ones are delivered at once. The wire declares it as
+    /// [`Caps::eager_max`]. Default: no limit.
+    pub eager_max: usize,
 }
 
 impl Default for MemConfig {
@@ -71,6 +76,7 @@ impl Default for MemConfig {
             mailbox_bytes: 256 << 20,
             delay: None,
             pool: None,
+            eager_max: usize::MAX,
         }
     }
 }
@@ -189,6 +195,8 @@ impl Wire for MemWire {
             polled: false,
             lends: false,
             needs_registration: false,
+            borrows_sends: false,
+            eager_max: self.net.config.eager_max.min(self.net.config.max_frame),
         }
     }
 
@@ -220,10 +228,13 @@ impl Wire for MemWire {
                 .unwrap_or_else(|| "gone".into());
             return Err(TransportError::PeerLost { peer: to, reason });
         }
-        match self.net.matchers[to.idx()]
-            .deliver(self.rank, header, payload)
-            .await
-        {
+        let peer = &self.net.matchers[to.idx()];
+        let sent = if payload.len() > self.net.config.eager_max {
+            peer.rendezvous(self.rank, header, &payload).await
+        } else {
+            peer.deliver(self.rank, header, payload).await
+        };
+        match sent {
             // The receiver refusing a frame is the receiver's business, as
             // with a real network; the sender is not told.
             Ok(()) | Err(TransportError::StaleEpoch { .. }) => Ok(()),

@@ -370,6 +370,15 @@ impl Mem {
     }
 }
 
+impl AsRef<[u8]> for Mem {
+    /// So a read share can be a frame's payload
+    /// ([`Bytes::from_owner`]): the bytes stay shared until the payload is
+    /// dropped.
+    fn as_ref(&self) -> &[u8] {
+        self.as_slice()
+    }
+}
+
 impl Clone for Mem {
     fn clone(&self) -> Mem {
         self.0

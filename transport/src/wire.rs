@@ -21,6 +21,14 @@
 //!   calling [`Wire::pump`] before it sleeps.
 //! - `lends`: [`Wire::pump`] can offer a frame in place (in the ring's
 //!   memory, in pieces when it wraps), so an op applies it with no copy.
+//!   Receives from a wire that does not lend are posted into the op's
+//!   memory ([`Wire::post_recv`]), where the wire writes them.
+//! - `borrows_sends`: a send may go straight from the op's memory (TCP
+//!   writes the range to the socket), not from a copy.
+//! - `eager_max`: frames above it are received only into posted memory.
+//! - `needs_registration`: the endpoint registers op memory
+//!   ([`Wire::register`]) before it posts a receive into it.
+//! - `max_frame`: the endpoint refuses larger sends.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -31,7 +39,7 @@ use kungfu_topology::Rank;
 
 use crate::endpoint::Pump;
 use crate::endpoint::RecvKey;
-use crate::region::{MemMut, Region};
+use crate::region::{Mem, MemMut, Region};
 use crate::{Header, OpTag, PeerSet, TransportError};
 
 /// What a wire can do. See the module docs.
@@ -50,6 +58,18 @@ pub struct Caps {
     pub polled: bool,
     /// [`Wire::pump`] lends frames in place.
     pub lends: bool,
+    /// [`Wire::send`] resolves only once the wire has let go of the
+    /// payload (written it out), so the payload may be a range of the op's
+    /// memory, lent for the send ([`Bytes::from_owner`] of a
+    /// [`Mem`]): no copy. A wire that passes payloads on
+    /// (the in-memory network hands them to the receiver) does not.
+    pub borrows_sends: bool,
+    /// The largest payload a peer may send before its receive is posted.
+    /// A larger frame waits for a posted receive (a rendezvous, as RDMA
+    /// wires do with large messages), so the driver posts every receive
+    /// above it (into a scratch range where the frame is reduced, not
+    /// copied). `max_frame` where any frame may arrive unexpected.
+    pub eager_max: usize,
     /// Memory must be registered ([`Wire::register`]) before the wire
     /// moves it (RDMA).
     pub needs_registration: bool,
@@ -105,6 +125,20 @@ pub trait Wire: Send + Sync + 'static {
         header: Header,
         payload: Bytes,
     ) -> impl Future<Output = Result<(), TransportError>> + Send;
+
+    /// Sends one frame straight from `payload`, a range of the op's memory
+    /// (for [`Caps::borrows_sends`] wires): resolves once the wire let go
+    /// of it. A wire that needs registered memory finds the region's
+    /// registration through `payload.region()`. The default sends it as
+    /// [`Bytes::from_owner`].
+    fn send_mem(
+        &self,
+        to: Rank,
+        header: Header,
+        payload: Mem,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send {
+        self.send(to, header, Bytes::from_owner(payload))
+    }
 
     /// Moves what arrived into the matcher (for [`Caps::polled`] wires).
     /// With `apply`, a frame of `tag` from a rank in `from` is first lent

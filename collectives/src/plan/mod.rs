@@ -235,8 +235,7 @@ impl PlanBuilder {
             if deps.is_empty() {
                 match self.actions[i] {
                     Action::Send { .. } => ready.push(ActionId(i as u32)),
-                    Action::Recv { reduce: None, .. } => postable.push(ActionId(i as u32)),
-                    Action::Recv { .. } => {}
+                    Action::Recv { .. } => postable.push(ActionId(i as u32)),
                 }
             }
             match &self.actions[i] {
@@ -281,7 +280,7 @@ pub struct PlanGraph {
     dependents: Vec<Vec<ActionId>>,
     /// Sends ready at the start.
     ready: Vec<ActionId>,
-    /// Copy receives ready at the start.
+    /// Receives ready at the start.
     postable: Vec<ActionId>,
     recv_index: HashMap<(Rank, u32, u16), ActionId>,
     dtype: DType,
@@ -345,7 +344,7 @@ pub struct Plan {
     state: Vec<State>,
     deps_left: Vec<u32>,
     ready: VecDeque<ActionId>,
-    /// Copy receives whose dependencies are done, not yet handed out by
+    /// Receives whose dependencies are done, not yet handed out by
     /// [`Plan::poll_recv`].
     postable: Vec<ActionId>,
     arrived: HashMap<ActionId, Bytes>,
@@ -400,11 +399,14 @@ impl Plan {
         })
     }
 
-    /// A receive that may be posted now: a copy receive (it overwrites its
-    /// range) whose dependencies are done, so nothing of the plan touches
-    /// its range until it completes. The driver may post it (the frame
-    /// then lands in `range`, and it reports [`Plan::handle_landed`]) or
-    /// leave it to arrive as a frame.
+    /// A receive that may be posted now: one whose dependencies are done.
+    /// A copy receive (it overwrites its range) may be posted into its
+    /// range, which nothing of the plan touches until it completes: the
+    /// frame then lands there, and the driver reports
+    /// [`Plan::handle_landed`]. A reducing receive (`reduce`) may be
+    /// posted into scratch memory, its frame then given to
+    /// [`Plan::handle_frame`] (several reduce into one range, so none may
+    /// hold it). Or the driver leaves the receive to arrive as a frame.
     pub fn poll_recv(&mut self) -> Option<RecvReady> {
         // Some arrived (as frames) before they were asked for.
         let id = loop {
@@ -418,7 +420,7 @@ impl Plan {
             chunk,
             step,
             ref range,
-            ..
+            reduce,
         } = self.graph.actions[id.0 as usize]
         else {
             unreachable!("only receives are postable");
@@ -428,6 +430,7 @@ impl Plan {
             chunk,
             step,
             range: range.clone(),
+            reduce: reduce.is_some(),
         })
     }
 
@@ -586,7 +589,7 @@ impl Plan {
                         g.apply(d, &[&payload], work)?;
                         stack.push(d);
                     }
-                    (Action::Recv { reduce: None, .. }, State::Waiting) => self.postable.push(d),
+                    (Action::Recv { .. }, State::Waiting) => self.postable.push(d),
                     _ => {}
                 }
             }
@@ -602,4 +605,6 @@ pub struct RecvReady {
     pub chunk: u32,
     pub step: u16,
     pub range: Range<usize>,
+    /// It reduces into `range` (post it into scratch memory, if at all).
+    pub reduce: bool,
 }

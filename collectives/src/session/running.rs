@@ -1,15 +1,29 @@
 //! The async driver of one op: feeds its [`OpMachine`] what the transport
 //! reports and does what the machine asks. Every decision (window, digest,
 //! aborts, deadline, lost peers) is the machine's; this file only moves
-//! bytes and reads the clock.
+//! bytes and reads the clock, choosing by the wire's [`Caps`] how:
+//!
+//! - a send is injected straight from the working memory where the wire
+//!   can (`inject`), else kept there until it can (`holds_sends`), else
+//!   sent from the range itself, lent to the wire until it has written it
+//!   (`borrows_sends`), else from a copy;
+//! - a receive is posted into its range of the working memory where the
+//!   wire does not lend frames in place (`lends`) or may only deliver the
+//!   frame into a posted receive (above `eager_max`; a reducing receive
+//!   then goes to scratch memory);
+//! - sends in flight are futures this task polls, not a task each.
 
 use std::collections::VecDeque;
+use std::future::Future;
 use std::ops::Range;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
+use bytes::Bytes;
 use kungfu_topology::Rank;
+use kungfu_transport::wire::Caps;
 use kungfu_transport::{Arrival, Header, Instant, Mem, RecvKey, Region, Transport, TransportError};
-use tokio::task::JoinSet;
 
 use super::driver::send_abort;
 use super::output::Output;
@@ -30,6 +44,19 @@ pub(super) struct RunningOp {
     pub(super) shared: bool,
 }
 
+/// Caps of a transport that declares none: every send from a copy.
+const COPY: Caps = Caps {
+    name: "",
+    max_frame: usize::MAX,
+    inject: false,
+    holds_sends: false,
+    polled: false,
+    lends: true,
+    needs_registration: false,
+    borrows_sends: false,
+    eager_max: usize::MAX,
+};
+
 /// `range` of the working memory, to send from.
 fn read(m: &mut OpMachine, work: &Arc<Region>, range: Range<usize>) -> Option<Mem> {
     match work.read(range.clone()) {
@@ -45,6 +72,57 @@ fn read(m: &mut OpMachine, work: &Arc<Region>, range: Range<usize>) -> Option<Me
 
 /// A frame kept in the working buffer until a shared-memory ring has room.
 type Pending = (ActionId, Rank, Header, Range<usize>);
+
+type SendFuture<'a> = Pin<Box<dyn Future<Output = Result<(), TransportError>> + Send + 'a>>;
+
+/// Sends in flight, polled by the op's own task.
+#[derive(Default)]
+struct Sends<'a>(Vec<(ActionId, SendFuture<'a>)>);
+
+impl<'a> Sends<'a> {
+    fn push(
+        &mut self,
+        id: ActionId,
+        f: impl Future<Output = Result<(), TransportError>> + Send + 'a,
+    ) {
+        self.0.push((id, Box::pin(f)));
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The next send that completed.
+    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<(ActionId, Result<(), TransportError>)> {
+        for i in 0..self.0.len() {
+            if let Poll::Ready(r) = self.0[i].1.as_mut().poll(cx) {
+                let (id, _) = self.0.swap_remove(i);
+                return Poll::Ready((id, r));
+            }
+        }
+        Poll::Pending
+    }
+}
+
+/// Receives posted into scratch memory (reducing receives above a wire's
+/// eager limit): the frame is reduced from there when it lands.
+#[derive(Default)]
+struct Scratch(Vec<(RecvKey, Arc<Region>)>);
+
+impl Scratch {
+    fn take(&mut self, key: RecvKey) -> Option<Arc<Region>> {
+        let i = self.0.iter().position(|(k, _)| *k == key)?;
+        Some(self.0.swap_remove(i).1)
+    }
+}
+
+/// The payload of a frame that landed in `scratch`, owned.
+fn landed_payload(scratch: Arc<Region>) -> Bytes {
+    match scratch.read(0..scratch.len()) {
+        Ok(mem) => Bytes::from_owner(mem),
+        Err(_) => Bytes::new(),
+    }
+}
 
 impl RunningOp {
     pub(super) async fn run<T: Transport>(
@@ -63,7 +141,8 @@ impl RunningOp {
             m.handle_error(e);
         }
         let mut listen = m.listening().clone();
-        let mut sends: JoinSet<(ActionId, Result<(), TransportError>)> = JoinSet::new();
+        let mut sends = Sends::default();
+        let mut scratch = Scratch::default();
         // Frames for backends that send from place once there is room
         // (shared memory with a full ring): kept in the working buffer, not
         // copied, and tried again between receives.
@@ -95,19 +174,21 @@ impl RunningOp {
                         let Some(mem) = read(m, work, range.clone()) else {
                             break;
                         };
-                        // Straight from the buffer where the backend can
-                        // (no copy into an owned payload, no task).
+                        let caps = t.peer_caps(to).unwrap_or(COPY);
                         match t.try_send_now(to, header, mem.as_slice()) {
-                            Ok(false) if t.sends_in_place(to) => {
+                            Ok(false) if caps.holds_sends => {
                                 pending.push_back((id, to, header, range))
+                            }
+                            // The range is the wire's until the send is done.
+                            Ok(false) if caps.borrows_sends => {
+                                sends.push(id, t.send_mem(to, header, mem))
                             }
                             Ok(false) => {
                                 let mut copy = inner.pool.take(range.len());
                                 copy.as_mut().copy_from_slice(mem.as_slice());
                                 drop(mem);
                                 m.handle_copied(id, work);
-                                let (t, payload) = (t.clone(), copy.freeze());
-                                sends.spawn(async move { (id, t.send(to, header, payload).await) });
+                                sends.push(id, t.send(to, header, copy.freeze()));
                             }
                             r => {
                                 drop(mem);
@@ -122,28 +203,45 @@ impl RunningOp {
                     } => send_abort(inner, to, header, payload),
                 }
             }
-            // Receives whose range is free: the wire writes their frames
-            // straight into the working memory.
             while let Some(r) = m.poll_recv() {
-                if !t.posts_from(r.from) {
+                let Some(caps) = t.peer_caps(r.from) else {
                     continue;
-                }
+                };
+                let rendezvous = r.range.len() > caps.eager_max;
                 let key = RecvKey {
                     tag: m.tag(),
                     from: r.from,
                     chunk: r.chunk,
                     step: r.step,
                 };
-                let posted = match work.write(r.range.clone()) {
-                    Ok(mem) => t.post_recv(key, mem),
-                    Err(_) => {
-                        m.handle_internal(PlanError::Busy { range: r.range });
-                        break;
+                let posted = if r.reduce && rendezvous {
+                    let mut buf = inner.pool.take_vec(r.range.len());
+                    buf.vec_mut().resize(r.range.len(), 0);
+                    let region = Region::from_pooled(buf);
+                    let mem = region.write(0..r.range.len()).expect("a new region");
+                    scratch.0.push((key, region));
+                    t.post_recv(key, mem)
+                } else if !r.reduce && (rendezvous || !caps.lends) {
+                    // The frame lands where it belongs.
+                    match work.write(r.range.clone()) {
+                        Ok(mem) => t.post_recv(key, mem),
+                        Err(_) => {
+                            m.handle_internal(PlanError::Busy { range: r.range });
+                            break;
+                        }
                     }
+                } else {
+                    continue;
                 };
                 match posted {
                     Ok(None) => {}
-                    Ok(Some(header)) => m.handle_landed(Instant::now(), r.from, &header, work),
+                    Ok(Some(header)) => match scratch.take(key) {
+                        Some(s) => {
+                            let payload = landed_payload(s);
+                            m.handle_frame(Instant::now(), r.from, &header, payload, work)
+                        }
+                        None => m.handle_landed(Instant::now(), r.from, &header, work),
+                    },
                     Err(e) => m.handle_error(e),
                 }
             }
@@ -160,14 +258,9 @@ impl RunningOp {
             };
             let tag = m.tag();
             tokio::select! {
-                Some(joined) = sends.join_next(), if !sends.is_empty() => match joined {
-                    Ok((id, r)) => m.handle_sent(Instant::now(), id, r, work),
-                    Err(e) => m.handle_error(TransportError::Handshake {
-                        peer: None,
-                        addr: String::new(),
-                        reason: format!("send task failed: {e}"),
-                    }),
-                },
+                (id, r) = std::future::poll_fn(|cx| sends.poll_next(cx)), if !sends.is_empty() => {
+                    m.handle_sent(Instant::now(), id, r, work)
+                }
                 // Frames the machine can take now are applied straight from
                 // the transport's memory (shm: the ring); posted ones land
                 // in the working memory; anything else comes back owned.
@@ -176,7 +269,13 @@ impl RunningOp {
                 }) => match r {
                     Ok(Arrival::Applied) => {}
                     Ok(Arrival::Frame(f)) => m.handle_frame(Instant::now(), f.from, &f.header, f.payload, work),
-                    Ok(Arrival::Landed { from, header }) => m.handle_landed(Instant::now(), from, &header, work),
+                    Ok(Arrival::Landed { from, header }) => {
+                        let key = RecvKey::of(from, &header).expect("only data frames land");
+                        match scratch.take(key) {
+                            Some(s) => m.handle_frame(Instant::now(), from, &header, landed_payload(s), work),
+                            None => m.handle_landed(Instant::now(), from, &header, work),
+                        }
+                    }
                     Err(e @ TransportError::PeerLost { peer, .. }) => {
                         m.handle_peer_lost(Instant::now(), peer, e);
                         listen.clone_from(m.listening());

@@ -29,8 +29,21 @@ fn sessions(
     seed: u64,
     timeout: Duration,
 ) -> Vec<Session<MemTransport>> {
+    sessions_with(n, strategy, seed, usize::MAX, timeout)
+}
+
+/// As [`sessions`], over a network whose payloads above `eager_max` wait
+/// for their receive to be posted (a rendezvous).
+fn sessions_with(
+    n: usize,
+    strategy: Strategy,
+    seed: u64,
+    eager_max: usize,
+    timeout: Duration,
+) -> Vec<Session<MemTransport>> {
     let mem = MemConfig {
         delay: Some((seed, Duration::from_micros(300))),
+        eager_max,
         ..MemConfig::default()
     };
     let cfg = SessionConfig {

@@ -6,10 +6,23 @@ use super::*;
 
 #[test]
 fn every_op_every_strategy_with_reordering() {
+    every_op_every_strategy(usize::MAX, LONG);
+}
+
+/// As above, over a wire where frames above 100 bytes may only land in a
+/// posted receive (a rendezvous): every such receive must be posted (copy
+/// receives in place, reducing ones into scratch), or its sender waits
+/// and the op times out.
+#[test]
+fn every_op_every_strategy_over_a_rendezvous_wire() {
+    every_op_every_strategy(100, Duration::from_secs(10));
+}
+
+fn every_op_every_strategy(eager_max: usize, timeout: Duration) {
     rt().block_on(async {
         let n = 4;
         for (i, strategy) in Strategy::ALL.into_iter().enumerate() {
-            let ss = sessions(n, strategy, i as u64, LONG);
+            let ss = sessions_with(n, strategy, i as u64, eager_max, timeout);
             let mut tasks = Vec::new();
             for s in ss {
                 tasks.push(tokio::spawn(async move {

@@ -75,6 +75,7 @@ fn mem_config(cfg: &ConformanceConfig, delay: Option<(u64, Duration)>) -> MemCon
         mailbox_bytes: cfg.mailbox_bytes,
         delay,
         pool: None,
+        eager_max: usize::MAX,
     }
 }
 

@@ -9,7 +9,7 @@ use kungfu_topology::Rank;
 
 use super::{recv_spinning, spin_recv, Arrival, Matcher, Pump, RecvKey};
 use crate::pool::BufferPool;
-use crate::region::MemMut;
+use crate::region::{Mem, MemMut};
 use crate::wire::{Caps, Wire};
 use crate::{
     Capabilities, ClusterVersion, Frame, Header, Instant, OpTag, PeerSet, Transport, TransportError,
@@ -169,6 +169,14 @@ impl<W: Wire> Transport for Endpoint<W> {
             .await
     }
 
+    async fn send_mem(&self, to: Rank, header: Header, payload: Mem) -> Result<(), TransportError> {
+        let (w, caps) = self.checked(to, payload.len())?;
+        if caps.needs_registration {
+            w.register(payload.region())?;
+        }
+        w.send_mem(to, header, payload).await
+    }
+
     fn try_send_now(
         &self,
         to: Rank,
@@ -184,12 +192,8 @@ impl<W: Wire> Transport for Endpoint<W> {
         w.inject(to, header, payload)
     }
 
-    fn posts_from(&self, from: Rank) -> bool {
-        self.caps_to(from).is_some_and(|c| !c.lends)
-    }
-
-    fn sends_in_place(&self, to: Rank) -> bool {
-        self.caps_to(to).is_some_and(|c| c.holds_sends)
+    fn peer_caps(&self, peer: Rank) -> Option<Caps> {
+        self.caps_to(peer)
     }
 
     async fn recv(

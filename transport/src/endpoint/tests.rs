@@ -599,4 +599,44 @@ mod posted {
         let r = arrival(&mb, tag(2)).await;
         assert!(matches!(r, Err(TransportError::PeerLost { .. })), "{r:?}");
     }
+
+    #[tokio::test]
+    async fn a_rendezvous_waits_for_its_post_and_ends_with_the_op() {
+        let mb = Arc::new(Matcher::new(Epoch(1), 1 << 20));
+        let region = Region::from_vec(vec![0u8; 4]);
+        let h = header(tag(1), 4);
+        let sender = {
+            let mb = mb.clone();
+            tokio::spawn(async move { mb.rendezvous(Rank(1), h, b"rdv!").await })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!sender.is_finished(), "it waits for the receive");
+        assert_eq!(mb.queued_bytes(), 0, "and holds nothing here");
+        mb.post(key(tag(1), 1), region.write(0..4).unwrap())
+            .unwrap();
+        sender.await.unwrap().unwrap();
+        assert!(matches!(
+            arrival(&mb, tag(1)).await,
+            Ok(Arrival::Landed { .. })
+        ));
+        assert_eq!(Region::into_vec(region).unwrap(), b"rdv!");
+        // The op ends first: the frame becomes a stray.
+        let late = {
+            let mb = mb.clone();
+            tokio::spawn(async move { mb.rendezvous(Rank(1), header(tag(2), 1), b"x").await })
+        };
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        mb.retire(tag(2));
+        late.await.unwrap().unwrap();
+        assert_eq!(mb.recv_stray(soon()).await.unwrap().header.tag, tag(2));
+        // Closing ends a waiting sender.
+        let stuck = {
+            let mb = mb.clone();
+            tokio::spawn(async move { mb.rendezvous(Rank(1), header(tag(3), 1), b"y").await })
+        };
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        mb.close();
+        let r = stuck.await.unwrap();
+        assert!(matches!(r, Err(TransportError::Closed)), "{r:?}");
+    }
 }

@@ -6,7 +6,7 @@
 //! TCP) are streamed through it, so a frame may be larger than the ring.
 //! A sender copies into the ring straight from the op's buffer
 //! ([`Transport::try_send_now`](crate::Transport::try_send_now); a frame that does not fit waits in that
-//! buffer, not in a copy, see [`Transport::sends_in_place`](crate::Transport::sends_in_place)). A receiving
+//! buffer, not in a copy: the wire declares `holds_sends`). A receiving
 //! task that polls the rings takes a frame of its op in place
 //! ([`Transport::recv_in_place`](crate::Transport::recv_in_place)): the plan reduces or copies it straight
 //! out of the ring into the op's buffer, so a byte is copied once on its
@@ -364,6 +364,8 @@ impl Wire for ShmWire {
             polled: true,
             lends: true,
             needs_registration: false,
+            borrows_sends: false,
+            eager_max: self.max_frame,
         }
     }
 

@@ -367,6 +367,8 @@ impl Wire for TcpWire {
             polled: false,
             lends: false,
             needs_registration: false,
+            borrows_sends: true,
+            eager_max: self.max_frame,
         }
     }
 
