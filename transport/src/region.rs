@@ -65,10 +65,41 @@ struct Entry {
     write: bool,
 }
 
+/// Live shares inline before the table allocates (an op lends a few ranges
+/// at once; most ops none).
+const INLINE: usize = 4;
+
 #[derive(Default)]
 struct Table {
-    live: Vec<Entry>,
+    /// The live shares: up to [`INLINE`] here, the rest in `more`.
+    few: [Option<Entry>; INLINE],
+    more: Vec<Entry>,
     next: u64,
+}
+
+impl Table {
+    fn live(&self) -> impl Iterator<Item = &Entry> {
+        self.few.iter().flatten().chain(&self.more)
+    }
+
+    fn insert(&mut self, e: Entry) {
+        match self.few.iter_mut().find(|s| s.is_none()) {
+            Some(slot) => *slot = Some(e),
+            None => self.more.push(e),
+        }
+    }
+
+    fn remove(&mut self, id: u64) {
+        if let Some(slot) = self
+            .few
+            .iter_mut()
+            .find(|s| s.as_ref().is_some_and(|e| e.id == id))
+        {
+            *slot = None;
+        } else if let Some(i) = self.more.iter().position(|e| e.id == id) {
+            self.more.swap_remove(i);
+        }
+    }
 }
 
 /// One contiguous buffer and its share table. See the module docs.
@@ -166,7 +197,7 @@ impl Region {
         let mut t = self.table();
         // Empty ranges touch no byte and overlap nothing.
         if !range.is_empty() {
-            if let Some(s) = t.live.iter().find(|s| {
+            if let Some(s) = t.live().find(|s| {
                 (write || s.write) && s.range.start < range.end && range.start < s.range.end
             }) {
                 return Err(RegionError::Overlap {
@@ -178,15 +209,13 @@ impl Region {
         }
         let id = t.next;
         t.next += 1;
-        t.live.push(Entry { id, range, write });
+        t.insert(Entry { id, range, write });
         Ok(id)
     }
 
     fn unshare(&self, id: u64) {
         let mut t = self.table();
-        if let Some(i) = t.live.iter().position(|s| s.id == id) {
-            t.live.swap_remove(i);
-        }
+        t.remove(id);
     }
 
     /// A read share of `range`.
@@ -211,7 +240,7 @@ impl Region {
 
     /// How many shares are live (for tests and leak checks).
     pub fn shares(&self) -> usize {
-        self.table().live.len()
+        self.table().live().count()
     }
 
     /// What wire `wire` registered for this region, if anything.
@@ -277,7 +306,7 @@ impl std::fmt::Debug for Region {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Region")
             .field("len", &self.len)
-            .field("shares", &self.table().live)
+            .field("shares", &self.table().live().collect::<Vec<_>>())
             .finish()
     }
 }

@@ -257,6 +257,12 @@ impl OpMachine {
         })
     }
 
+    /// Receives are to be posted: [`OpMachine::poll_recv`] hands them out
+    /// from now on (see [`Plan::post_receives`]).
+    pub fn post_receives(&mut self) {
+        self.plan.post_receives();
+    }
+
     /// A receive the driver may post into the working buffer (see
     /// [`Plan::poll_recv`]); its frame then lands there, and the driver
     /// reports [`OpMachine::handle_landed`].

@@ -296,7 +296,9 @@ impl PlanGraph {
             state: vec![State::Waiting; self.actions.len()],
             deps_left: self.deps_left.clone(),
             ready: self.ready.iter().copied().collect(),
-            postable: self.postable.clone(),
+            postable: Vec::new(),
+            initial_postable: 0,
+            posting: false,
             arrived: HashMap::new(),
             done: 0,
             graph: self,
@@ -345,8 +347,14 @@ pub struct Plan {
     deps_left: Vec<u32>,
     ready: VecDeque<ActionId>,
     /// Receives whose dependencies are done, not yet handed out by
-    /// [`Plan::poll_recv`].
+    /// [`Plan::poll_recv`] (after the graph's initial ones).
     postable: Vec<ActionId>,
+    /// How many of the graph's initial postable receives were handed out
+    /// (read from the graph, not copied per run).
+    initial_postable: usize,
+    /// Whether receives are handed out to be posted at all (see
+    /// [`Plan::post_receives`]); off, the plan keeps no list of them.
+    posting: bool,
     arrived: HashMap<ActionId, Bytes>,
     done: usize,
 }
@@ -399,6 +407,15 @@ impl Plan {
         })
     }
 
+    /// Hands out receives to be posted ([`Plan::poll_recv`]); call it
+    /// before the plan makes progress (receives that became ready while it
+    /// was off are not handed out). Off by default: a driver whose wires
+    /// all lend frames in place posts nothing, and the plan then keeps no
+    /// list.
+    pub fn post_receives(&mut self) {
+        self.posting = true;
+    }
+
     /// A receive that may be posted now: one whose dependencies are done.
     /// A copy receive (it overwrites its range) may be posted into its
     /// range, which nothing of the plan touches until it completes: the
@@ -408,9 +425,18 @@ impl Plan {
     /// [`Plan::handle_frame`] (several reduce into one range, so none may
     /// hold it). Or the driver leaves the receive to arrive as a frame.
     pub fn poll_recv(&mut self) -> Option<RecvReady> {
+        if !self.posting {
+            return None;
+        }
         // Some arrived (as frames) before they were asked for.
         let id = loop {
-            let id = self.postable.pop()?;
+            let id = match self.graph.postable.get(self.initial_postable) {
+                Some(&id) => {
+                    self.initial_postable += 1;
+                    id
+                }
+                None => self.postable.pop()?,
+            };
             if self.state[id.0 as usize] == State::Waiting {
                 break id;
             }
@@ -589,7 +615,7 @@ impl Plan {
                         g.apply(d, &[&payload], work)?;
                         stack.push(d);
                     }
-                    (Action::Recv { .. }, State::Waiting) => self.postable.push(d),
+                    (Action::Recv { .. }, State::Waiting) if self.posting => self.postable.push(d),
                     _ => {}
                 }
             }

@@ -8,6 +8,7 @@
 //! op's last progress.
 
 mod driver;
+mod opmem;
 mod output;
 mod plans;
 mod running;
@@ -657,16 +658,16 @@ impl<T: Transport> Session<T> {
             }
         };
         let (op, seq) = lock(&self.inner.names).begin(&name)?;
-        let (work, shared) = match mem {
+        let work = match mem {
             Memory::Input(input) => {
                 let mut work = self
                     .inner
                     .pool
                     .take_vec(spec.work_len(n).expect("validated"));
                 spec.init_work_into(input, me, n, work.vec_mut());
-                (kungfu_transport::Region::from_pooled(work), false)
+                opmem::OpMem::Plain(work)
             }
-            Memory::Region(r) => (r, true),
+            Memory::Region(r) => opmem::OpMem::callers(r),
         };
         let op = OpInstance {
             name,
@@ -686,7 +687,6 @@ impl<T: Transport> Session<T> {
         Ok(RunningOp {
             m: OpMachine::new(op, plan, me, n, cfg, kungfu_transport::Instant::now()),
             work,
-            shared,
         })
     }
 

@@ -23,25 +23,19 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use kungfu_topology::Rank;
 use kungfu_transport::wire::Caps;
-use kungfu_transport::{Arrival, Header, Instant, Mem, RecvKey, Region, Transport, TransportError};
+use kungfu_transport::{Arrival, Header, Instant, RecvKey, Region, Transport, TransportError};
 
 use super::driver::send_abort;
-use super::output::Output;
+use super::opmem::{lends_to, OpMem};
 use super::{Inner, OpOutput};
 use crate::op::{OpEvent, OpMachine, Transmit};
 use crate::plan::{ActionId, PlanError};
-use crate::pool::PooledBuf;
 use crate::CollectiveError;
 
-/// One op in flight: its machine and working memory. Ranges of the memory
-/// are lent to the transport while receives are posted into them, so it is
-/// a [`Region`], shared range by range, not a slice.
+/// One op in flight: its machine and working memory (see [`OpMem`]).
 pub(super) struct RunningOp {
     pub(super) m: OpMachine,
-    pub(super) work: Arc<Region>,
-    /// The caller's memory ([`super::Session::submit_in`]), not a pooled
-    /// buffer: the output stays in it.
-    pub(super) shared: bool,
+    pub(super) work: OpMem,
 }
 
 /// Caps of a transport that declares none: every send from a copy.
@@ -56,19 +50,6 @@ const COPY: Caps = Caps {
     borrows_sends: false,
     eager_max: usize::MAX,
 };
-
-/// `range` of the working memory, to send from.
-fn read(m: &mut OpMachine, work: &Arc<Region>, range: Range<usize>) -> Option<Mem> {
-    match work.read(range.clone()) {
-        Ok(mem) => Some(mem),
-        Err(_) => {
-            // Only a plan that sends a range it also receives into at the
-            // same time could get here.
-            m.handle_internal(PlanError::Busy { range });
-            None
-        }
-    }
-}
 
 /// A frame kept in the working buffer until a shared-memory ring has room.
 type Pending = (ActionId, Rank, Header, Range<usize>);
@@ -131,6 +112,15 @@ impl RunningOp {
     ) -> Result<OpOutput, CollectiveError> {
         let t = &inner.transport;
         let (m, work) = (&mut self.m, &mut self.work);
+        // Lend ranges only where a wire of the op's peers needs them.
+        let lend = work.is_lent()
+            || m.needed()
+                .iter()
+                .any(|p| t.peer_caps(p).is_some_and(|c| lends_to(&c)));
+        if lend {
+            work.lend();
+            m.post_receives();
+        }
         // A lost rank fails the op now, unless we only receive from it and
         // some of its frames for this op are here (a broadcast root that
         // sent everything and closed): then the receives decide.
@@ -151,13 +141,15 @@ impl RunningOp {
             let mut k = 0;
             while k < pending.len() {
                 let (id, to, header, ref range) = pending[k];
-                let Some(mem) = read(m, work, range.clone()) else {
+                let Some(r) = work.read(range.clone(), |b| t.try_send_now(to, header, b)) else {
+                    m.handle_internal(PlanError::Busy {
+                        range: range.clone(),
+                    });
                     break;
                 };
-                match t.try_send_now(to, header, mem.as_slice()) {
+                match r {
                     Ok(false) => k += 1,
                     r => {
-                        drop(mem);
                         pending.remove(k);
                         m.handle_sent(Instant::now(), id, r.map(drop), work);
                     }
@@ -171,29 +163,29 @@ impl RunningOp {
                         header,
                         range,
                     } => {
-                        let Some(mem) = read(m, work, range.clone()) else {
+                        let caps = t.peer_caps(to).unwrap_or(COPY);
+                        let Some(r) = work.read(range.clone(), |b| t.try_send_now(to, header, b))
+                        else {
+                            m.handle_internal(PlanError::Busy { range });
                             break;
                         };
-                        let caps = t.peer_caps(to).unwrap_or(COPY);
-                        match t.try_send_now(to, header, mem.as_slice()) {
-                            Ok(false) if caps.holds_sends => {
+                        let lent = match r {
+                            Ok(false) if caps.borrows_sends => work.share(range.clone()),
+                            _ => None,
+                        };
+                        match (r, lent) {
+                            (Ok(false), _) if caps.holds_sends => {
                                 pending.push_back((id, to, header, range))
                             }
                             // The range is the wire's until the send is done.
-                            Ok(false) if caps.borrows_sends => {
-                                sends.push(id, t.send_mem(to, header, mem))
-                            }
-                            Ok(false) => {
+                            (Ok(false), Some(mem)) => sends.push(id, t.send_mem(to, header, mem)),
+                            (Ok(false), None) => {
                                 let mut copy = inner.pool.take(range.len());
-                                copy.as_mut().copy_from_slice(mem.as_slice());
-                                drop(mem);
+                                work.read(range, |b| copy.as_mut().copy_from_slice(b));
                                 m.handle_copied(id, work);
                                 sends.push(id, t.send(to, header, copy.freeze()));
                             }
-                            r => {
-                                drop(mem);
-                                m.handle_sent(Instant::now(), id, r.map(drop), work)
-                            }
+                            (r, _) => m.handle_sent(Instant::now(), id, r.map(drop), work),
                         }
                     }
                     Transmit::Abort {
@@ -223,9 +215,9 @@ impl RunningOp {
                     t.post_recv(key, mem)
                 } else if !r.reduce && (rendezvous || !caps.lends) {
                     // The frame lands where it belongs.
-                    match work.write(r.range.clone()) {
-                        Ok(mem) => t.post_recv(key, mem),
-                        Err(_) => {
+                    match work.share_mut(r.range.clone()) {
+                        Some(mem) => t.post_recv(key, mem),
+                        None => {
                             m.handle_internal(PlanError::Busy { range: r.range });
                             break;
                         }
@@ -258,6 +250,10 @@ impl RunningOp {
             };
             let tag = m.tag();
             tokio::select! {
+                // Sends first: a send just handed out starts (reaches its
+                // wire's queue) on its first poll, here, before this task
+                // waits for anything.
+                biased;
                 (id, r) = std::future::poll_fn(|cx| sends.poll_next(cx)), if !sends.is_empty() => {
                     m.handle_sent(Instant::now(), id, r, work)
                 }
@@ -287,36 +283,12 @@ impl RunningOp {
         };
         match event {
             OpEvent::Done => Ok(OpOutput {
-                out: self.output(),
+                out: self.work.output(self.m.output_range()),
                 version: inner.transport.version(),
                 epoch: self.m.tag().epoch,
                 strategy: self.m.strategy(),
             }),
             OpEvent::Failed(e) => Err(e),
         }
-    }
-}
-
-impl RunningOp {
-    /// Where a finished op's output is: a pooled working buffer taken back
-    /// (no copy: at the end no range of it is lent out, so the op holds
-    /// it alone), or a read share of the caller's memory.
-    fn output(&mut self) -> Output {
-        let range = self.m.output_range();
-        if self.shared {
-            return Output::Shared(range.and_then(|r| self.work.read(r).ok()));
-        }
-        let region = std::mem::replace(&mut self.work, Region::from_vec(Vec::new()));
-        let buf = match Region::into_pooled(region) {
-            Ok(b) => b,
-            // Held elsewhere still (a share not yet dropped): copy it out.
-            Err(region) => PooledBuf::unpooled(
-                region
-                    .read(0..region.len())
-                    .map(|m| m.as_slice().to_vec())
-                    .unwrap_or_default(),
-            ),
-        };
-        Output::Owned(buf, range)
     }
 }

@@ -100,6 +100,8 @@ struct Inner {
     queued_bytes: usize,
     /// Receives posted and not yet landed (nor claimed by a reader).
     posted: HashMap<RecvKey, MemMut>,
+    /// Rendezvous senders waiting for a post.
+    rendezvous: usize,
     lost: HashMap<Rank, Arc<str>>,
     closed: bool,
     retired: HashSet<OpTag>,
@@ -136,6 +138,7 @@ impl Matcher {
                 slots: HashMap::new(),
                 queued_bytes: 0,
                 posted: HashMap::new(),
+                rendezvous: 0,
                 lost: HashMap::new(),
                 closed: false,
                 retired: HashSet::new(),
@@ -154,8 +157,18 @@ impl Matcher {
 
     /// Publishes `inner.posted.len()` to readers that skip the lock.
     fn count_posted(&self, inner: &Inner) {
-        self.posted_n.store(inner.posted.len(), Ordering::Release);
-        self.posts.notify_waiters();
+        if self.posted_n.load(Ordering::Relaxed) != inner.posted.len() {
+            self.posted_n.store(inner.posted.len(), Ordering::Release);
+        }
+        // Under the lock, as every rendezvous checks and registers.
+        if inner.rendezvous > 0 {
+            self.posts.notify_waiters();
+        }
+    }
+
+    /// Whether any receive is posted (readers skip looking when not).
+    pub fn has_posted(&self) -> bool {
+        self.posted_n.load(Ordering::Acquire) != 0
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {

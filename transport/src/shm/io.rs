@@ -181,9 +181,10 @@ impl ShmWire {
                 }
                 // A posted receive: copied from the ring into the op's
                 // memory (before lending: the op must not write it).
-                if p.lend(HEADER_LEN, len, |parts| {
-                    self.matcher.land_parts(sender, &header, parts)
-                }) == Some(true)
+                if self.matcher.has_posted()
+                    && p.lend(HEADER_LEN, len, |parts| {
+                        self.matcher.land_parts(sender, &header, parts)
+                    }) == Some(true)
                 {
                     p.consume(whole);
                     res = Pump::Moved;

@@ -1,8 +1,6 @@
 //! Posted receives (see the matcher's module docs): a receive lends a
 //! range of the op's memory, and the frame it names lands there.
 
-use std::sync::atomic::Ordering;
-
 use kungfu_topology::Rank;
 
 use super::{push_stray, Inner, Matcher, RecvKey};
@@ -64,7 +62,7 @@ impl Matcher {
     /// the payload never came: the receive then waits for nothing, and the
     /// op's deadline or a lost peer ends it).
     pub fn claim(&self, from: Rank, header: &Header) -> Option<MemMut> {
-        if self.posted_n.load(Ordering::Acquire) == 0 {
+        if !self.has_posted() {
             return None;
         }
         let len = usize::try_from(header.len).ok()?;
@@ -77,7 +75,7 @@ impl Matcher {
     /// Copies a payload given in pieces (a ring that wraps) into its
     /// posted range, if one is posted for it: true when it landed.
     pub fn land_parts(&self, from: Rank, header: &Header, parts: &[&[u8]]) -> bool {
-        if self.posted_n.load(Ordering::Acquire) == 0 {
+        if !self.has_posted() {
             return false;
         }
         let len = parts.iter().map(|p| p.len()).sum();
@@ -128,10 +126,24 @@ impl Matcher {
         header: Header,
         payload: &[u8],
     ) -> Result<(), TransportError> {
+        /// Counts this sender as waiting (so posts notify) while it waits,
+        /// also if the send is dropped meanwhile.
+        struct Waiting<'a>(&'a Matcher, bool);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                if self.1 {
+                    self.0.lock().rendezvous -= 1;
+                }
+            }
+        }
+        let mut waiting = Waiting(self, false);
         loop {
             let posted = self.posts.notified();
             {
                 let mut inner = self.lock();
+                if std::mem::take(&mut waiting.1) {
+                    inner.rendezvous -= 1;
+                }
                 if inner.closed {
                     return Err(TransportError::Closed);
                 }
@@ -153,6 +165,8 @@ impl Matcher {
                     self.landed(from, header, mem);
                     return Ok(());
                 }
+                inner.rendezvous += 1;
+                waiting.1 = true;
             }
             posted.await;
         }
