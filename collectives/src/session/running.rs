@@ -163,11 +163,15 @@ impl RunningOp {
                         header,
                         range,
                     } => {
-                        let caps = t.peer_caps(to).unwrap_or(COPY);
                         let Some(r) = work.read(range.clone(), |b| t.try_send_now(to, header, b))
                         else {
                             m.handle_internal(PlanError::Busy { range });
                             break;
+                        };
+                        // Asked only for a frame that was not injected.
+                        let caps = match r {
+                            Ok(false) => t.peer_caps(to).unwrap_or(COPY),
+                            _ => COPY,
                         };
                         let lent = match r {
                             Ok(false) if caps.borrows_sends => work.share(range.clone()),
@@ -195,7 +199,7 @@ impl RunningOp {
                     } => send_abort(inner, to, header, payload),
                 }
             }
-            while let Some(r) = m.poll_recv() {
+            while let Some(r) = lend.then(|| m.poll_recv()).flatten() {
                 let Some(caps) = t.peer_caps(r.from) else {
                     continue;
                 };
