@@ -205,7 +205,14 @@ fn start_in_place(
         spec.init_work_in(input, me, n, work.as_mut_slice());
     }
     let callback = Box::new(move |r: Result<kungfu_collectives::OpOutput, _>| {
-        *crate::lock(&result) = Some(r.map(drop).map_err(|e| fail_of(&e)));
+        let status = match &r {
+            Ok(_) => Ok(()),
+            Err(e) => Err(fail_of(e)),
+        };
+        *crate::lock(&result) = Some(status);
+        // The output shares the buffer: dropping it may release the
+        // region, whose hook then completes the op with that status.
+        drop(r);
     });
     ctx.session
         .submit_in_with_callback(name, spec, region, callback);

@@ -86,13 +86,19 @@ impl OpMem {
     /// copy: at the end no range of it is lent out, so the op holds it
     /// alone), or a read share of the caller's memory.
     pub(super) fn output(&mut self, range: Option<Range<usize>>) -> Output {
+        // The caller's memory stays held by the op too, until the op is
+        // dropped after its completion ran: a region's release may be how
+        // the caller learns that the op ended (the C ABI's hook).
+        if let OpMem::Lent {
+            region,
+            callers: true,
+        } = self
+        {
+            return Output::Shared(range.and_then(|r| region.read(r).ok()));
+        }
         let taken = std::mem::replace(self, OpMem::Plain(PooledBuf::unpooled(Vec::new())));
         let region = match taken {
             OpMem::Plain(b) => return Output::Owned(b, range),
-            OpMem::Lent {
-                region,
-                callers: true,
-            } => return Output::Shared(range.and_then(|r| region.read(r).ok())),
             OpMem::Lent { region, .. } => region,
         };
         let buf = match Region::into_pooled(region) {

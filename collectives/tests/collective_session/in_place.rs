@@ -128,6 +128,48 @@ fn foreign_memory_is_released_once_when_everyone_is_done() {
             "the output is in the caller's memory"
         );
 
+        // The op lets go of the caller's memory only after its completion
+        // ran, even where the completion drops the output first: the C ABI
+        // completes its ops from the release.
+        let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut bufs: Vec<Vec<i32>> = (0..n).map(|r| vec![r as i32; 64]).collect();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        for (r, (s, buf)) in ss.iter().zip(bufs.iter_mut()).enumerate() {
+            let ptr = NonNull::new(buf.as_mut_ptr().cast::<u8>()).unwrap();
+            let (o1, o2, tx) = (order.clone(), order.clone(), tx.clone());
+            // SAFETY: as above; the test waits for both releases.
+            let region = unsafe {
+                Region::foreign(
+                    ptr,
+                    256,
+                    Box::new(move || {
+                        o1.lock().unwrap().push(("release", r));
+                        let _ = tx.send(());
+                    }),
+                )
+            };
+            let callback = Box::new(move |out: Result<kungfu_collectives::OpOutput, _>| {
+                drop(out.unwrap());
+                o2.lock().unwrap().push(("callback", r));
+            });
+            s.submit_in_with_callback("ordered", spec, region, callback);
+        }
+        for _ in 0..n {
+            tokio::time::timeout(LONG, rx.recv())
+                .await
+                .unwrap()
+                .unwrap();
+        }
+        let order = order.lock().unwrap().clone();
+        for r in 0..n {
+            let at = |what| order.iter().position(|&e| e == (what, r));
+            assert!(
+                at("callback") < at("release") && at("release").is_some(),
+                "rank {r}: released before its completion ran: {order:?}"
+            );
+        }
+        assert_eq!(bufs, vec![vec![1; 64]; n]);
+
         let short = Region::from_vec(vec![0; 255]);
         let r = ss[0].submit_in("short", spec, short.clone()).await;
         match r {

@@ -640,3 +640,110 @@ mod posted {
         assert!(matches!(r, Err(TransportError::Closed)), "{r:?}");
     }
 }
+
+/// A wire that needs registered memory (as verbs and libfabric's verbs
+/// provider do): the endpoint registers a region before it posts into it
+/// or sends from it, once per region.
+mod registering {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::endpoint::{Endpoint, EndpointConfig, RecvKey};
+    use crate::pool::BufferPool;
+    use crate::region::{Mem, Region};
+    use crate::wire::{Caps, Wire};
+    use crate::ClusterVersion;
+
+    #[derive(Default)]
+    struct NeedsRegistration {
+        /// Lengths of the regions registered, in order.
+        registered: Mutex<Vec<usize>>,
+        sent: Mutex<Vec<Vec<u8>>>,
+    }
+
+    impl Wire for NeedsRegistration {
+        fn caps(&self) -> Caps {
+            Caps {
+                name: "needs-registration",
+                max_frame: 1 << 20,
+                inject: false,
+                holds_sends: false,
+                polled: false,
+                lends: false,
+                borrows_sends: true,
+                eager_max: 1 << 20,
+                needs_registration: true,
+            }
+        }
+
+        fn reaches(&self, peer: Rank) -> bool {
+            peer == Rank(1)
+        }
+
+        fn register(&self, region: &Arc<Region>) -> Result<(), TransportError> {
+            if region.registration(0).is_none() {
+                region.set_registration(0, Arc::new(region.len()));
+                self.registered.lock().unwrap().push(region.len());
+            }
+            Ok(())
+        }
+
+        async fn send(&self, _: Rank, _: Header, _: Bytes) -> Result<(), TransportError> {
+            Err(TransportError::Closed) // only registered memory goes out
+        }
+
+        async fn send_mem(&self, _: Rank, _: Header, payload: Mem) -> Result<(), TransportError> {
+            if payload.region().registration(0).is_none() {
+                return Err(TransportError::Closed);
+            }
+            self.sent.lock().unwrap().push(payload.as_slice().to_vec());
+            Ok(())
+        }
+
+        async fn close(&self, _: Duration) {}
+
+        fn shutdown(&self) {}
+    }
+
+    #[tokio::test]
+    async fn memory_is_registered_once_before_it_is_posted_into_or_sent_from() {
+        let e = Endpoint::new(
+            Rank(0),
+            2,
+            ClusterVersion(0),
+            "needs-registration",
+            Arc::new(Matcher::new(Epoch(1), 1 << 20)),
+            BufferPool::new(1 << 20),
+            vec![NeedsRegistration::default()],
+            EndpointConfig {
+                spin: Duration::ZERO,
+                oversubscribed: false,
+            },
+        );
+        let region = Region::from_vec(vec![7u8; 64]);
+        let key = RecvKey {
+            tag: tag(1),
+            from: Rank(1),
+            chunk: 0,
+            step: 0,
+        };
+        let r = e.post_recv(key, region.write(0..32).unwrap());
+        assert!(matches!(r, Ok(None)), "{r:?}");
+        e.send_mem(Rank(1), header(tag(1), 32), region.read(32..64).unwrap())
+            .await
+            .unwrap();
+        let other = Region::from_vec(vec![1u8; 16]);
+        e.send_mem(Rank(1), header(tag(2), 16), other.read(0..16).unwrap())
+            .await
+            .unwrap();
+        let w = &e.wires()[0];
+        assert_eq!(*w.registered.lock().unwrap(), [64, 16], "each region once");
+        assert_eq!(*w.sent.lock().unwrap(), [vec![7u8; 32], vec![1u8; 16]]);
+        // Where caps say sends borrow, the driver sends from the op's
+        // memory; a plain send of a copy would be refused by this wire.
+        let copy = e
+            .send(Rank(1), header(tag(3), 1), Bytes::from_static(b"x"))
+            .await;
+        assert!(matches!(copy, Err(TransportError::Closed)), "{copy:?}");
+    }
+}
