@@ -185,7 +185,12 @@ impl RunningOp {
                             (Ok(false), Some(mem)) => sends.push(id, t.send_mem(to, header, mem)),
                             (Ok(false), None) => {
                                 let mut copy = inner.pool.take(range.len());
-                                work.read(range, |b| copy.as_mut().copy_from_slice(b));
+                                let copied =
+                                    work.read(range.clone(), |b| copy.as_mut().copy_from_slice(b));
+                                if copied.is_none() {
+                                    m.handle_internal(PlanError::Busy { range });
+                                    break;
+                                }
                                 m.handle_copied(id, work);
                                 sends.push(id, t.send(to, header, copy.freeze()));
                             }
@@ -199,6 +204,9 @@ impl RunningOp {
                     } => send_abort(inner, to, header, payload),
                 }
             }
+            // A receive whose frame had come lands as it is posted, which
+            // may make sends ready: hand them out before waiting.
+            let mut landed_now = false;
             while let Some(r) = lend.then(|| m.poll_recv()).flatten() {
                 let Some(caps) = t.peer_caps(r.from) else {
                     continue;
@@ -231,18 +239,24 @@ impl RunningOp {
                 };
                 match posted {
                     Ok(None) => {}
-                    Ok(Some(header)) => match scratch.take(key) {
-                        Some(s) => {
-                            let payload = landed_payload(s);
-                            m.handle_frame(Instant::now(), r.from, &header, payload, work)
+                    Ok(Some(header)) => {
+                        landed_now = true;
+                        match scratch.take(key) {
+                            Some(s) => {
+                                let payload = landed_payload(s);
+                                m.handle_frame(Instant::now(), r.from, &header, payload, work)
+                            }
+                            None => m.handle_landed(Instant::now(), r.from, &header, work),
                         }
-                        None => m.handle_landed(Instant::now(), r.from, &header, work),
-                    },
+                    }
                     Err(e) => m.handle_error(e),
                 }
             }
             if let Some(e) = m.poll_event(work) {
                 break e;
+            }
+            if landed_now {
+                continue;
             }
             let deadline = m.poll_timeout().expect("a running op has a deadline");
             // With frames pending, receive without sleeping (the backend
