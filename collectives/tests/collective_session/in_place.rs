@@ -181,3 +181,31 @@ fn foreign_memory_is_released_once_when_everyone_is_done() {
         assert_eq!(Arc::strong_count(&short), 1, "the op let go of it");
     });
 }
+
+/// A relay whose frame came before its op started: the receive lands as
+/// it is posted, at the op's first step, and the relay must send on at once
+/// (it once waited for another event that never came, until its timeout).
+#[test]
+fn a_receive_that_lands_as_it_is_posted_is_relayed_at_once() {
+    rt().block_on(async {
+        // Ring broadcast from 0 over 3 ranks: 0 sends to 1, 1 relays to 2.
+        let ss = sessions(3, Strategy::Ring, 11, Duration::from_secs(5));
+        let x: Vec<i32> = (0..12).collect();
+        let root = ss[0].broadcast("early", &x, Rank(0));
+        // Rank 1 holds the frame before its op exists.
+        let t1 = ss[1].transport().clone();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while t1.mailbox_stats().0 == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the root's frame never came"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let relay = ss[1].broadcast("early", &[0; 12], Rank(0));
+        let last = ss[2].broadcast("early", &[0; 12], Rank(0));
+        for h in [root, relay, last] {
+            assert_eq!(h.await.unwrap(), x);
+        }
+    });
+}
