@@ -91,9 +91,15 @@ impl<'a> Sends<'a> {
 struct Scratch(Vec<(RecvKey, Arc<Region>)>);
 
 impl Scratch {
-    fn take(&mut self, key: RecvKey) -> Option<Arc<Region>> {
-        let i = self.0.iter().position(|(k, _)| *k == key)?;
-        Some(self.0.swap_remove(i).1)
+    /// The frame `header` from `from` landed: in scratch memory (then it is
+    /// reduced from there, as a frame), or in the op's own range.
+    fn landed(&mut self, m: &mut OpMachine, from: Rank, header: &Header, work: &mut OpMem) {
+        let key = RecvKey::of(from, header);
+        let i = self.0.iter().position(|(k, _)| Some(*k) == key);
+        match i.map(|i| self.0.swap_remove(i).1) {
+            Some(s) => m.handle_frame(Instant::now(), from, header, landed_payload(s), work),
+            None => m.handle_landed(Instant::now(), from, header, work),
+        }
     }
 }
 
@@ -241,13 +247,7 @@ impl RunningOp {
                     Ok(None) => {}
                     Ok(Some(header)) => {
                         landed_now = true;
-                        match scratch.take(key) {
-                            Some(s) => {
-                                let payload = landed_payload(s);
-                                m.handle_frame(Instant::now(), r.from, &header, payload, work)
-                            }
-                            None => m.handle_landed(Instant::now(), r.from, &header, work),
-                        }
+                        scratch.landed(m, r.from, &header, work);
                     }
                     Err(e) => m.handle_error(e),
                 }
@@ -283,13 +283,7 @@ impl RunningOp {
                 }) => match r {
                     Ok(Arrival::Applied) => {}
                     Ok(Arrival::Frame(f)) => m.handle_frame(Instant::now(), f.from, &f.header, f.payload, work),
-                    Ok(Arrival::Landed { from, header }) => {
-                        let key = RecvKey::of(from, &header).expect("only data frames land");
-                        match scratch.take(key) {
-                            Some(s) => m.handle_frame(Instant::now(), from, &header, landed_payload(s), work),
-                            None => m.handle_landed(Instant::now(), from, &header, work),
-                        }
-                    }
+                    Ok(Arrival::Landed { from, header }) => scratch.landed(m, from, &header, work),
                     Err(e @ TransportError::PeerLost { peer, .. }) => {
                         m.handle_peer_lost(Instant::now(), peer, e);
                         listen.clone_from(m.listening());

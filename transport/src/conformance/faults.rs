@@ -129,10 +129,7 @@ async fn cancel_safety_with<C: Cluster>(cfg: ConformanceConfig) {
 pub async fn retired_tags_become_strays<C: Cluster>() {
     let n = 3;
     let budget = 64 << 10;
-    let cfg = ConformanceConfig {
-        mailbox_bytes: budget,
-        ..ConformanceConfig::default()
-    };
+    let cfg = ConformanceConfig::with_budget(budget);
     let ts = C::connect(n, cfg.clone()).await;
     let (me, t) = (rank(1), &*ts[1]);
     let x = tag(cfg.epoch, 11, 0);
@@ -254,10 +251,7 @@ pub async fn stale_epochs<C: Cluster>() {
 pub async fn back_pressure<C: Cluster>() {
     let n = 3;
     let budget = 64 << 10;
-    let cfg = ConformanceConfig {
-        mailbox_bytes: budget,
-        ..ConformanceConfig::default()
-    };
+    let cfg = ConformanceConfig::with_budget(budget);
     let ts = C::connect(n, cfg.clone()).await;
     let (me, t) = (rank(1), &*ts[1]);
     let x = tag(cfg.epoch, 31, 0);

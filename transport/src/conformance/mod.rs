@@ -130,6 +130,14 @@ impl Default for ConformanceConfig {
 }
 
 impl ConformanceConfig {
+    /// A matcher budget of `budget` bytes (back-pressure).
+    fn with_budget(budget: usize) -> ConformanceConfig {
+        ConformanceConfig {
+            mailbox_bytes: budget,
+            ..ConformanceConfig::default()
+        }
+    }
+
     /// Receives keep polling (for 2 s), so they find their frames in a
     /// ring and take them from there (lent, or landed where posted).
     fn polling() -> ConformanceConfig {

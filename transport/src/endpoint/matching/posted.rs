@@ -62,29 +62,17 @@ impl Matcher {
     /// the payload never came: the receive then waits for nothing, and the
     /// op's deadline or a lost peer ends it).
     pub fn claim(&self, from: Rank, header: &Header) -> Option<MemMut> {
-        if !self.has_posted() {
-            return None;
-        }
         let len = usize::try_from(header.len).ok()?;
-        let mut inner = self.lock();
-        let mem = claim_in(&mut inner, from, header, len);
-        self.count_posted(&inner);
-        mem
+        self.claim_len(from, header, len)
     }
 
     /// Copies a payload given in pieces (a ring that wraps) into its
     /// posted range, if one is posted for it: true when it landed.
     pub fn land_parts(&self, from: Rank, header: &Header, parts: &[&[u8]]) -> bool {
-        if !self.has_posted() {
-            return false;
-        }
         let len = parts.iter().map(|p| p.len()).sum();
-        let mut inner = self.lock();
-        let Some(mut mem) = claim_in(&mut inner, from, header, len) else {
+        let Some(mut mem) = self.claim_len(from, header, len) else {
             return false;
         };
-        self.count_posted(&inner);
-        drop(inner);
         let dst = mem.as_mut_slice();
         let mut at = 0;
         for p in parts {
@@ -93,6 +81,18 @@ impl Matcher {
         }
         self.landed(from, *header, mem);
         true
+    }
+
+    /// The posted range of the frame `header` from `from` with a payload
+    /// of `len` bytes, taken out of the posted receives.
+    fn claim_len(&self, from: Rank, header: &Header, len: usize) -> Option<MemMut> {
+        if !self.has_posted() {
+            return None;
+        }
+        let mut inner = self.lock();
+        let mem = claim_in(&mut inner, from, header, len);
+        self.count_posted(&inner);
+        mem
     }
 
     /// A claimed range holds its frame: the op receives
