@@ -19,19 +19,97 @@ use tokio::net::TcpListener;
 
 use crate::endpoint::{Endpoint, Matcher, Pump, RecvKey};
 use crate::pool::BufferPool;
+use crate::quic::{QuicConfig, QuicWire};
 use crate::region::{Mem, MemMut, Region};
 use crate::shm::{ShmConfig, ShmWire};
 use crate::tcp::{TcpConfig, TcpWire};
 use crate::wire::{Apply, Caps, Wire};
 use crate::{Header, OpTag, PeerSet, TransportError};
 
-/// A TCP or shared-memory wire.
+/// The transports a job may ask for (`--transport`, `KUNGFU_TRANSPORT`,
+/// `kf_transport`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TransportKind {
+    /// Shared memory inside a host; across hosts, fabric when a hardware
+    /// provider is present, else TCP.
+    Auto,
+    Tcp,
+    Shm,
+    Quic,
+    /// RDMA through libfabric.
+    Fabric,
+    /// RDMA through ibverbs.
+    Verbs,
+}
+
+impl TransportKind {
+    pub const ALL: [TransportKind; 6] = [
+        TransportKind::Auto,
+        TransportKind::Tcp,
+        TransportKind::Shm,
+        TransportKind::Quic,
+        TransportKind::Fabric,
+        TransportKind::Verbs,
+    ];
+
+    /// The name `--transport` and `KUNGFU_TRANSPORT` take.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportKind::Auto => "auto",
+            TransportKind::Tcp => "tcp",
+            TransportKind::Shm => "shm",
+            TransportKind::Quic => "quic",
+            TransportKind::Fabric => "fabric",
+            TransportKind::Verbs => "verbs",
+        }
+    }
+
+    /// Whether this build can connect it at all (a backend not built in
+    /// is refused with a clear error wherever it is asked for).
+    pub fn built(self) -> bool {
+        !matches!(self, TransportKind::Fabric | TransportKind::Verbs)
+    }
+
+    /// The kinds this build can connect, for messages.
+    pub fn available() -> String {
+        let names: Vec<&str> = Self::ALL
+            .iter()
+            .filter(|k| k.built())
+            .map(|k| k.name())
+            .collect();
+        names.join(", ")
+    }
+}
+
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for TransportKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<TransportKind, String> {
+        let s = s.trim().to_ascii_lowercase();
+        Self::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Self::ALL.iter().map(|k| k.name()).collect();
+                format!("unknown transport {s:?} (one of: {})", names.join(", "))
+            })
+    }
+}
+
+/// A TCP, QUIC or shared-memory wire.
 // One or two per process, in the endpoint's vector: boxing the larger one
 // would only add a pointer chase to every send.
 #[allow(clippy::large_enum_variant)]
 pub enum AnyWire {
     Tcp(TcpWire),
     Shm(ShmWire),
+    Quic(QuicWire),
 }
 
 /// An endpoint over the wires the job chose.
@@ -42,6 +120,7 @@ macro_rules! each {
         match $self {
             AnyWire::Tcp($w) => $e,
             AnyWire::Shm($w) => $e,
+            AnyWire::Quic($w) => $e,
         }
     };
 }
@@ -108,6 +187,18 @@ pub async fn connect_tcp(
     Ok(Arc::new(e))
 }
 
+/// QUIC to every peer, receiving on `socket`.
+pub async fn connect_quic(
+    cfg: QuicConfig,
+    socket: std::net::UdpSocket,
+) -> Result<Arc<AnyTransport>, TransportError> {
+    let (rank, size, version) = (cfg.rank, cfg.peers.len(), cfg.version);
+    let (wire, matcher, pool, ecfg) = QuicWire::connect(cfg, socket).await?;
+    let wires = vec![AnyWire::Quic(wire)];
+    let e = Endpoint::new(rank, size, version, "quic", matcher, pool, wires, ecfg);
+    Ok(Arc::new(e))
+}
+
 /// Shared memory to every peer (all on this host).
 pub async fn connect_shm(cfg: ShmConfig) -> Result<Arc<AnyTransport>, TransportError> {
     let (rank, size, version) = (cfg.rank, cfg.size, cfg.version);
@@ -151,4 +242,22 @@ pub async fn connect_auto(
     let wires = vec![AnyWire::Shm(shm), AnyWire::Tcp(tcp)];
     let e = Endpoint::new(me, size, version, "shm+tcp", matcher, pool, wires, ecfg);
     Ok(Arc::new(e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TransportKind;
+
+    #[test]
+    fn names_round_trip_and_unknown_names_list_the_choices() {
+        for k in TransportKind::ALL {
+            assert_eq!(k.name().parse::<TransportKind>(), Ok(k));
+        }
+        assert_eq!(" QUIC ".parse::<TransportKind>(), Ok(TransportKind::Quic));
+        let e = "carrier-pigeon".parse::<TransportKind>().unwrap_err();
+        assert!(
+            e.contains("carrier-pigeon") && e.contains("tcp, shm, quic"),
+            "{e}"
+        );
+    }
 }

@@ -95,11 +95,13 @@ pub use peerset::PeerSet;
 pub mod any;
 #[cfg(feature = "conformance")]
 pub mod conformance;
+mod connect;
 pub mod endpoint;
 pub mod handshake;
 pub mod header;
 pub mod mem;
 pub mod pool;
+pub mod quic;
 // Raw pointers into op memory, behind the share table.
 #[allow(unsafe_code)]
 pub mod region;
@@ -170,6 +172,9 @@ pub enum TransportError {
     NoSuchPeer { peer: Rank, size: usize },
     #[error("transport is shut down")]
     Closed,
+    /// Certificates or keys that cannot be used (QUIC's mutual TLS).
+    #[error("TLS: {0}")]
+    Tls(String),
 }
 
 /// A byte mover between the ranks of one cluster version.

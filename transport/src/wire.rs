@@ -75,6 +75,55 @@ pub struct Caps {
     pub needs_registration: bool,
 }
 
+impl Caps {
+    /// A wire of byte streams (TCP, QUIC): frames go whole through a
+    /// stream, a send resolves once the stream has its own copy (so it may
+    /// read the op's memory), nothing is injected, lent or registered.
+    pub fn stream(name: &'static str, max_frame: usize) -> Caps {
+        Caps {
+            name,
+            max_frame,
+            inject: false,
+            holds_sends: false,
+            polled: false,
+            lends: false,
+            needs_registration: false,
+            borrows_sends: true,
+            eager_max: max_frame,
+        }
+    }
+}
+
+/// A wire's tasks (readers, writers): awaited on a graceful close, aborted
+/// on shutdown.
+#[derive(Default)]
+pub struct Tasks(std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>);
+
+impl Tasks {
+    pub fn new(tasks: Vec<tokio::task::JoinHandle<()>>) -> Tasks {
+        Tasks(std::sync::Mutex::new(tasks))
+    }
+
+    fn take(&self) -> Vec<tokio::task::JoinHandle<()>> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Waits for every task to end by itself until `deadline`, aborting
+    /// those that did not.
+    pub async fn join_until(&self, deadline: crate::Instant) {
+        for mut t in self.take() {
+            if tokio::time::timeout_at(deadline, &mut t).await.is_err() {
+                t.abort();
+            }
+        }
+    }
+
+    /// Aborts every task.
+    pub fn abort(&self) {
+        self.take().into_iter().for_each(|t| t.abort());
+    }
+}
+
 /// A frame offered in place: `(sender, header, payload in pieces)`; true
 /// when the callee consumed it.
 pub type Apply<'a> = &'a mut (dyn FnMut(Rank, &Header, &[&[u8]]) -> bool + Send);

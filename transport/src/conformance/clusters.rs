@@ -1,6 +1,6 @@
 //! The backends of this crate as [`Cluster`]s, each connected in this
 //! process: the in-memory network (plain, and with seeded delays that
-//! reorder frames), TCP over loopback, shared memory, and the host-aware
+//! reorder frames), TCP and QUIC over loopback, shared memory, and the host-aware
 //! routing (one endpoint over a shared-memory wire inside a host and a TCP
 //! wire across: two hosts on loopback, 127.0.0.1 and 127.0.0.2).
 
@@ -13,6 +13,7 @@ use tokio::net::TcpListener;
 use super::{Cluster, ConformanceConfig};
 use crate::any::{connect_auto, AnyTransport};
 use crate::mem::{MemConfig, MemNetwork, MemTransport};
+use crate::quic::{JobCa, QuicConfig, QuicTls, QuicTransport};
 use crate::shm::{ShmConfig, ShmTransport};
 use crate::tcp::{TcpConfig, TcpTransport};
 use crate::ClusterVersion;
@@ -115,6 +116,69 @@ fn tcp_config(cfg: &ConformanceConfig, id: u64, rank: Rank, peers: &PeerList) ->
     c.mailbox_bytes = cfg.mailbox_bytes;
     c.spin = cfg.spin;
     c
+}
+
+/// QUIC over loopback, on free UDP ports, with a fresh job CA per
+/// cluster.
+pub struct Quic;
+
+impl Cluster for Quic {
+    type T = QuicTransport;
+
+    fn name() -> &'static str {
+        "quic"
+    }
+
+    async fn connect(n: usize, cfg: ConformanceConfig) -> Vec<Arc<QuicTransport>> {
+        let (sockets, peers) = bind_udp(n);
+        let ca = JobCa::new().expect("a job CA");
+        let id = unique_cluster_id();
+        let tasks: Vec<_> = sockets
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let tls = ca.issue(&i.to_string()).expect("a worker certificate");
+                let c = quic_config(&cfg, id, Rank(i as u32), &peers, tls);
+                tokio::spawn(QuicTransport::connect(c, s))
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.expect("connect task").expect("quic connect"));
+        }
+        out
+    }
+}
+
+/// A QUIC endpoint's settings for a conformance cluster.
+pub fn quic_config(
+    cfg: &ConformanceConfig,
+    id: u64,
+    rank: Rank,
+    peers: &PeerList,
+    tls: QuicTls,
+) -> QuicConfig {
+    let mut c = QuicConfig::new(id, ClusterVersion(1), cfg.epoch, rank, peers.clone(), tls);
+    c.connect_timeout = CONNECT;
+    c.max_frame = cfg.max_frame;
+    c.mailbox_bytes = cfg.mailbox_bytes;
+    c.spin = cfg.spin;
+    c
+}
+
+/// A UDP socket on a free port of 127.0.0.1 per rank, and their peer list.
+pub fn bind_udp(n: usize) -> (Vec<std::net::UdpSocket>, PeerList) {
+    let sockets: Vec<_> = (0..n)
+        .map(|_| std::net::UdpSocket::bind("127.0.0.1:0").expect("bind loopback"))
+        .collect();
+    let peers = sockets
+        .iter()
+        .map(|s| Peer {
+            host: "127.0.0.1".into(),
+            port: s.local_addr().expect("local address").port(),
+        })
+        .collect();
+    (sockets, PeerList::new(peers).expect("distinct ports"))
 }
 
 /// Shared memory, with rings of [`ConformanceConfig::ring_bytes`].

@@ -13,21 +13,21 @@
 //! wire, and frames queued together leave in one write.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use kungfu_topology::{PeerList, Rank};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
-use tokio::task::JoinHandle;
 
 use crate::endpoint::{Endpoint, EndpointConfig, Matcher};
 use crate::pool::BufferPool;
-use crate::wire::{Caps, Wire};
+use crate::wire::{Caps, Tasks, Wire};
 use crate::{ClusterVersion, Epoch, Header, Instant, PeerSet, Transport, TransportError};
 
 use self::io::{read_loop, write_loop, Outgoing, WriterMsg};
+use crate::connect::{self, Incoming};
 use crate::handshake::{self, Identity};
 
 mod io;
@@ -114,9 +114,9 @@ pub struct TcpWire {
     max_frame: usize,
     writers: Vec<Option<mpsc::Sender<WriterMsg>>>,
     /// Writer tasks (they end on their own after a `Finish`).
-    tasks: Mutex<Vec<JoinHandle<()>>>,
+    tasks: Tasks,
     /// Reader tasks: they end when the peer closes its side.
-    readers: Mutex<Vec<JoinHandle<()>>>,
+    readers: Tasks,
 }
 
 impl Endpoint<TcpWire> {
@@ -199,8 +199,8 @@ impl TcpWire {
         let wire = TcpWire {
             max_frame: cfg.max_frame,
             writers,
-            tasks: Mutex::new(tasks),
-            readers: Mutex::new(readers),
+            tasks: Tasks::new(tasks),
+            readers: Tasks::new(readers),
         };
         let ecfg = EndpointConfig {
             spin: cfg.spin,
@@ -214,24 +214,12 @@ async fn dial_lower(
     cfg: Arc<TcpConfig>,
     deadline: Instant,
 ) -> Result<HashMap<Rank, TcpStream>, TransportError> {
-    let mut set = tokio::task::JoinSet::new();
-    for r in (0..cfg.rank.0).filter(|&r| !cfg.skip.contains(Rank(r))) {
+    let lower = (0..cfg.rank.0).map(Rank).filter(|&r| !cfg.skip.contains(r));
+    connect::dial_all(lower, |peer| {
         let cfg = cfg.clone();
-        set.spawn(async move {
-            let peer = Rank(r);
-            dial_one(&cfg, peer, deadline).await.map(|s| (peer, s))
-        });
-    }
-    let mut out = HashMap::new();
-    while let Some(res) = set.join_next().await {
-        let (peer, s) = res.map_err(|e| TransportError::Handshake {
-            peer: None,
-            addr: String::new(),
-            reason: format!("dial task failed: {e}"),
-        })??;
-        out.insert(peer, s);
-    }
-    Ok(out)
+        async move { dial_one(&cfg, peer, deadline).await }
+    })
+    .await
 }
 
 async fn dial_one(
@@ -240,45 +228,18 @@ async fn dial_one(
     deadline: Instant,
 ) -> Result<TcpStream, TransportError> {
     let p = cfg.peers.peer(peer).expect("peer below our rank");
-    let addr = p.to_string();
-    let mut backoff = Duration::from_millis(5);
-    let mut last_err = String::from("no attempt");
-    loop {
-        if Instant::now() >= deadline {
-            return Err(TransportError::Handshake {
-                peer: Some(peer),
-                addr,
-                reason: format!("could not connect before the deadline: {last_err}"),
-            });
-        }
-        let attempt = tokio::time::timeout_at(deadline, async {
-            let mut s = TcpStream::connect((p.host.as_str(), p.port))
-                .await
-                .map_err(|e| (true, format!("connect: {e}")))?;
-            s.set_nodelay(true)
-                .map_err(|e| (true, format!("nodelay: {e}")))?;
-            handshake::dial(&mut s, &cfg.identity(), peer)
-                .await
-                .map_err(|e| (e.retry, e.reason))?;
-            Ok(s)
-        })
-        .await;
-        match attempt {
-            Ok(Ok(s)) => return Ok(s),
-            // A refusal is final: retrying will not change the peer's mind.
-            Ok(Err((false, reason))) => {
-                return Err(TransportError::Handshake {
-                    peer: Some(peer),
-                    addr,
-                    reason,
-                })
-            }
-            Ok(Err((true, e))) => last_err = e,
-            Err(_) => last_err = "timed out".into(),
-        }
-        tokio::time::sleep(backoff.min(deadline.saturating_duration_since(Instant::now()))).await;
-        backoff = (backoff * 2).min(Duration::from_millis(200));
-    }
+    connect::dial(peer, p.to_string(), deadline, || async {
+        let mut s = TcpStream::connect((p.host.as_str(), p.port))
+            .await
+            .map_err(|e| (true, format!("connect: {e}")))?;
+        s.set_nodelay(true)
+            .map_err(|e| (true, format!("nodelay: {e}")))?;
+        handshake::dial(&mut s, &cfg.identity(), peer)
+            .await
+            .map_err(|e| (e.retry, e.reason))?;
+        Ok(s)
+    })
+    .await
 }
 
 async fn accept_higher(
@@ -286,65 +247,25 @@ async fn accept_higher(
     listener: TcpListener,
     deadline: Instant,
 ) -> Result<HashMap<Rank, TcpStream>, TransportError> {
-    let n = cfg.peers.len();
-    let expected = (cfg.rank.0 + 1..n as u32)
-        .filter(|&r| !cfg.skip.contains(Rank(r)))
-        .count();
-    let mut out: HashMap<Rank, TcpStream> = HashMap::new();
-    let mut refusals: Vec<String> = Vec::new();
-    let mut pending = tokio::task::JoinSet::new();
-    while out.len() < expected {
-        tokio::select! {
-            acc = listener.accept() => {
-                let (s, addr) = match acc {
-                    Ok(x) => x,
-                    Err(e) => { refusals.push(format!("accept: {e}")); continue; }
-                };
-                let cfg = cfg.clone();
-                // Each handshake runs on its own so that a silent client
-                // cannot hold up the others.
-                pending.spawn(async move {
-                    let r = tokio::time::timeout_at(deadline, answer(&cfg, s)).await;
-                    (addr, r.unwrap_or_else(|_| Err("no hello before the deadline".into())))
-                });
-            }
-            Some(done) = pending.join_next(), if !pending.is_empty() => {
-                let Ok((addr, res)) = done else { continue };
-                match res {
-                    Ok((rank, s)) => {
-                        match out.entry(rank) {
-                            std::collections::hash_map::Entry::Occupied(_) => {
-                                refusals.push(format!("{addr}: second connection from {rank}"));
-                            }
-                            std::collections::hash_map::Entry::Vacant(v) => {
-                                v.insert(s);
-                            }
-                        }
-                    }
-                    Err(why) => refusals.push(format!("{addr}: {why}")),
-                }
-            }
-            _ = tokio::time::sleep_until(deadline) => {
-                let missing: Vec<String> = (cfg.rank.0 + 1..n as u32)
-                    .map(Rank)
-                    .filter(|r| !out.contains_key(r) && !cfg.skip.contains(*r))
-                    .map(|r| r.0.to_string())
-                    .collect();
-                return Err(TransportError::Handshake {
-                    peer: None,
-                    addr: listener.local_addr().map(|a| a.to_string()).unwrap_or_default(),
-                    reason: format!(
-                        "ranks [{}] did not connect before the deadline{}",
-                        missing.join(", "),
-                        if refusals.is_empty() { String::new() } else {
-                            format!("; refused: {}", refusals.join("; "))
-                        }
-                    ),
-                });
-            }
+    let wanted: Vec<Rank> = (cfg.rank.0 + 1..cfg.peers.len() as u32)
+        .map(Rank)
+        .filter(|&r| !cfg.skip.contains(r))
+        .collect();
+    let local = listener
+        .local_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
+    let incoming = || async {
+        match listener.accept().await {
+            Ok((s, addr)) => Incoming::Conn(s, addr.to_string()),
+            Err(e) => Incoming::Failed(format!("accept: {e}")),
         }
-    }
-    Ok(out)
+    };
+    let answer = |s: TcpStream| {
+        let cfg = cfg.clone();
+        async move { answer(&cfg, s).await }
+    };
+    connect::accept(&wanted, &local, deadline, None, incoming, answer).await
 }
 
 /// Answers a dialer's hello on `s` (the shared handshake): its rank, if
@@ -359,17 +280,7 @@ async fn answer(cfg: &TcpConfig, mut s: TcpStream) -> Result<(Rank, TcpStream), 
 
 impl Wire for TcpWire {
     fn caps(&self) -> Caps {
-        Caps {
-            name: "tcp",
-            max_frame: self.max_frame,
-            inject: false,
-            holds_sends: false,
-            polled: false,
-            lends: false,
-            needs_registration: false,
-            borrows_sends: true,
-            eager_max: self.max_frame,
-        }
+        Caps::stream("tcp", self.max_frame)
     }
 
     fn reaches(&self, peer: Rank) -> bool {
@@ -415,21 +326,13 @@ impl Wire for TcpWire {
         }
         // Read (and deliver) until every peer has closed its side too, so
         // that no connection is torn down with data in flight.
-        let readers = std::mem::take(&mut *self.readers.lock().unwrap_or_else(|e| e.into_inner()));
-        for mut r in readers {
-            if tokio::time::timeout_at(deadline, &mut r).await.is_err() {
-                r.abort();
-            }
-        }
+        self.readers.join_until(deadline).await;
         self.shutdown();
     }
 
     fn shutdown(&self) {
-        let tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|e| e.into_inner()));
-        let readers = std::mem::take(&mut *self.readers.lock().unwrap_or_else(|e| e.into_inner()));
-        for t in tasks.into_iter().chain(readers) {
-            t.abort();
-        }
+        self.tasks.abort();
+        self.readers.abort();
     }
 }
 

@@ -1,15 +1,59 @@
-//! The collectives over real TCP on loopback, 4 ranks in one process.
+//! The collectives over real networks on loopback (TCP, QUIC), 4 ranks in
+//! one process: every op of every strategy with exact values, and a lost
+//! rank failing the others fast.
 
+use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use kungfu_collectives::{CollectiveError, ReduceOp, Session, SessionConfig};
-use kungfu_tests::tcp_cluster;
-use kungfu_topology::{Rank, Strategy};
-use kungfu_transport::tcp::TcpTransport;
+use kungfu_tests::{tcp_cluster, unique_cluster_id};
+use kungfu_topology::{PeerList, Rank, Strategy};
+use kungfu_transport::conformance::clusters::{bind_udp, quic_config};
+use kungfu_transport::conformance::ConformanceConfig;
+use kungfu_transport::quic::{JobCa, QuicTransport};
 use kungfu_transport::Transport;
 
-async fn sessions(n: usize, strategy: Strategy, chunk_bytes: usize) -> Vec<Session<TcpTransport>> {
-    let (ts, peers) = tcp_cluster(n, 0x5eed).await;
+/// A network: `n` connected endpoints and their peer list.
+trait Net {
+    type T: Transport;
+    fn connect(n: usize) -> impl Future<Output = (Vec<Arc<Self::T>>, PeerList)>;
+}
+
+struct Tcp;
+impl Net for Tcp {
+    type T = kungfu_transport::tcp::TcpTransport;
+    async fn connect(n: usize) -> (Vec<Arc<Self::T>>, PeerList) {
+        tcp_cluster(n, unique_cluster_id()).await
+    }
+}
+
+struct Quic;
+impl Net for Quic {
+    type T = QuicTransport;
+    async fn connect(n: usize) -> (Vec<Arc<QuicTransport>>, PeerList) {
+        let (sockets, peers) = bind_udp(n);
+        let (ca, id) = (JobCa::new().unwrap(), unique_cluster_id());
+        let tasks: Vec<_> = sockets
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let tls = ca.issue(&i.to_string()).unwrap();
+                let cfg = ConformanceConfig::default();
+                let c = quic_config(&cfg, id, Rank(i as u32), &peers, tls);
+                tokio::spawn(QuicTransport::connect(c, s))
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap().unwrap());
+        }
+        (out, peers)
+    }
+}
+
+async fn sessions<N: Net>(n: usize, strategy: Strategy, chunk_bytes: usize) -> Vec<Session<N::T>> {
+    let (ts, peers) = N::connect(n).await;
     ts.into_iter()
         .map(|t| {
             let cfg = SessionConfig {
@@ -25,9 +69,28 @@ async fn sessions(n: usize, strategy: Strategy, chunk_bytes: usize) -> Vec<Sessi
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_op_every_strategy_over_tcp() {
+    every_op_every_strategy::<Tcp>().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_op_every_strategy_over_quic() {
+    every_op_every_strategy::<Quic>().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_rank_fails_the_others_fast_over_tcp() {
+    lost_rank_fails_the_others_fast::<Tcp>().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_rank_fails_the_others_fast_over_quic() {
+    lost_rank_fails_the_others_fast::<Quic>().await;
+}
+
+async fn every_op_every_strategy<N: Net>() {
     let n = 4;
     for strategy in Strategy::ALL {
-        let ss = sessions(n, strategy, 4096).await;
+        let ss = sessions::<N>(n, strategy, 4096).await;
         let mut tasks = Vec::new();
         for s in ss {
             tasks.push(tokio::spawn(async move {
@@ -84,9 +147,8 @@ async fn every_op_every_strategy_over_tcp() {
 
 /// A rank whose transport goes away in the middle of a stream of
 /// allreduces: the others fail with an error naming it, within seconds.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn lost_rank_fails_the_others_fast() {
-    let ss = sessions(4, Strategy::Ring, 1 << 16).await;
+async fn lost_rank_fails_the_others_fast<N: Net>() {
+    let ss = sessions::<N>(4, Strategy::Ring, 1 << 16).await;
     let victim = ss[3].clone();
     let mut tasks = Vec::new();
     for s in ss.into_iter().take(3) {
