@@ -16,9 +16,11 @@
 //! given (Slurm, Open MPI), it is derived from the job id, so every rank of
 //! a job computes the same one.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use kungfu_topology::{fnv1a64, AutoThresholds, PeerList, Strategy};
+use kungfu_transport::any::TransportKind;
 use kungfu_transport::pool::BufferPool;
 
 use crate::BootstrapError;
@@ -43,6 +45,44 @@ pub enum Discovery {
     Rendezvous { host: String, port: u16 },
 }
 
+/// Where a worker's QUIC certificates are (PEM files).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QuicFiles {
+    /// The CA certificate(s) peers are checked against.
+    pub ca: PathBuf,
+    /// This worker's certificate chain.
+    pub cert: PathBuf,
+    /// This worker's private key.
+    pub key: PathBuf,
+}
+
+/// The three QUIC variables: all or none.
+fn quic_files(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<QuicFiles>, BootstrapError> {
+    const VARS: [&str; 3] = ["KUNGFU_QUIC_CA", "KUNGFU_QUIC_CERT", "KUNGFU_QUIC_KEY"];
+    let [ca, cert, key] = VARS.map(|v| get(v).filter(|s| !s.is_empty()));
+    match (ca, cert, key) {
+        (None, None, None) => Ok(None),
+        (Some(ca), Some(cert), Some(key)) => Ok(Some(QuicFiles {
+            ca: ca.into(),
+            cert: cert.into(),
+            key: key.into(),
+        })),
+        (ca, cert, _) => {
+            let missing = if ca.is_none() {
+                VARS[0]
+            } else if cert.is_none() {
+                VARS[1]
+            } else {
+                VARS[2]
+            };
+            Err(BootstrapError::Env {
+                var: missing.into(),
+                reason: format!("{} go together: set all three or none", VARS.join(", ")),
+            })
+        }
+    }
+}
+
 /// Everything the runtime reads from the environment.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WorkerEnv {
@@ -51,7 +91,11 @@ pub struct WorkerEnv {
     pub size: usize,
     pub discovery: Discovery,
     pub strategy: Strategy,
-    pub transport: String,
+    /// `KUNGFU_TRANSPORT` (default auto).
+    pub transport: TransportKind,
+    /// The QUIC certificates (`KUNGFU_QUIC_CA`, `KUNGFU_QUIC_CERT`,
+    /// `KUNGFU_QUIC_KEY`: PEM files; kungfu-run makes them per job).
+    pub quic_files: Option<QuicFiles>,
     /// The cluster version (the config server's; the transport's
     /// `ClusterVersion`, widened where it connects).
     pub cluster_version: u32,
@@ -294,7 +338,16 @@ impl WorkerEnv {
             size,
             discovery,
             strategy,
-            transport: get("KUNGFU_TRANSPORT").unwrap_or_else(|| "auto".into()),
+            transport: get("KUNGFU_TRANSPORT")
+                .map(|v| {
+                    v.parse().map_err(|reason| BootstrapError::Env {
+                        var: "KUNGFU_TRANSPORT".into(),
+                        reason,
+                    })
+                })
+                .transpose()?
+                .unwrap_or(TransportKind::Auto),
+            quic_files: quic_files(get)?,
             cluster_version: get("KUNGFU_CLUSTER_VERSION")
                 .map(|v| parse("KUNGFU_CLUSTER_VERSION", &v))
                 .transpose()?
@@ -319,6 +372,45 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         WorkerEnv::from_vars(&move |k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn transports_and_quic_files_are_checked() {
+        let base = [
+            ("KUNGFU_RANK", "0"),
+            ("KUNGFU_SIZE", "1"),
+            ("KUNGFU_PEERS", "127.0.0.1:5000"),
+        ];
+        let with = |extra: &[(&'static str, &'static str)]| {
+            let mut v = base.to_vec();
+            v.extend_from_slice(extra);
+            env(&v)
+        };
+        let e = with(&[("KUNGFU_TRANSPORT", "quic")]).unwrap();
+        assert_eq!((e.transport, e.quic_files), (TransportKind::Quic, None));
+        let e = with(&[("KUNGFU_TRANSPORT", "udp")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("KUNGFU_TRANSPORT") && e.contains("one of: auto"),
+            "{e}"
+        );
+        let e = with(&[("KUNGFU_QUIC_CA", "/a"), ("KUNGFU_QUIC_KEY", "/c")]);
+        let e = e.unwrap_err().to_string();
+        assert!(
+            e.contains("KUNGFU_QUIC_CERT") && e.contains("all three"),
+            "{e}"
+        );
+        let all = [
+            ("KUNGFU_QUIC_CA", "/a"),
+            ("KUNGFU_QUIC_CERT", "/b"),
+            ("KUNGFU_QUIC_KEY", "/c"),
+        ];
+        let f = with(&all).unwrap().quic_files.unwrap();
+        assert_eq!(
+            (f.ca, f.cert, f.key),
+            ("/a".into(), "/b".into(), "/c".into())
+        );
     }
 
     #[test]

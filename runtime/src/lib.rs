@@ -25,8 +25,9 @@ use std::time::{Duration, SystemTime};
 
 use kungfu_collectives::{CollectiveError, Element, ReduceOp, Session, SessionConfig};
 use kungfu_topology::{PeerList, Rank, Strategy};
-use kungfu_transport::any::{self, AnyTransport};
+use kungfu_transport::any::{self, AnyTransport, TransportKind};
 use kungfu_transport::pool::BufferPool;
+use kungfu_transport::quic::{QuicConfig, QuicTls};
 use kungfu_transport::shm::ShmConfig;
 use kungfu_transport::tcp::TcpConfig;
 use kungfu_transport::{ClusterVersion, Epoch, TransportError};
@@ -53,8 +54,8 @@ pub enum BootstrapError {
         #[source]
         source: std::io::Error,
     },
-    #[error("transport {0:?} is not available (this build has: tcp, shm, auto)")]
-    UnsupportedTransport(String),
+    #[error("transport {0} is not available (this build has: {avail})", avail = TransportKind::available())]
+    UnsupportedTransport(TransportKind),
     #[error("connecting to the peers: {0}")]
     Transport(#[from] TransportError),
     #[error("starting the session: {0}")]
@@ -97,8 +98,8 @@ impl Worker {
     /// session. Must run inside a multi-threaded tokio runtime.
     pub async fn start(env: WorkerEnv) -> Result<Worker, BootstrapError> {
         let began = SystemTime::now();
-        if !["tcp", "shm", "auto"].contains(&env.transport.as_str()) {
-            return Err(BootstrapError::UnsupportedTransport(env.transport.clone()));
+        if !env.transport.built() {
+            return Err(BootstrapError::UnsupportedTransport(env.transport));
         }
         let deadline = Instant::now() + env.connect_timeout;
         let (listener, peers, cluster_id) = match &env.discovery {
@@ -434,6 +435,7 @@ async fn connect(
 ) -> Result<Session<AnyTransport>, BootstrapError> {
     let connect_timeout = deadline.saturating_duration_since(Instant::now());
     let one_host = peers.hosts().len() == 1;
+    let me = Rank(env.rank as u32);
     // Every cluster version gets new connections, so its sessions start
     // at epoch 0: swaps count from there (a Generation orders the two).
     let version = ClusterVersion(u64::from(env.cluster_version));
@@ -467,8 +469,8 @@ async fn connect(
         }
         c
     };
-    let transport = match env.transport.as_str() {
-        "shm" if !one_host => {
+    let transport = match env.transport {
+        TransportKind::Shm if !one_host => {
             return Err(BootstrapError::Env {
                 var: "KUNGFU_TRANSPORT".into(),
                 reason: format!(
@@ -477,12 +479,33 @@ async fn connect(
                 ),
             });
         }
-        "shm" | "auto" if one_host => {
+        TransportKind::Shm => {
             drop(listener);
             any::connect_shm(shm_cfg()).await?
         }
-        "auto" => any::connect_auto(tcp_cfg(), shm_cfg(), peers, listener).await?,
-        _ => any::connect_tcp(tcp_cfg(), listener).await?,
+        TransportKind::Auto if one_host => {
+            drop(listener);
+            any::connect_shm(shm_cfg()).await?
+        }
+        TransportKind::Auto => any::connect_auto(tcp_cfg(), shm_cfg(), peers, listener).await?,
+        TransportKind::Quic => {
+            // UDP at the port of this rank's entry (reserved as TCP by the
+            // launcher; UDP's ports are another space)
+            drop(listener);
+            let tls = quic_tls(env)?;
+            let mut c = QuicConfig::new(cluster_id, version, Epoch(0), me, peers.clone(), tls);
+            c.connect_timeout = connect_timeout;
+            c.pool = Some(pool.clone());
+            if let Some(spin) = env.spin {
+                c.spin = spin;
+            }
+            let socket = kungfu_transport::quic::bind_udp(peers, me)?;
+            any::connect_quic(c, socket).await?
+        }
+        TransportKind::Tcp => any::connect_tcp(tcp_cfg(), listener).await?,
+        TransportKind::Fabric | TransportKind::Verbs => {
+            return Err(BootstrapError::UnsupportedTransport(env.transport))
+        }
     };
     Ok(Session::new(
         transport,
@@ -495,6 +518,20 @@ async fn connect(
             ..SessionConfig::default()
         },
     )?)
+}
+
+/// This worker's QUIC certificates, from the files the environment names.
+fn quic_tls(env: &WorkerEnv) -> Result<QuicTls, BootstrapError> {
+    let Some(f) = &env.quic_files else {
+        return Err(BootstrapError::Env {
+            var: "KUNGFU_QUIC_CERT".into(),
+            reason:
+                "the quic transport needs KUNGFU_QUIC_CA, KUNGFU_QUIC_CERT and KUNGFU_QUIC_KEY \
+                     (PEM files; kungfu-run --transport quic makes them for each job)"
+                    .into(),
+        });
+    };
+    Ok(QuicTls::from_pem_files(&f.ca, &f.cert, &f.key)?)
 }
 
 #[cfg(test)]

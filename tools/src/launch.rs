@@ -24,9 +24,11 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
+use crate::certs::{job_tls, QuicFiles};
 use crate::{assign_ranks, bind_listener, is_local_host, job_ports, HostSlots, JobPorts};
 use kungfu::elastic::{ClusterConfig, ConfigServer, ServerRules};
 use kungfu_topology::{Peer, PeerList, Rank};
+use kungfu_transport::any::TransportKind;
 
 /// What `kungfu-run` was asked to do.
 #[derive(Clone, Debug)]
@@ -34,7 +36,10 @@ pub struct LaunchOptions {
     pub np: usize,
     pub hosts: Vec<HostSlots>,
     pub strategy: Option<String>,
-    pub transport: String,
+    pub transport: TransportKind,
+    /// The user's QUIC certificates (`--quic-ca`, `--quic-cert`,
+    /// `--quic-key`); without them a QUIC job makes its own.
+    pub quic: Option<QuicFiles>,
     /// Bounds the whole job.
     pub timeout: Option<Duration>,
     /// Ports on multi-machine layouts: `port_base + local rank`.
@@ -268,7 +273,7 @@ fn worker_cmd(
         .env("KUNGFU_LOCAL_RANK", w.local_rank.to_string())
         .env("KUNGFU_LOCAL_SIZE", w.local_size.to_string())
         .env("KUNGFU_PEERS", w.peers.to_string())
-        .env("KUNGFU_TRANSPORT", &opts.transport)
+        .env("KUNGFU_TRANSPORT", opts.transport.name())
         .env("KUNGFU_CLUSTER_VERSION", w.version.to_string())
         .env("KUNGFU_CLUSTER_ID", format!("{cluster_id:x}"));
     if let Some(url) = config_url {
@@ -492,6 +497,8 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
     // first (reaped when the loop below ends; on an early error, sent
     // SIGKILL by the job's drop, which does not wait for them).
     let _rings = JobRings(cluster_id);
+    let one_host = all_local && opts.self_host.is_none();
+    let tls = job_tls(opts.transport, opts.quic.as_ref(), one_host, cluster_id)?;
     let mut job = Job::default();
     let width = (opts.np - 1).to_string().len();
     let allowed = allowed_cpus();
@@ -505,7 +512,10 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
             version: 0,
         };
         let listener = listeners[s.rank].take();
-        let cmd = worker_cmd(&opts, &allowed, &w, cluster_id, url.as_deref(), listener)?;
+        let mut cmd = worker_cmd(&opts, &allowed, &w, cluster_id, url.as_deref(), listener)?;
+        if let Some(t) = &tls {
+            t.apply(&mut cmd, s.rank)?;
+        }
         let addr = peers.peer(Rank(s.rank as u32)).map(|p| p.to_string());
         job.spawn(
             cmd,
@@ -539,8 +549,17 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                 "--port-base".into(),
                 opts.port_base.to_string(),
                 "--transport".into(),
-                opts.transport.clone(),
+                opts.transport.name().into(),
             ];
+            if let Some(f) = &opts.quic {
+                for (flag, path) in [
+                    ("--quic-ca", &f.ca),
+                    ("--quic-cert", &f.cert),
+                    ("--quic-key", &f.key),
+                ] {
+                    remote.extend([flag.into(), path.display().to_string()]);
+                }
+            }
             if let Some(st) = &opts.strategy {
                 remote.extend(["--strategy".into(), st.clone()]);
             }
@@ -624,6 +643,12 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                     };
                     let started = listener_for(&pending, p)
                         .and_then(|l| worker_cmd(&opts, &allowed, &w, cluster_id, url.as_deref(), Some(l)))
+                        .and_then(|mut cmd| {
+                            if let Some(t) = &tls {
+                                t.apply(&mut cmd, rank)?;
+                            }
+                            Ok(cmd)
+                        })
                         .and_then(|cmd| job.spawn(cmd, format!("worker {addr}"), format!("[{rank:>width$}] "), Some(addr)));
                     match started {
                         Ok(()) => remaining += 1,

@@ -2,14 +2,17 @@
 //!
 //! ```text
 //! kungfu-run -np N [-H host:slots,...] [--strategy S] [--transport T]
+//!            [--quic-ca F --quic-cert F --quic-key F]
 //!            [--timeout DUR] [-w [--max-np N]] [-x NAME=VALUE]... [--] PROGRAM ARGS...
 //! ```
 
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use kungfu_tools::certs::QuicFiles;
 use kungfu_tools::launch::{run, Bind, LaunchOptions};
 use kungfu_tools::{parse_duration, parse_hosts, HostSlots};
+use kungfu_transport::any::TransportKind;
 
 /// The help text; `{strategies}` stands for the strategy names.
 const USAGE: &str = "\
@@ -29,7 +32,13 @@ options:
                         hosts in order; workers on other machines start via ssh
   --strategy S          {strategies} (default AUTO)
   --transport T         auto (default: shared memory inside each host, tcp
-                        across), tcp, or shm (every worker on one host)
+                        across), tcp, shm (every worker on one host), or quic
+                        (mutual TLS: kungfu-run makes a CA for the job and a
+                        certificate per worker, in a directory only you can
+                        read, removed at exit)
+  --quic-ca F --quic-cert F --quic-key F
+                        your own PEM files for quic instead (every worker
+                        uses them; needed for quic across hosts)
   --timeout DUR         stop the job after DUR (e.g. 90s, 5m); exit status 124
   --grace DUR           after a worker fails, how long the others may take to
                         exit by themselves before SIGTERM (default 2s)
@@ -89,7 +98,8 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
         np: 0,
         hosts: Vec::new(),
         strategy: None,
-        transport: "auto".into(),
+        transport: TransportKind::Auto,
+        quic: None,
         timeout: None,
         port_base: 38000,
         self_host: None,
@@ -103,6 +113,7 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
         program: Vec::new(),
     };
     let mut max_np = None;
+    let mut quic: [Option<String>; 3] = [None, None, None];
     let mut i = 0;
     let value = |i: &mut usize, flag: &str| -> anyhow::Result<String> {
         *i += 1;
@@ -124,14 +135,18 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
                 o.strategy = Some(s);
             }
             "--transport" => {
-                o.transport = value(&mut i, a)?;
-                if !["tcp", "shm", "auto"].contains(&o.transport.as_str()) {
+                o.transport = value(&mut i, a)?.parse().map_err(anyhow::Error::msg)?;
+                if !o.transport.built() {
                     bail!(
-                        "transport {:?} is not available (this build has: tcp, shm, auto)",
-                        o.transport
+                        "transport {} is not available (this build has: {})",
+                        o.transport,
+                        TransportKind::available()
                     );
                 }
             }
+            "--quic-ca" => quic[0] = Some(value(&mut i, a)?),
+            "--quic-cert" => quic[1] = Some(value(&mut i, a)?),
+            "--quic-key" => quic[2] = Some(value(&mut i, a)?),
             "--timeout" => o.timeout = Some(parse_duration(&value(&mut i, a)?)?),
             "--grace" => o.grace = parse_duration(&value(&mut i, a)?)?,
             "--port-base" => {
@@ -175,6 +190,15 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
         i += 1;
     }
     o.np = np.context("-np is required")?;
+    o.quic = match quic {
+        [None, None, None] => None,
+        [Some(ca), Some(cert), Some(key)] => Some(QuicFiles {
+            ca: ca.into(),
+            cert: cert.into(),
+            key: key.into(),
+        }),
+        _ => bail!("--quic-ca, --quic-cert and --quic-key go together"),
+    };
     o.max_np = max_np.unwrap_or(64).max(o.np);
     o.hosts = hosts.unwrap_or_else(|| {
         vec![HostSlots {

@@ -409,3 +409,98 @@ fn workers_are_pinned_to_cores() {
     let want = mine.rsplit(['\t', ' ']).next().unwrap();
     assert!(t.contains(want), "unbound worker: {t} (ours: {mine})");
 }
+
+/// QUIC under the launcher: kungfu-run makes the job's CA and a
+/// certificate per worker in a private directory (under the TMPDIR it is
+/// given here) and removes it at the end; every op is correct. Then the
+/// user's own files (`--quic-ca/--quic-cert/--quic-key`), and a worker
+/// given a certificate of another CA, which is refused.
+#[test]
+fn quic_transport() {
+    let tmp = std::env::temp_dir().join(format!("kf-quic-jobs-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    for (np, s, op) in [
+        (2, "STAR", "allreduce"),
+        (3, "RING", "allgather"),
+        (4, "AUTO", "allreduce"),
+    ] {
+        let np_s = np.to_string();
+        let mut cmd = kungfu_run(&[
+            "-np",
+            &np_s,
+            "--transport",
+            "quic",
+            "--strategy",
+            s,
+            BENCH,
+            op,
+            "-b",
+            "0",
+            "-e",
+            "4M",
+            "-f",
+            "64",
+            "-n",
+            "2",
+            "-w",
+            "1",
+            "-c",
+            "1",
+        ]);
+        cmd.env("TMPDIR", &tmp).env_remove("XDG_RUNTIME_DIR");
+        let out = run_bounded(cmd, Duration::from_secs(120));
+        let t = text(&out);
+        assert!(out.status.success(), "{op} np={np} {s}:\n{t}");
+        assert!(t.contains("transport quic"), "{t}");
+        assert!(t.contains("# Out of bounds values : 0 OK"), "{t}");
+        let left: Vec<_> = std::fs::read_dir(&tmp).unwrap().collect();
+        assert!(left.is_empty(), "certificates left behind: {left:?}");
+    }
+
+    // the user's own certificates: one CA, one certificate for all
+    let ca = kungfu_transport::quic::JobCa::new().unwrap();
+    let (cert, key) = ca.issue_pem("any").unwrap();
+    let files = [
+        ("ca.pem", ca.cert_pem().to_string()),
+        ("w.pem", cert),
+        ("w.key", key),
+    ];
+    for (name, text) in &files {
+        std::fs::write(tmp.join(name), text).unwrap();
+    }
+    let path = |n: &str| tmp.join(n).display().to_string();
+    let (ca_p, cert_p, key_p) = (path("ca.pem"), path("w.pem"), path("w.key"));
+    let user = |extra: &[&str]| {
+        let mut args = vec!["-np", "2", "--transport", "quic", "--quic-ca", &ca_p];
+        args.extend(["--quic-cert", &cert_p, "--quic-key", &key_p]);
+        args.extend_from_slice(extra);
+        args.extend([
+            BENCH,
+            "allreduce",
+            "-b",
+            "4",
+            "-e",
+            "64K",
+            "-f",
+            "64",
+            "-n",
+            "2",
+            "-w",
+            "1",
+        ]);
+        run_bounded(kungfu_run(&args), Duration::from_secs(120))
+    };
+    let out = user(&[]);
+    assert!(out.status.success(), "{}", text(&out));
+    // a CA the workers' certificate is not from: refused, and said so
+    let other = kungfu_transport::quic::JobCa::new().unwrap();
+    std::fs::write(tmp.join("ca.pem"), other.cert_pem()).unwrap();
+    let out = user(&["-x", "KUNGFU_CONNECT_TIMEOUT_MS=3000"]);
+    let t = text(&out);
+    assert!(!out.status.success(), "{t}");
+    assert!(
+        t.contains("refused a QUIC connection") || t.contains("TLS"),
+        "{t}"
+    );
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
