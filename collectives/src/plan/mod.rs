@@ -232,11 +232,18 @@ impl PlanBuilder {
             for d in deps {
                 dependents[d.0 as usize].push(ActionId(i as u32));
             }
-            if deps.is_empty() {
-                match self.actions[i] {
-                    Action::Send { .. } => ready.push(ActionId(i as u32)),
-                    Action::Recv { .. } => postable.push(ActionId(i as u32)),
-                }
+            match self.actions[i] {
+                Action::Send { .. } if deps.is_empty() => ready.push(ActionId(i as u32)),
+                // A reducing receive goes into scratch memory, not into its
+                // range: it may be posted before its dependencies are done
+                // (and must be, over a rendezvous wire, where a peer's send
+                // completes only once it is posted: two ranks that exchange
+                // and reduce would otherwise each wait for the other).
+                Action::Recv {
+                    reduce: Some(_), ..
+                } => postable.push(ActionId(i as u32)),
+                Action::Recv { .. } if deps.is_empty() => postable.push(ActionId(i as u32)),
+                _ => {}
             }
             match &self.actions[i] {
                 Action::Send { to, .. } => {
@@ -280,7 +287,8 @@ pub struct PlanGraph {
     dependents: Vec<Vec<ActionId>>,
     /// Sends ready at the start.
     ready: Vec<ActionId>,
-    /// Receives ready at the start.
+    /// Receives that may be posted at the start: copy receives without
+    /// dependencies, and every reducing receive.
     postable: Vec<ActionId>,
     recv_index: HashMap<(Rank, u32, u16), ActionId>,
     dtype: DType,
@@ -298,6 +306,7 @@ impl PlanGraph {
             ready: self.ready.iter().copied().collect(),
             postable: Vec::new(),
             initial_postable: 0,
+            handed: Vec::new(),
             posting: false,
             arrived: HashMap::new(),
             done: 0,
@@ -352,6 +361,9 @@ pub struct Plan {
     /// How many of the graph's initial postable receives were handed out
     /// (read from the graph, not copied per run).
     initial_postable: usize,
+    /// Receives already handed out (each goes out once); empty unless
+    /// posting.
+    handed: Vec<bool>,
     /// Whether receives are handed out to be posted at all (see
     /// [`Plan::post_receives`]); off, the plan keeps no list of them.
     posting: bool,
@@ -414,16 +426,19 @@ impl Plan {
     /// list.
     pub fn post_receives(&mut self) {
         self.posting = true;
+        self.handed = vec![false; self.state.len()];
     }
 
-    /// A receive that may be posted now: one whose dependencies are done.
-    /// A copy receive (it overwrites its range) may be posted into its
-    /// range, which nothing of the plan touches until it completes: the
-    /// frame then lands there, and the driver reports
-    /// [`Plan::handle_landed`]. A reducing receive (`reduce`) may be
-    /// posted into scratch memory, its frame then given to
-    /// [`Plan::handle_frame`] (several reduce into one range, so none may
-    /// hold it). Or the driver leaves the receive to arrive as a frame.
+    /// A receive that may be posted now, each handed out once: a copy
+    /// receive whose dependencies are done (it overwrites its range), which
+    /// may be posted into its range, which nothing of the plan touches
+    /// until it completes: the frame then lands there, and the driver
+    /// reports [`Plan::handle_landed`]. A reducing receive (`reduce`),
+    /// handed out at once whatever its dependencies, may be posted into
+    /// scratch memory, its frame then given to [`Plan::handle_frame`]
+    /// (several reduce into one range, so none may hold it; it waits there
+    /// for its dependencies). Or the driver leaves the receive to arrive as
+    /// a frame.
     pub fn poll_recv(&mut self) -> Option<RecvReady> {
         if !self.posting {
             return None;
@@ -437,7 +452,8 @@ impl Plan {
                 }
                 None => self.postable.pop()?,
             };
-            if self.state[id.0 as usize] == State::Waiting {
+            let i = id.0 as usize;
+            if self.state[i] == State::Waiting && !std::mem::replace(&mut self.handed[i], true) {
                 break id;
             }
         };
