@@ -15,15 +15,11 @@ command -v c++ >/dev/null 2>&1 || need+=(g++)
 command -v make >/dev/null 2>&1 || need+=(make)
 command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
+# the libfabric wire links the system libfabric (fabric-sys, through pkg-config)
+pkg-config --exists libfabric 2>/dev/null || need+=(libfabric-dev)
 # scripts/doc-commands.py runs the docs' commands
 command -v python3 >/dev/null 2>&1 || need+=(python3)
-if ((${#need[@]})); then
-  sudo=""
-  [ "$(id -u)" = 0 ] || sudo="sudo"
-  echo "== installing ${need[*]}"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
-fi
+scripts/apt-need.sh ${need[@]+"${need[@]}"}
 for c in rustfmt clippy; do
   if ! cargo "${c/rustfmt/fmt}" --version >/dev/null 2>&1; then
     rustup component add "$c"
