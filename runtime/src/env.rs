@@ -96,6 +96,10 @@ pub struct WorkerEnv {
     /// The QUIC certificates (`KUNGFU_QUIC_CA`, `KUNGFU_QUIC_CERT`,
     /// `KUNGFU_QUIC_KEY`: PEM files; kungfu-run makes them per job).
     pub quic_files: Option<QuicFiles>,
+    /// With `fabric`: the libfabric provider (`KUNGFU_FABRIC_PROVIDER`,
+    /// e.g. `verbs;ofi_rxm`, `efa`, `tcp;ofi_rxm`, `shm`); unset,
+    /// libfabric's first choice, which honours `FI_PROVIDER`.
+    pub fabric_provider: Option<String>,
     /// The cluster version (the config server's; the transport's
     /// `ClusterVersion`, widened where it connects).
     pub cluster_version: u32,
@@ -348,6 +352,7 @@ impl WorkerEnv {
                 .transpose()?
                 .unwrap_or(TransportKind::Auto),
             quic_files: quic_files(get)?,
+            fabric_provider: get("KUNGFU_FABRIC_PROVIDER").filter(|p| !p.is_empty()),
             cluster_version: get("KUNGFU_CLUSTER_VERSION")
                 .map(|v| parse("KUNGFU_CLUSTER_VERSION", &v))
                 .transpose()?

@@ -26,6 +26,8 @@ use std::time::{Duration, SystemTime};
 use kungfu_collectives::{CollectiveError, Element, ReduceOp, Session, SessionConfig};
 use kungfu_topology::{PeerList, Rank, Strategy};
 use kungfu_transport::any::{self, AnyTransport, TransportKind};
+#[cfg(feature = "fabric")]
+use kungfu_transport::fabric::FabricConfig;
 use kungfu_transport::pool::BufferPool;
 use kungfu_transport::quic::{QuicConfig, QuicTls};
 use kungfu_transport::shm::ShmConfig;
@@ -176,6 +178,17 @@ impl Worker {
     /// take it anew after one (a clone of an old one fails its ops).
     pub fn session(&self) -> &Session<AnyTransport> {
         &self.session
+    }
+
+    /// The transport asked for and what it connected, for headers and
+    /// logs: `tcp`, `quic`, `auto (shm+tcp)`, `fabric (tcp;ofi_rxm)`.
+    pub fn transport_name(&self) -> String {
+        let got = any::describe(self.session.transport());
+        if got.starts_with(self.env.transport.name()) {
+            got
+        } else {
+            format!("{} ({got})", self.env.transport)
+        }
     }
 
     pub fn env(&self) -> &WorkerEnv {
@@ -503,9 +516,33 @@ async fn connect(
             any::connect_quic(c, socket).await?
         }
         TransportKind::Tcp => any::connect_tcp(tcp_cfg(), listener).await?,
-        TransportKind::Fabric | TransportKind::Verbs => {
-            return Err(BootstrapError::UnsupportedTransport(env.transport))
+        #[cfg(feature = "fabric")]
+        TransportKind::Fabric => {
+            let mut c = FabricConfig::new(
+                cluster_id,
+                version,
+                Epoch(0),
+                me,
+                peers.clone(),
+                env.fabric_provider.clone(),
+            );
+            c.connect_timeout = connect_timeout;
+            c.pool = Some(pool.clone());
+            if let Some(spin) = env.spin {
+                c.spin = spin;
+            }
+            // every worker on this machine's loopback: libfabric's tcp
+            // provider stays on it too
+            let loopback = peers
+                .peers()
+                .iter()
+                .all(|p| p.host.starts_with("127.") || p.host == "localhost");
+            if loopback && c.provider.as_deref().is_some_and(|p| p.starts_with("tcp")) {
+                c.domain = Some("lo".into());
+            }
+            any::connect_fabric(c, listener).await?
         }
+        _ => return Err(BootstrapError::UnsupportedTransport(env.transport)),
     };
     Ok(Session::new(
         transport,

@@ -7,12 +7,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kungfu_collectives::{CollectiveError, ReduceOp, Session, SessionConfig};
-use kungfu_tests::{tcp_cluster, unique_cluster_id};
+use kungfu_tests::{bind_loopback, tcp_cluster, unique_cluster_id};
 use kungfu_topology::{PeerList, Rank, Strategy};
 use kungfu_transport::conformance::clusters::{bind_udp, quic_config};
 use kungfu_transport::conformance::ConformanceConfig;
+use kungfu_transport::fabric::{FabricConfig, FabricTransport};
 use kungfu_transport::quic::{JobCa, QuicTransport};
-use kungfu_transport::Transport;
+use kungfu_transport::{ClusterVersion, Epoch, Transport};
 
 /// A network: `n` connected endpoints and their peer list.
 trait Net {
@@ -52,6 +53,53 @@ impl Net for Quic {
     }
 }
 
+/// libfabric over `provider`, with its default eager limit (64 KiB): the
+/// larger frames go only into receives the ops post (a rendezvous).
+async fn fabric(n: usize, provider: &str) -> (Vec<Arc<FabricTransport>>, PeerList) {
+    let (listeners, peers) = bind_loopback(n).await;
+    let id = unique_cluster_id();
+    let tasks: Vec<_> = listeners
+        .into_iter()
+        .enumerate()
+        .map(|(i, l)| {
+            let r = Rank(i as u32);
+            let mut c = FabricConfig::new(
+                id,
+                ClusterVersion(0),
+                Epoch(0),
+                r,
+                peers.clone(),
+                Some(provider.into()),
+            );
+            if provider.starts_with("tcp") {
+                c.domain = Some("lo".into());
+            }
+            tokio::spawn(FabricTransport::connect(c, l))
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap().unwrap());
+    }
+    (out, peers)
+}
+
+struct FabricTcp;
+impl Net for FabricTcp {
+    type T = FabricTransport;
+    async fn connect(n: usize) -> (Vec<Arc<FabricTransport>>, PeerList) {
+        fabric(n, "tcp;ofi_rxm").await
+    }
+}
+
+struct FabricShm;
+impl Net for FabricShm {
+    type T = FabricTransport;
+    async fn connect(n: usize) -> (Vec<Arc<FabricTransport>>, PeerList) {
+        fabric(n, "shm").await
+    }
+}
+
 async fn sessions<N: Net>(n: usize, strategy: Strategy, chunk_bytes: usize) -> Vec<Session<N::T>> {
     let (ts, peers) = N::connect(n).await;
     ts.into_iter()
@@ -78,6 +126,33 @@ async fn every_op_every_strategy_over_quic() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_op_every_strategy_over_fabric_tcp() {
+    every_op_every_strategy::<FabricTcp>().await;
+    // chunks over the eager limit: they land only in receives the ops post
+    every_op_every_strategy_in::<FabricTcp>(1 << 20, rendezvous_used).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_op_every_strategy_over_fabric_shm() {
+    every_op_every_strategy::<FabricShm>().await;
+    every_op_every_strategy_in::<FabricShm>(1 << 20, rendezvous_used).await;
+}
+
+/// Some frame went the rendezvous way (into a receive an op posted).
+fn rendezvous_used(ss: &[Session<FabricTransport>]) {
+    let posted: u64 = ss
+        .iter()
+        .map(|s| s.transport().wires()[0].frames_posted())
+        .sum();
+    assert!(posted > 0, "no frame landed in a posted receive");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_rank_fails_the_others_fast_over_fabric_tcp() {
+    lost_rank_fails_the_others_fast::<FabricTcp>().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_rank_fails_the_others_fast_over_tcp() {
     lost_rank_fails_the_others_fast::<Tcp>().await;
 }
@@ -87,10 +162,17 @@ async fn lost_rank_fails_the_others_fast_over_quic() {
     lost_rank_fails_the_others_fast::<Quic>().await;
 }
 
+/// Every op of every strategy, in chunks of `chunk_bytes`; the sessions
+/// are handed to `after` when their ops are done.
 async fn every_op_every_strategy<N: Net>() {
+    every_op_every_strategy_in::<N>(4096, |_| {}).await;
+}
+
+async fn every_op_every_strategy_in<N: Net>(chunk_bytes: usize, after: impl Fn(&[Session<N::T>])) {
     let n = 4;
     for strategy in Strategy::ALL {
-        let ss = sessions::<N>(n, strategy, 4096).await;
+        let ss = sessions::<N>(n, strategy, chunk_bytes).await;
+        let kept = ss.clone();
         let mut tasks = Vec::new();
         for s in ss {
             tasks.push(tokio::spawn(async move {
@@ -142,6 +224,7 @@ async fn every_op_every_strategy<N: Net>() {
         for t in tasks {
             t.await.unwrap_or_else(|e| panic!("{strategy}: {e}"));
         }
+        after(&kept);
     }
 }
 

@@ -18,6 +18,8 @@ use kungfu_topology::{PeerList, Rank};
 use tokio::net::TcpListener;
 
 use crate::endpoint::{Endpoint, Matcher, Pump, RecvKey};
+#[cfg(feature = "fabric")]
+use crate::fabric::{FabricConfig, FabricWire};
 use crate::pool::BufferPool;
 use crate::quic::{QuicConfig, QuicWire};
 use crate::region::{Mem, MemMut, Region};
@@ -67,7 +69,11 @@ impl TransportKind {
     /// Whether this build can connect it at all (a backend not built in
     /// is refused with a clear error wherever it is asked for).
     pub fn built(self) -> bool {
-        !matches!(self, TransportKind::Fabric | TransportKind::Verbs)
+        match self {
+            TransportKind::Fabric => cfg!(feature = "fabric"),
+            TransportKind::Verbs => false,
+            _ => true,
+        }
     }
 
     /// The kinds this build can connect, for messages.
@@ -110,6 +116,8 @@ pub enum AnyWire {
     Tcp(TcpWire),
     Shm(ShmWire),
     Quic(QuicWire),
+    #[cfg(feature = "fabric")]
+    Fabric(FabricWire),
 }
 
 /// An endpoint over the wires the job chose.
@@ -121,6 +129,8 @@ macro_rules! each {
             AnyWire::Tcp($w) => $e,
             AnyWire::Shm($w) => $e,
             AnyWire::Quic($w) => $e,
+            #[cfg(feature = "fabric")]
+            AnyWire::Fabric($w) => $e,
         }
     };
 }
@@ -197,6 +207,30 @@ pub async fn connect_quic(
     let wires = vec![AnyWire::Quic(wire)];
     let e = Endpoint::new(rank, size, version, "quic", matcher, pool, wires, ecfg);
     Ok(Arc::new(e))
+}
+
+/// libfabric to every peer (its addresses exchanged over the bootstrap
+/// connections accepted on `listener`).
+#[cfg(feature = "fabric")]
+pub async fn connect_fabric(
+    cfg: FabricConfig,
+    listener: TcpListener,
+) -> Result<Arc<AnyTransport>, TransportError> {
+    let (rank, size, version) = (cfg.rank, cfg.peers.len(), cfg.version);
+    let (wire, matcher, pool, ecfg) = FabricWire::connect(cfg, listener).await?;
+    let wires = vec![AnyWire::Fabric(wire)];
+    let e = Endpoint::new(rank, size, version, "fabric", matcher, pool, wires, ecfg);
+    Ok(Arc::new(e))
+}
+
+/// What the endpoint's wires are, for headers and logs: its name, and the
+/// libfabric provider where there is one (`fabric (tcp;ofi_rxm)`).
+pub fn describe(t: &AnyTransport) -> String {
+    match t.wires() {
+        #[cfg(feature = "fabric")]
+        [AnyWire::Fabric(f)] => format!("fabric ({})", f.provider()),
+        _ => t.name().to_string(),
+    }
 }
 
 /// Shared memory to every peer (all on this host).

@@ -80,6 +80,34 @@ where
     Ok(out)
 }
 
+/// A TCP connection to `p`, rank `peer`, with the shared handshake said
+/// (`Err((retry, why))` as [`dial`] takes it).
+pub(crate) async fn tcp_hello(
+    p: &kungfu_topology::Peer,
+    me: &crate::handshake::Identity,
+    peer: Rank,
+) -> Result<tokio::net::TcpStream, (bool, String)> {
+    let mut s = tokio::net::TcpStream::connect((p.host.as_str(), p.port))
+        .await
+        .map_err(|e| (true, format!("connect: {e}")))?;
+    s.set_nodelay(true)
+        .map_err(|e| (true, format!("nodelay: {e}")))?;
+    crate::handshake::dial(&mut s, me, peer)
+        .await
+        .map_err(|e| (e.retry, e.reason))?;
+    Ok(s)
+}
+
+/// Answers a TCP dialer's hello on `s`: its rank, if accepted.
+pub(crate) async fn tcp_answer(
+    s: &mut tokio::net::TcpStream,
+    me: &crate::handshake::Identity,
+    may_dial: impl Fn(Rank) -> bool,
+) -> Result<Rank, String> {
+    s.set_nodelay(true).map_err(|e| format!("nodelay: {e}"))?;
+    crate::handshake::answer(s, me, may_dial).await
+}
+
 /// What the acceptor's `accept` found.
 pub(crate) enum Incoming<S> {
     /// A connection from this address, to answer.

@@ -44,6 +44,33 @@ pub struct Identity {
     pub peers_digest: u64,
 }
 
+impl Identity {
+    /// Rank `rank` of the cluster `peers`, for the handshake; refused with
+    /// [`crate::TransportError::NoSuchPeer`] if `peers` has no such rank.
+    pub fn of(
+        cluster_id: u64,
+        version: ClusterVersion,
+        epoch: Epoch,
+        rank: Rank,
+        peers: &kungfu_topology::PeerList,
+    ) -> Result<Identity, crate::TransportError> {
+        if rank.idx() >= peers.len() {
+            return Err(crate::TransportError::NoSuchPeer {
+                peer: rank,
+                size: peers.len(),
+            });
+        }
+        Ok(Identity {
+            cluster_id,
+            version,
+            epoch,
+            rank,
+            size: peers.len(),
+            peers_digest: peers.digest().0,
+        })
+    }
+}
+
 /// What a dialer says first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Hello {

@@ -97,6 +97,10 @@ pub mod any;
 pub mod conformance;
 mod connect;
 pub mod endpoint;
+// libfabric's objects and the memory they write, behind the pending table.
+#[cfg(feature = "fabric")]
+#[allow(unsafe_code)]
+pub mod fabric;
 pub mod handshake;
 pub mod header;
 pub mod mem;
@@ -172,6 +176,10 @@ pub enum TransportError {
     NoSuchPeer { peer: Rank, size: usize },
     #[error("transport is shut down")]
     Closed,
+    /// A transport this machine cannot run (no RDMA device, no provider):
+    /// says what is missing.
+    #[error("transport {transport} is not available here: {reason}")]
+    Unavailable { transport: String, reason: String },
     /// Certificates or keys that cannot be used (QUIC's mutual TLS).
     #[error("TLS: {0}")]
     Tls(String),

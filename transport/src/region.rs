@@ -238,6 +238,12 @@ impl Region {
         }))
     }
 
+    /// Where the buffer starts, for registering it with a NIC (never
+    /// dereferenced here: every access goes through a share).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+
     /// How many shares are live (for tests and leak checks).
     pub fn shares(&self) -> usize {
         self.table().live().count()

@@ -244,7 +244,7 @@ pub(crate) async fn bench(args: Args) -> anyhow::Result<bool> {
         println!(
             "# kungfu-bench {}: {n} ranks, strategy {strategy}, transport {}, iters {}, warmup {}, check {}",
             args.op.name(),
-            w.env().transport,
+            w.transport_name(),
             args.iters,
             args.warmup,
             u8::from(args.check)

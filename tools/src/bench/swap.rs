@@ -51,7 +51,7 @@ pub(super) async fn swap_bench(iters: usize, warmup: usize) -> anyhow::Result<bo
             s.size(),
             iters,
             warmup,
-            w.env().transport
+            w.transport_name()
         );
         println!(
             "# swap latency (agreement, drain, consensus on the digest, epoch advance; slowest rank): mean {:.1} us, median {:.1} us, max {:.1} us",

@@ -35,7 +35,9 @@ options:
                         across), tcp, shm (every worker on one host), or quic
                         (mutual TLS: kungfu-run makes a CA for the job and a
                         certificate per worker, in a directory only you can
-                        read, removed at exit)
+                        read, removed at exit), or fabric (libfabric; choose
+                        the provider with -x KUNGFU_FABRIC_PROVIDER=P, e.g.
+                        verbs;ofi_rxm, efa, tcp;ofi_rxm, shm)
   --quic-ca F --quic-cert F --quic-key F
                         your own PEM files for quic instead (every worker
                         uses them; needed for quic across hosts)

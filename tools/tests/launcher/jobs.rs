@@ -504,3 +504,68 @@ fn quic_transport() {
     );
     std::fs::remove_dir_all(&tmp).unwrap();
 }
+
+/// libfabric under the launcher, over each provider that works without
+/// hardware: every op checked, the provider in the header.
+#[test]
+fn fabric_transport() {
+    for provider in ["tcp;ofi_rxm", "shm"] {
+        for (np, s, op) in [
+            (2, "STAR", "allreduce"),
+            (3, "RING", "allgather"),
+            (4, "AUTO", "broadcast"),
+        ] {
+            let np_s = np.to_string();
+            let prov = format!("KUNGFU_FABRIC_PROVIDER={provider}");
+            let cmd = kungfu_run(&[
+                "-np",
+                &np_s,
+                "--transport",
+                "fabric",
+                "-x",
+                &prov,
+                "--strategy",
+                s,
+                BENCH,
+                op,
+                "-b",
+                "0",
+                "-e",
+                "4M",
+                "-f",
+                "64",
+                "-n",
+                "2",
+                "-w",
+                "1",
+                "-c",
+                "1",
+            ]);
+            let out = run_bounded(cmd, Duration::from_secs(120));
+            let t = text(&out);
+            assert!(out.status.success(), "{provider} {op} np={np} {s}:\n{t}");
+            assert!(t.contains(&format!("transport fabric ({provider})")), "{t}");
+            assert!(t.contains("# Out of bounds values : 0 OK"), "{t}");
+        }
+    }
+    // a provider that is not there: a clear error naming it
+    let out = run_bounded(
+        kungfu_run(&[
+            "-np",
+            "2",
+            "--transport",
+            "fabric",
+            "-x",
+            "KUNGFU_FABRIC_PROVIDER=verbs;ofi_rxm",
+            BENCH,
+            "allreduce",
+        ]),
+        Duration::from_secs(60),
+    );
+    let t = text(&out);
+    assert!(!out.status.success(), "{t}");
+    assert!(
+        t.contains("transport fabric (verbs;ofi_rxm) is not available here"),
+        "{t}"
+    );
+}

@@ -12,6 +12,8 @@ use tokio::net::TcpListener;
 
 use super::{Cluster, ConformanceConfig};
 use crate::any::{connect_auto, AnyTransport};
+#[cfg(feature = "fabric")]
+use crate::fabric::{FabricConfig, FabricTransport};
 use crate::mem::{MemConfig, MemNetwork, MemTransport};
 use crate::quic::{JobCa, QuicConfig, QuicTls, QuicTransport};
 use crate::shm::{ShmConfig, ShmTransport};
@@ -179,6 +181,93 @@ pub fn bind_udp(n: usize) -> (Vec<std::net::UdpSocket>, PeerList) {
         })
         .collect();
     (sockets, PeerList::new(peers).expect("distinct ports"))
+}
+
+/// libfabric over its `tcp;ofi_rxm` provider (loopback).
+#[cfg(feature = "fabric")]
+pub struct FabricTcp;
+
+/// libfabric over its `shm` provider.
+#[cfg(feature = "fabric")]
+pub struct FabricShm;
+
+/// libfabric over `tcp;ofi_rxm`, registering every buffer (the path of
+/// providers that need `FI_MR_LOCAL`, such as verbs).
+#[cfg(feature = "fabric")]
+pub struct FabricRegistered;
+
+#[cfg(feature = "fabric")]
+macro_rules! fabric_cluster {
+    ($t:ty, $name:expr, $provider:expr, $register:expr) => {
+        impl Cluster for $t {
+            type T = FabricTransport;
+
+            fn name() -> &'static str {
+                $name
+            }
+
+            async fn connect(n: usize, cfg: ConformanceConfig) -> Vec<Arc<FabricTransport>> {
+                let (listeners, peers) = bind(&vec!["127.0.0.1"; n]).await;
+                let id = unique_cluster_id();
+                let tasks: Vec<_> = listeners
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, l)| {
+                        let mut c = fabric_config(&cfg, id, Rank(i as u32), &peers, $provider);
+                        c.register_always = $register;
+                        tokio::spawn(FabricTransport::connect(c, l))
+                    })
+                    .collect();
+                let mut out = Vec::new();
+                for t in tasks {
+                    out.push(t.await.expect("connect task").expect("fabric connect"));
+                }
+                out
+            }
+        }
+    };
+}
+
+#[cfg(feature = "fabric")]
+fabric_cluster!(FabricTcp, "fabric (tcp;ofi_rxm)", "tcp;ofi_rxm", false);
+#[cfg(feature = "fabric")]
+fabric_cluster!(FabricShm, "fabric (shm)", "shm", false);
+#[cfg(feature = "fabric")]
+fabric_cluster!(
+    FabricRegistered,
+    "fabric (tcp;ofi_rxm, registered)",
+    "tcp;ofi_rxm",
+    true
+);
+
+/// A fabric endpoint's settings for a conformance cluster: every frame
+/// eager (the suite receives without posting), in few slots.
+#[cfg(feature = "fabric")]
+pub fn fabric_config(
+    cfg: &ConformanceConfig,
+    id: u64,
+    rank: Rank,
+    peers: &PeerList,
+    provider: &str,
+) -> FabricConfig {
+    let mut c = FabricConfig::new(
+        id,
+        ClusterVersion(1),
+        cfg.epoch,
+        rank,
+        peers.clone(),
+        Some(provider.into()),
+    );
+    c.connect_timeout = CONNECT;
+    c.max_frame = cfg.max_frame;
+    c.mailbox_bytes = cfg.mailbox_bytes;
+    c.spin = cfg.spin;
+    c.eager_max = cfg.max_frame;
+    c.eager_slots = 8;
+    if provider.starts_with("tcp") {
+        c.domain = Some("lo".into()); // the loopback, never another interface
+    }
+    c
 }
 
 /// Shared memory, with rings of [`ConformanceConfig::ring_bytes`].

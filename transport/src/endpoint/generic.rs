@@ -85,6 +85,11 @@ impl<W: Wire> Endpoint<W> {
         }
     }
 
+    /// The endpoint's name (its wires: `tcp`, `shm+tcp`, `quic`, ...).
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
     /// The wires, in routing order.
     pub fn wires(&self) -> &[W] {
         &self.wires

@@ -233,6 +233,14 @@ impl Matcher {
         }
     }
 
+    /// Whether frames of `tag` are still wanted here: the matcher is open,
+    /// the tag's epoch is current and its op not retired (a wire that
+    /// holds receives posted for it cancels them otherwise).
+    pub fn wants(&self, tag: OpTag) -> bool {
+        let inner = self.lock();
+        !inner.closed && tag.epoch >= inner.epoch && !inner.retired.contains(&tag)
+    }
+
     /// Whether a payload of `len` bytes fits the budget now.
     pub fn has_room(&self, len: usize) -> bool {
         let inner = self.lock();

@@ -92,6 +92,17 @@ pub struct QuicConfig {
 }
 
 impl QuicConfig {
+    /// This rank's identity, once its rank is checked against the peers.
+    fn identity_checked(&self) -> Result<Identity, TransportError> {
+        Identity::of(
+            self.cluster_id,
+            self.version,
+            self.epoch,
+            self.rank,
+            &self.peers,
+        )
+    }
+
     /// Defaults: 30 s to connect, 64 MiB frames, a 256 MiB mailbox, 1024
     /// streams in flight per peer, 16 MiB stream and 64 MiB connection
     /// windows, lost after 30 s of silence, 8 MiB socket buffers.
@@ -124,14 +135,14 @@ impl QuicConfig {
     }
 
     fn identity(&self) -> Identity {
-        Identity {
-            cluster_id: self.cluster_id,
-            version: self.version,
-            epoch: self.epoch,
-            rank: self.rank,
-            size: self.peers.len(),
-            peers_digest: self.peers.digest().0,
-        }
+        Identity::of(
+            self.cluster_id,
+            self.version,
+            self.epoch,
+            self.rank,
+            &self.peers,
+        )
+        .expect("the rank is checked at connect")
     }
 
     fn transport_config(&self) -> Result<Arc<quinn::TransportConfig>, TransportError> {
@@ -215,12 +226,7 @@ impl QuicWire {
         socket: std::net::UdpSocket,
     ) -> Result<(QuicWire, Arc<Matcher>, Arc<BufferPool>, EndpointConfig), TransportError> {
         let n = config.peers.len();
-        if config.rank.idx() >= n {
-            return Err(TransportError::NoSuchPeer {
-                peer: config.rank,
-                size: n,
-            });
-        }
+        config.identity_checked()?;
         let deadline = Instant::now() + config.connect_timeout;
         let endpoint = quinn_endpoint(&config, socket)?;
         let cfg = Arc::new(config);

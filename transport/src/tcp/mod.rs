@@ -28,7 +28,7 @@ use crate::{ClusterVersion, Epoch, Header, Instant, PeerSet, Transport, Transpor
 
 use self::io::{read_loop, write_loop, Outgoing, WriterMsg};
 use crate::connect::{self, Incoming};
-use crate::handshake::{self, Identity};
+use crate::handshake::Identity;
 
 mod io;
 
@@ -66,16 +66,27 @@ pub struct TcpConfig {
 }
 
 impl TcpConfig {
+    /// This rank's identity, once its rank is checked against the peers.
+    fn identity_checked(&self) -> Result<Identity, TransportError> {
+        Identity::of(
+            self.cluster_id,
+            self.version,
+            self.epoch,
+            self.rank,
+            &self.peers,
+        )
+    }
+
     /// Who this endpoint is, for the handshake.
     fn identity(&self) -> Identity {
-        Identity {
-            cluster_id: self.cluster_id,
-            version: self.version,
-            epoch: self.epoch,
-            rank: self.rank,
-            size: self.peers.len(),
-            peers_digest: self.peers.digest().0,
-        }
+        Identity::of(
+            self.cluster_id,
+            self.version,
+            self.epoch,
+            self.rank,
+            &self.peers,
+        )
+        .expect("the rank is checked at connect")
     }
 
     /// Defaults: 30 s to connect, 64 MiB frames, a 256 MiB mailbox, a
@@ -152,12 +163,7 @@ impl TcpWire {
         listener: TcpListener,
     ) -> Result<(TcpWire, Arc<Matcher>, Arc<BufferPool>, EndpointConfig), TransportError> {
         let n = config.peers.len();
-        if config.rank.idx() >= n {
-            return Err(TransportError::NoSuchPeer {
-                peer: config.rank,
-                size: n,
-            });
-        }
+        config.identity_checked()?;
         let deadline = Instant::now() + config.connect_timeout;
         let cfg = Arc::new(config);
         let (dialed, accepted) = tokio::join!(
@@ -228,16 +234,9 @@ async fn dial_one(
     deadline: Instant,
 ) -> Result<TcpStream, TransportError> {
     let p = cfg.peers.peer(peer).expect("peer below our rank");
-    connect::dial(peer, p.to_string(), deadline, || async {
-        let mut s = TcpStream::connect((p.host.as_str(), p.port))
-            .await
-            .map_err(|e| (true, format!("connect: {e}")))?;
-        s.set_nodelay(true)
-            .map_err(|e| (true, format!("nodelay: {e}")))?;
-        handshake::dial(&mut s, &cfg.identity(), peer)
-            .await
-            .map_err(|e| (e.retry, e.reason))?;
-        Ok(s)
+    let me = cfg.identity();
+    connect::dial(peer, p.to_string(), deadline, || {
+        connect::tcp_hello(p, &me, peer)
     })
     .await
 }
@@ -271,10 +270,9 @@ async fn accept_higher(
 /// Answers a dialer's hello on `s` (the shared handshake): its rank, if
 /// accepted.
 async fn answer(cfg: &TcpConfig, mut s: TcpStream) -> Result<(Rank, TcpStream), String> {
-    s.set_nodelay(true).map_err(|e| format!("nodelay: {e}"))?;
     // Only higher ranks dial, and none that another wire reaches.
     let may_dial = |r: Rank| r > cfg.rank && !cfg.skip.contains(r);
-    let from = handshake::answer(&mut s, &cfg.identity(), may_dial).await?;
+    let from = connect::tcp_answer(&mut s, &cfg.identity(), may_dial).await?;
     Ok((from, s))
 }
 

@@ -1,0 +1,492 @@
+//! libfabric backend (RDMA through OFI): one reliable-datagram endpoint
+//! (`FI_EP_RDM`) per rank, tagged messages, receives posted straight into
+//! the op's memory (the `core` module says how frames travel and what holds their
+//! memory).
+//!
+//! **Providers.** [`FabricConfig::provider`] names one (`verbs;ofi_rxm` or
+//! `efa` on clusters; `tcp;ofi_rxm` and `shm` work on any Linux host), or
+//! leaves the choice to libfabric, which honours `FI_PROVIDER`. The bindings
+//! are our own thin `kungfu-fabric-sys` over the system library.
+//!
+//! **Bootstrap.** The endpoint addresses (`fi_getname`) are exchanged over
+//! the job's existing bootstrap: a TCP connection per pair of ranks on the
+//! peer list's addresses, opened with the shared handshake
+//! ([`crate::handshake`]), as the TCP wire does. Each rank inserts every
+//! address in rank order into a table AV, so rank `r` is address `r`. The
+//! connections stay open as control links: a peer whose link breaks is
+//! lost (libfabric itself may not notice a silent peer), and on close each
+//! side writes its goodbye there: `BYE!` and how many frames it sent this
+//! peer, which the peer waits for before it calls the link closed.
+//!
+//! **Registration.** Where the provider needs local buffers registered
+//! (`FI_MR_LOCAL`, e.g. verbs), the wire declares
+//! [`Caps::needs_registration`]: an op's region is registered once and the
+//! registration kept in the region (the registration cache), dropped with
+//! it. [`FabricConfig::register_always`] takes that path on providers that
+//! do not need it, to test it without hardware.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kungfu_topology::{PeerList, Rank};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Mutex as AsyncMutex;
+
+use self::core::{Core, Hold};
+use self::ofi::Ofi;
+use crate::connect::{self, Incoming};
+use crate::endpoint::{Endpoint, EndpointConfig, Matcher, Pump, RecvKey};
+use crate::handshake::Identity;
+use crate::pool::BufferPool;
+use crate::region::{Mem, MemMut, Region};
+use crate::wire::{Apply, Caps, Tasks, Wire};
+use crate::{ClusterVersion, Epoch, Header, Instant, OpTag, PeerSet, TransportError};
+
+mod core;
+mod ofi;
+
+/// Settings of a fabric endpoint.
+#[derive(Clone)]
+pub struct FabricConfig {
+    pub cluster_id: u64,
+    pub version: ClusterVersion,
+    pub epoch: Epoch,
+    pub rank: Rank,
+    pub peers: PeerList,
+    /// The libfabric provider (`tcp;ofi_rxm`, `shm`, `verbs;ofi_rxm`,
+    /// `efa`); `None`: libfabric's first choice (see `FI_PROVIDER`).
+    pub provider: Option<String>,
+    /// The provider's domain (for `tcp`, the network interface, e.g. `lo`);
+    /// `None`: its first.
+    pub domain: Option<String>,
+    pub connect_timeout: Duration,
+    pub max_frame: usize,
+    pub mailbox_bytes: usize,
+    pub pool: Option<Arc<BufferPool>>,
+    /// How long the progress task keeps polling after activity before it
+    /// sleeps.
+    pub spin: Duration,
+    /// Frames up to this size go eagerly into the wire's receive slots;
+    /// larger ones only into receives posted for them. Every rank must
+    /// use the same (checked at connect).
+    pub eager_max: usize,
+    /// Eager receive slots kept posted.
+    pub eager_slots: usize,
+    /// Register every buffer even where the provider does not ask for it.
+    pub register_always: bool,
+}
+
+impl FabricConfig {
+    /// This rank's identity, once its rank is checked against the peers.
+    fn identity_checked(&self) -> Result<Identity, TransportError> {
+        Identity::of(
+            self.cluster_id,
+            self.version,
+            self.epoch,
+            self.rank,
+            &self.peers,
+        )
+    }
+
+    /// Defaults: 30 s to connect, 64 MiB frames, a 256 MiB mailbox, 64 KiB
+    /// eager frames into 64 slots, 50 us of polling after activity.
+    pub fn new(
+        cluster_id: u64,
+        version: ClusterVersion,
+        epoch: Epoch,
+        rank: Rank,
+        peers: PeerList,
+        provider: Option<String>,
+    ) -> FabricConfig {
+        FabricConfig {
+            cluster_id,
+            version,
+            epoch,
+            rank,
+            peers,
+            provider,
+            domain: None,
+            connect_timeout: Duration::from_secs(30),
+            max_frame: 64 << 20,
+            mailbox_bytes: 256 << 20,
+            pool: None,
+            spin: Duration::from_micros(50),
+            eager_max: 64 << 10,
+            eager_slots: 64,
+            register_always: false,
+        }
+    }
+
+    fn identity(&self) -> Identity {
+        Identity::of(
+            self.cluster_id,
+            self.version,
+            self.epoch,
+            self.rank,
+            &self.peers,
+        )
+        .expect("the rank is checked at connect")
+    }
+}
+
+/// A fabric endpoint: the generic [`Endpoint`] over one [`FabricWire`].
+pub type FabricTransport = Endpoint<FabricWire>;
+
+/// The libfabric wire.
+pub struct FabricWire {
+    me: Rank,
+    size: usize,
+    core: Arc<Core>,
+    /// The write halves of the control links, for the goodbyes.
+    /// (Dropped on shutdown: the peers see the link end.)
+    links: Vec<AsyncMutex<Option<OwnedWriteHalf>>>,
+    progress: Tasks,
+    watchers: Tasks,
+}
+
+impl Endpoint<FabricWire> {
+    /// Opens the fabric endpoint and connects to every peer of
+    /// `config.peers` (the bootstrap listens on `listener`).
+    pub async fn connect(
+        config: FabricConfig,
+        listener: TcpListener,
+    ) -> Result<Arc<FabricTransport>, TransportError> {
+        let (rank, size, version) = (config.rank, config.peers.len(), config.version);
+        let (wire, matcher, pool, cfg) = FabricWire::connect(config, listener).await?;
+        let e = Endpoint::new(
+            rank,
+            size,
+            version,
+            "fabric",
+            matcher,
+            pool,
+            vec![wire],
+            cfg,
+        );
+        Ok(Arc::new(e))
+    }
+}
+
+/// What a rank tells each peer at connect: its eager limit and its address.
+async fn exchange(
+    s: &mut TcpStream,
+    eager_max: usize,
+    name: &[u8],
+    dialer: bool,
+) -> Result<(u32, Vec<u8>), String> {
+    let mut out = Vec::with_capacity(6 + name.len());
+    out.extend_from_slice(&(eager_max as u32).to_le_bytes());
+    out.extend_from_slice(&(name.len() as u16).to_le_bytes());
+    out.extend_from_slice(name);
+    if dialer {
+        s.write_all(&out)
+            .await
+            .map_err(|e| format!("send address: {e}"))?;
+        read_address(s).await
+    } else {
+        let got = read_address(s).await?;
+        s.write_all(&out)
+            .await
+            .map_err(|e| format!("send address: {e}"))?;
+        Ok(got)
+    }
+}
+
+async fn read_address(s: &mut TcpStream) -> Result<(u32, Vec<u8>), String> {
+    let mut head = [0u8; 6];
+    s.read_exact(&mut head)
+        .await
+        .map_err(|e| format!("read address: {e}"))?;
+    let eager = u32::from_le_bytes(head[..4].try_into().expect("4 bytes"));
+    let len = u16::from_le_bytes(head[4..].try_into().expect("2 bytes"));
+    let mut name = vec![0u8; usize::from(len)];
+    s.read_exact(&mut name)
+        .await
+        .map_err(|e| format!("read address: {e}"))?;
+    Ok((eager, name))
+}
+
+type Link = (TcpStream, u32, Vec<u8>);
+
+impl FabricWire {
+    /// [`FabricTransport::connect`]'s wire, with its matcher, pool and how
+    /// its endpoint should receive.
+    pub async fn connect(
+        config: FabricConfig,
+        listener: TcpListener,
+    ) -> Result<(FabricWire, Arc<Matcher>, Arc<BufferPool>, EndpointConfig), TransportError> {
+        let n = config.peers.len();
+        config.identity_checked()?;
+        let what = format!(
+            "fabric{}",
+            config
+                .provider
+                .as_ref()
+                .map(|p| format!(" ({p})"))
+                .unwrap_or_default()
+        );
+        let unavailable = |reason: String| TransportError::Unavailable {
+            transport: what.clone(),
+            reason,
+        };
+        let cq_size = (4 * config.eager_slots).max(1024);
+        let ofi = Ofi::open(
+            config.provider.as_deref(),
+            config.domain.as_deref(),
+            cq_size,
+        )
+        .map_err(unavailable)?;
+        let name = ofi.name().map_err(unavailable)?;
+        let deadline = Instant::now() + config.connect_timeout;
+        let cfg = Arc::new(config);
+        let (dialed, accepted) = tokio::join!(
+            dial_lower(&cfg, &name, deadline),
+            accept_higher(&cfg, &name, listener, deadline)
+        );
+        let mut links = dialed?;
+        links.extend(accepted?);
+        let mut names = vec![Vec::new(); n];
+        names[cfg.rank.idx()] = name;
+        for (peer, (_, eager, name)) in &links {
+            if *eager as usize != cfg.eager_max {
+                return Err(TransportError::Handshake {
+                    peer: Some(*peer),
+                    addr: String::new(),
+                    reason: format!(
+                        "eager limit {eager} there, {} here: every rank must use the same",
+                        cfg.eager_max
+                    ),
+                });
+            }
+            names[peer.idx()] = name.clone();
+        }
+        ofi.insert_all(&names).map_err(unavailable)?;
+
+        let matcher = Arc::new(Matcher::new(cfg.epoch, cfg.mailbox_bytes));
+        let pool = cfg
+            .pool
+            .clone()
+            .unwrap_or_else(|| BufferPool::new(BufferPool::DEFAULT_BUDGET));
+        let core = Arc::new(Core::new(
+            ofi,
+            matcher.clone(),
+            pool.clone(),
+            n,
+            cfg.eager_max,
+            cfg.max_frame,
+            cfg.register_always,
+            cfg.spin,
+            cfg.rank,
+        ));
+        core.post_slots(cfg.eager_slots).map_err(unavailable)?;
+        let progress = Tasks::new(vec![tokio::spawn(core::run(core.clone()))]);
+        let (mut writers, mut watchers) = (Vec::with_capacity(n), Vec::new());
+        for r in 0..n {
+            let peer = Rank(r as u32);
+            let Some((s, _, _)) = links.remove(&peer) else {
+                writers.push(AsyncMutex::new(None));
+                continue;
+            };
+            let (rd, wr) = s.into_split();
+            watchers.push(tokio::spawn(watch(rd, peer, core.clone())));
+            writers.push(AsyncMutex::new(Some(wr)));
+        }
+        let wire = FabricWire {
+            me: cfg.rank,
+            size: n,
+            core,
+            links: writers,
+            progress,
+            watchers: Tasks::new(watchers),
+        };
+        let ecfg = EndpointConfig {
+            spin: cfg.spin,
+            oversubscribed: cfg.peers.local_size(cfg.rank) > crate::host_cpus(),
+        };
+        Ok((wire, matcher, pool, ecfg))
+    }
+
+    /// Frames that landed in receives posted for them (above the eager
+    /// limit), so far.
+    pub fn frames_posted(&self) -> u64 {
+        self.core.posted_landed.load(Ordering::Relaxed)
+    }
+
+    /// The provider libfabric gave.
+    pub fn provider(&self) -> &str {
+        &self.core.ofi.provider
+    }
+}
+
+async fn dial_lower(
+    cfg: &Arc<FabricConfig>,
+    name: &[u8],
+    deadline: Instant,
+) -> Result<HashMap<Rank, Link>, TransportError> {
+    let lower = (0..cfg.rank.0).map(Rank);
+    connect::dial_all(lower, |peer| {
+        let (cfg, name) = (cfg.clone(), name.to_vec());
+        async move {
+            let p = cfg.peers.peer(peer).expect("peer below our rank");
+            let me = cfg.identity();
+            connect::dial(peer, p.to_string(), deadline, || async {
+                let mut s = connect::tcp_hello(p, &me, peer).await?;
+                let (eager, addr) = exchange(&mut s, cfg.eager_max, &name, true)
+                    .await
+                    .map_err(|e| (true, e))?;
+                Ok((s, eager, addr))
+            })
+            .await
+        }
+    })
+    .await
+}
+
+async fn accept_higher(
+    cfg: &Arc<FabricConfig>,
+    name: &[u8],
+    listener: TcpListener,
+    deadline: Instant,
+) -> Result<HashMap<Rank, Link>, TransportError> {
+    let wanted: Vec<Rank> = (cfg.rank.0 + 1..cfg.peers.len() as u32).map(Rank).collect();
+    let local = listener
+        .local_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
+    let incoming = || async {
+        match listener.accept().await {
+            Ok((s, addr)) => Incoming::Conn(s, addr.to_string()),
+            Err(e) => Incoming::Failed(format!("accept: {e}")),
+        }
+    };
+    let answer = |mut s: TcpStream| {
+        let (cfg, name) = (cfg.clone(), name.to_vec());
+        async move {
+            let may_dial = |r: Rank| r > cfg.rank;
+            let from = connect::tcp_answer(&mut s, &cfg.identity(), may_dial).await?;
+            let (eager, addr) = exchange(&mut s, cfg.eager_max, &name, false).await?;
+            Ok((from, (s, eager, addr)))
+        }
+    };
+    connect::accept(&wanted, &local, deadline, None, incoming, answer).await
+}
+
+/// Watches the control link of `peer`: its goodbye (then waits until its
+/// frames all arrived), or its end, is the end of the peer.
+async fn watch(mut rd: OwnedReadHalf, peer: Rank, core: Arc<Core>) {
+    let mut b = [0u8; 12];
+    let why = match rd.read_exact(&mut b).await {
+        Ok(_) if b[..4] == *b"BYE!" => {
+            let sent = u64::from_le_bytes(b[4..].try_into().expect("8 bytes"));
+            // its frames may still be in flight: wait for them (the close
+            // that reads this bounds the wait)
+            while core.received[peer.idx()].load(Ordering::Relaxed) < sent {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            "connection closed by peer".to_string()
+        }
+        Ok(_) => "protocol violation: bad goodbye on the control link".to_string(),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+            "connection closed by peer".to_string()
+        }
+        Err(e) => format!("control link: {e}"),
+    };
+    core.matcher.fail_peer(peer, why);
+}
+
+impl Wire for FabricWire {
+    fn caps(&self) -> Caps {
+        Caps {
+            name: "fabric",
+            max_frame: self.core.max_frame,
+            inject: false,
+            holds_sends: false,
+            // a spinning receive reads the CQ itself (manual progress),
+            // sooner than the progress task would
+            polled: true,
+            lends: false,
+            // a send resolves at its completion: libfabric is done with the
+            // op's memory
+            borrows_sends: true,
+            eager_max: self.core.eager_max,
+            needs_registration: self.core.registers(),
+        }
+    }
+
+    fn reaches(&self, peer: Rank) -> bool {
+        peer != self.me && peer.idx() < self.size
+    }
+
+    fn register(&self, region: &Arc<Region>) -> Result<(), TransportError> {
+        if self.core.registers() {
+            self.core.register_region(region)?;
+        }
+        Ok(())
+    }
+
+    fn post_recv(&self, key: RecvKey, mem: MemMut) -> Result<Option<MemMut>, TransportError> {
+        self.core.post(key, mem)
+    }
+
+    fn pump(&self, _tag: OpTag, _from: &PeerSet, _apply: Option<Apply<'_>>) -> Pump {
+        // frames go into the matcher (none is lent in place); a failing CQ
+        // is the progress task's to report
+        Pump::moved(self.core.progress().is_ok_and(|n| n > 0))
+    }
+
+    fn going_to_sleep(&self) {
+        // the receive stops polling: the progress task takes over at once
+        self.core.wake.notify_one();
+    }
+
+    async fn send(&self, to: Rank, header: Header, payload: Bytes) -> Result<(), TransportError> {
+        self.core.send(to, header, Hold::Bytes(payload)).await
+    }
+
+    async fn send_mem(&self, to: Rank, header: Header, payload: Mem) -> Result<(), TransportError> {
+        self.core.send(to, header, Hold::Mem(payload)).await
+    }
+
+    async fn close(&self, linger: Duration) {
+        let deadline = Instant::now() + linger;
+        self.core.closing.store(true, Ordering::Release);
+        // every send completed, then the goodbyes
+        while self.core.sends_in_flight() > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        for (r, link) in self.links.iter().enumerate() {
+            let mut bye = [0u8; 12];
+            bye[..4].copy_from_slice(b"BYE!");
+            bye[4..].copy_from_slice(&self.core.sent[r].load(Ordering::Relaxed).to_le_bytes());
+            if let Some(w) = link.lock().await.as_mut() {
+                let _ = tokio::time::timeout_at(deadline, w.write_all(&bye)).await;
+            }
+        }
+        // what the peers sent, until each said goodbye too
+        self.watchers.join_until(deadline).await;
+        self.shutdown();
+    }
+
+    fn shutdown(&self) {
+        self.core.closing.store(true, Ordering::Release);
+        self.progress.abort();
+        self.watchers.abort();
+        // the links end: the peers see this rank gone
+        for link in &self.links {
+            if let Ok(mut w) = link.try_lock() {
+                w.take();
+            }
+        }
+    }
+}
+
+impl Drop for FabricWire {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
