@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the Debian packages given (with sudo unless root), quietly; does
-# nothing without arguments. Used by scripts/test.sh and scripts/bench.sh.
+# nothing without arguments. Used by scripts/test.sh.
 set -euo pipefail
 (($#)) || exit 0
 sudo=""

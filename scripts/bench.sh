@@ -4,11 +4,6 @@
 # kungfu-bench (e.g. `scripts/bench.sh -e 16M -d half`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# the libfabric wire links the system libfabric (through pkg-config)
-need=()
-command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
-pkg-config --exists libfabric 2>/dev/null || need+=(libfabric-dev)
-scripts/apt-need.sh ${need[@]+"${need[@]}"}
 cargo build --release --locked -p kungfu-tools --bins
 exec target/release/kungfu-run -np 4 --timeout 10m \
   target/release/kungfu-bench allreduce -b 1K -e 64M -f 4 -n 20 -w 5 -c 1 "$@"

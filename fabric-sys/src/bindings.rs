@@ -2810,32 +2810,3 @@ impl Default for fi_msg_tagged {
         }
     }
 }
-unsafe extern "C" {
-    pub fn fi_strerror(errnum: ::std::os::raw::c_int) -> *const ::std::os::raw::c_char;
-    pub fn fi_version() -> u32;
-    pub fn fi_getinfo(
-        version: u32,
-        node: *const ::std::os::raw::c_char,
-        service: *const ::std::os::raw::c_char,
-        flags: u64,
-        hints: *const fi_info,
-        info: *mut *mut fi_info,
-    ) -> ::std::os::raw::c_int;
-    pub fn fi_freeinfo(info: *mut fi_info);
-    pub fn fi_dupinfo(info: *const fi_info) -> *mut fi_info;
-    pub fn fi_fabric(
-        attr: *mut fi_fabric_attr,
-        fabric: *mut *mut fid_fabric,
-        context: *mut ::std::os::raw::c_void,
-    ) -> ::std::os::raw::c_int;
-    pub fn fi_tostr(
-        data: *const ::std::os::raw::c_void,
-        datatype: fi_type,
-    ) -> *mut ::std::os::raw::c_char;
-    pub fn fi_tostr_r(
-        buf: *mut ::std::os::raw::c_char,
-        len: usize,
-        data: *const ::std::os::raw::c_void,
-        datatype: fi_type,
-    ) -> *mut ::std::os::raw::c_char;
-}

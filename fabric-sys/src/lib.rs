@@ -1,12 +1,16 @@
 //! Raw bindings to the system libfabric (OFI), version 1.17 of its API.
 //!
-//! Two layers, one flat namespace that keeps the C names:
+//! Three layers, one flat namespace that keeps the C names:
 //!
 //! - the bindgen output (`src/bindings.rs`, made by `regen.sh`, checked in
-//!   so that a build needs no libclang): the exported calls (`fi_getinfo`,
-//!   `fi_freeinfo`, `fi_dupinfo`, `fi_fabric`, `fi_strerror`, `fi_version`,
-//!   `fi_tostr`, `fi_tostr_r`), the structs (`fi_info` and its attributes, the `fid_*` objects and
-//!   their ops tables, the completion entries) and the `FI_*` constants;
+//!   so that a build needs no libclang): the structs (`fi_info` and its
+//!   attributes, the `fid_*` objects and their ops tables, the completion
+//!   entries) and the `FI_*` constants;
+//! - libfabric's exported calls (`fi_getinfo`, `fi_freeinfo`, `fi_dupinfo`,
+//!   `fi_fabric`, `fi_strerror`, `fi_version`, `fi_tostr`, `fi_tostr_r`),
+//!   loaded at run time from `libfabric.so.1` ([`load`]; nothing links
+//!   libfabric, and loading it keeps the program's signal handlers: see
+//!   the `dl` module);
 //! - hand-written `unsafe fn`s for the API that the headers define as
 //!   `static inline` calls through an object's ops table (`fi_domain`,
 //!   `fi_endpoint`, `fi_tsend`, `fi_cq_read`, `fi_close`, ...), which bindgen
@@ -44,6 +48,7 @@
 mod bindings;
 
 mod cq;
+mod dl;
 mod domain;
 mod endpoint;
 mod fabric;
@@ -52,6 +57,10 @@ mod tagged;
 
 pub use bindings::*;
 pub use cq::*;
+pub use dl::{
+    fi_dupinfo, fi_fabric, fi_freeinfo, fi_getinfo, fi_strerror, fi_tostr, fi_tostr_r, fi_version,
+};
+pub use dl::{load, LIBFABRIC};
 pub use domain::*;
 pub use endpoint::*;
 pub use fabric::*;

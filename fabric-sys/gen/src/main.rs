@@ -25,19 +25,9 @@ const HEADER: &str = "\
 #include <rdma/fi_tagged.h>
 ";
 
-/// Functions that libfabric.so exports. Everything else in the API is a
-/// `static inline` in the headers, which bindgen does not emit; those are
-/// written by hand in `src/` (calls through the ops tables).
-const FUNCTIONS: &[&str] = &[
-    "fi_getinfo",
-    "fi_freeinfo",
-    "fi_dupinfo",
-    "fi_fabric",
-    "fi_strerror",
-    "fi_version",
-    "fi_tostr",
-    "fi_tostr_r",
-];
+// No functions: libfabric's few exported calls (fi_getinfo, fi_freeinfo,
+// fi_dupinfo, fi_fabric, fi_strerror, fi_version, fi_tostr, fi_tostr_r) are
+// loaded at run time by src/dl.rs, so that nothing links libfabric.
 
 /// Types bound (with everything they reference).
 const TYPES: &[&str] = &[
@@ -121,9 +111,6 @@ fn main() {
         .merge_extern_blocks(true)
         .wrap_unsafe_ops(true)
         .sort_semantically(true);
-    for f in FUNCTIONS {
-        builder = builder.allowlist_function(f);
-    }
     for t in TYPES {
         builder = builder.allowlist_type(t);
     }

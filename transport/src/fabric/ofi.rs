@@ -105,6 +105,8 @@ impl Ofi {
             mr_mode: 0,
             provider: String::new(),
         };
+        // libfabric is loaded now, not at program start (see fabric-sys)
+        kungfu_fabric_sys::load()?;
         o.info = get_info(provider, domain)?;
         // SAFETY: `o.info` is the non-empty list fi_getinfo returned; every
         // object is opened on the one before it and stored in `o` at once,
