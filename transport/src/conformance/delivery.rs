@@ -3,11 +3,11 @@
 use std::sync::{Arc, Mutex};
 
 use super::{
-    join_all, others, poll_once, queued, rank, receive, send_ok, shuffle, soon, spawn_sends, tag,
-    Cluster, ConformanceConfig, Expect, How, Msg,
+    check_same, join_all, one, others, poll_once, queued, rank, receive, recv_ok, send_ok, shuffle,
+    soon, spawn_sends, tag, Cluster, ConformanceConfig, Expect, How, Msg,
 };
 use crate::mem::SeededRng;
-use crate::{PeerSet, Transport, HEADER_LEN};
+use crate::{PeerSet, Region, Transport, HEADER_LEN};
 
 /// Payload sizes that find the edges: empty, one byte, odd, around the
 /// ring's size and the header's, several rings (a frame that streams
@@ -244,5 +244,40 @@ pub async fn out_of_order<C: Cluster>() {
     }
     for t in &ts {
         assert_eq!(queued(&**t), 0, "{}: bytes left held", C::name());
+    }
+}
+
+/// Frames sent from a region's memory ([`Transport::send_mem`], as ops
+/// send from their own buffers) between every ordered pair of three ranks,
+/// of sizes from one byte to past the eager limits: each arrives exact,
+/// and where the wire declares it borrows sends, the region holds no share
+/// once the send resolved (an op may write that range again at once).
+pub async fn borrowed_sends<C: Cluster>() {
+    let n = 3;
+    let cfg = ConformanceConfig::default();
+    let ts = C::connect(n, cfg.clone()).await;
+    let x = tag(cfg.epoch, 61, 0);
+    for from in (0..n).map(rank) {
+        let t = &*ts[from.idx()];
+        for to in others(n, from) {
+            for (c, len) in [1usize, 4096, 200_003].into_iter().enumerate() {
+                let m = Msg::new(from, to, x, 3 * c as u32, len);
+                let region = Region::from_vec(m.payload.to_vec());
+                let mem = region.read(0..len).expect("a fresh region");
+                let sent = t.send_mem(to, m.header, mem).await;
+                sent.unwrap_or_else(|e| panic!("{}: send_mem: {e}", C::name()));
+                let borrows = t.peer_caps(to).is_some_and(|c| c.borrows_sends);
+                if borrows {
+                    assert_eq!(
+                        region.shares(),
+                        0,
+                        "{}: send_mem resolved while the wire still holds the region",
+                        C::name()
+                    );
+                }
+                let f = recv_ok(C::name(), &*ts[to.idx()], x, &one(from)).await;
+                check_same(C::name(), &m, f.from, &f.header, &f.payload);
+            }
+        }
     }
 }

@@ -10,6 +10,8 @@
 //!   wrap a ring and so come in two pieces, one of which splits an element;
 //!   a declined frame comes back owned.
 //! - [`out_of_order`]: many tags interleaved, received in another order
+//! - [`borrowed_sends`]: frames sent from a region's memory; a wire that
+//!   borrows sends lets go of it before the send resolves
 //!   than sent, from chosen peers or any, sequentially and concurrently.
 //! - [`cancel_safety`]: receives dropped while they wait, before and after
 //!   their frame arrived, lose nothing.
@@ -90,7 +92,7 @@ mod failures;
 mod faults;
 mod posted;
 
-pub use delivery::{exact_delivery, in_place_delivery, out_of_order};
+pub use delivery::{borrowed_sends, exact_delivery, in_place_delivery, out_of_order};
 pub use failures::{bad_input, closed_endpoint, lost_peer};
 pub use faults::{back_pressure, cancel_safety, retired_tags_become_strays, stale_epochs};
 pub use posted::{posted_failures, posted_receives};
@@ -197,7 +199,7 @@ macro_rules! conformance_tests {
         $crate::conformance_tests!(@each $cluster;
             exact_delivery in_place_delivery out_of_order cancel_safety
             retired_tags_become_strays stale_epochs lost_peer back_pressure
-            closed_endpoint bad_input posted_receives posted_failures);
+            closed_endpoint bad_input posted_receives posted_failures borrowed_sends);
     };
     (@each $cluster:ty; $($case:ident)*) => {
         $(

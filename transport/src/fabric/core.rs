@@ -488,14 +488,24 @@ impl Core {
 
     fn complete(self: &Arc<Self>, op: Op, c: Cqe) {
         match (op.kind, c) {
-            (Kind::Send { mut done, .. }, Cqe::Done { .. }) => {
-                if let Some(d) = done.take() {
-                    let _ = d.send(Ok(()));
-                }
-            }
-            (Kind::Send { mut done, .. }, Cqe::Failed { why, .. }) => {
-                if let Some(d) = done.take() {
-                    let _ = d.send(Err(why));
+            (
+                Kind::Send {
+                    done,
+                    header,
+                    payload,
+                    _mrs,
+                },
+                c,
+            ) => {
+                // libfabric is done with the memory: let go of it before
+                // the sender hears (it may post a receive into that range
+                // at once)
+                drop((header, payload, _mrs));
+                if let Some(d) = done {
+                    let _ = d.send(match c {
+                        Cqe::Done { .. } => Ok(()),
+                        Cqe::Failed { why, .. } => Err(why),
+                    });
                 }
             }
             (Kind::Eager { slot }, Cqe::Done { len, src, .. }) => {
