@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use kungfu_collectives::{CollectiveError, OpStats, PeerStats, Session};
 use kungfu_topology::{Rank, Strategy};
+use kungfu_transport::any::TransportKind;
 use kungfu_transport::Transport;
 
 /// What a policy may ask for.
@@ -28,6 +29,11 @@ pub enum Action {
     Resize(u32),
     /// Train with this global batch size.
     SetBatchSize(u32),
+    /// Move to this transport (a fast fabric failed or degraded: go on
+    /// over TCP). Like a resize, the application applies it where it holds
+    /// the worker: `kungfu::Worker::swap_transport` (a collective, which
+    /// every worker reaches at the same point: right after the agreement).
+    SetTransport(TransportKind),
     /// The application's own action: a kind and a value it interprets.
     Custom { kind: u16, value: u64 },
 }
@@ -298,15 +304,20 @@ impl Policy for ScaleOnPlateau {
 }
 
 /// Slots of one worker's proposals in the agreement allgather.
-const SLOTS: usize = 5;
+const SLOTS: usize = 6;
 const NONE: u64 = 0;
 
-fn strategy_code(s: Strategy) -> u64 {
-    Strategy::ALL
-        .iter()
-        .position(|&x| x == s)
-        .expect("every strategy is in ALL") as u64
+/// `x`'s code in a proposal: its place in `all` (every value's list), plus
+/// one (0 is no proposal).
+fn code_of<X: PartialEq>(all: &[X], x: X) -> u64 {
+    all.iter()
+        .position(|a| *a == x)
+        .expect("every value is in ALL") as u64
         + 1
+}
+
+fn strategy_code(s: Strategy) -> u64 {
+    code_of(&Strategy::ALL, s)
 }
 
 fn encode(actions: &[Action]) -> [u64; SLOTS] {
@@ -321,6 +332,7 @@ fn encode(actions: &[Action]) -> [u64; SLOTS] {
                 v[3] = u64::from(kind) + 1;
                 v[4] = value;
             }
+            Action::SetTransport(t) if v[5] == NONE => v[5] = code_of(&TransportKind::ALL, t),
             _ => {}
         }
     }
@@ -358,6 +370,12 @@ fn decide(all: &[u64]) -> Vec<Action> {
     if let Some((k, c)) = first(3) {
         if let Ok(kind) = u16::try_from(k - 1) {
             out.push(Action::Custom { kind, value: c[4] });
+        }
+    }
+    if let Some((code, _)) = first(5) {
+        let t = usize::try_from(code - 1).ok();
+        if let Some(&t) = t.and_then(|i| TransportKind::ALL.get(i)) {
+            out.push(Action::SetTransport(t));
         }
     }
     out
@@ -505,6 +523,7 @@ mod tests {
             Action::SetStrategy(Strategy::Star),
             Action::Resize(3),
             Action::Custom { kind: 7, value: 99 },
+            Action::SetTransport(TransportKind::Tcp),
         ]);
         let all: Vec<u64> = [r0, r1, r2].concat();
         assert_eq!(
@@ -514,11 +533,18 @@ mod tests {
                 Action::Resize(3),
                 Action::SetBatchSize(64),
                 Action::Custom { kind: 7, value: 99 },
+                Action::SetTransport(TransportKind::Tcp),
             ]
         );
         assert!(decide(&[r0, r0].concat()).is_empty());
         // garbage from a peer is ignored, not a panic
-        assert!(decide(&[u64::MAX, u64::MAX, u64::MAX, u64::MAX, 0]).is_empty());
+        assert!(decide(&[u64::MAX, u64::MAX, u64::MAX, u64::MAX, 0, u64::MAX]).is_empty());
+        for t in TransportKind::ALL {
+            assert_eq!(
+                decide(&encode(&[Action::SetTransport(t)])),
+                vec![Action::SetTransport(t)]
+            );
+        }
         for s in Strategy::ALL {
             assert_eq!(
                 decide(&encode(&[Action::SetStrategy(s)])),

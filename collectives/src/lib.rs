@@ -79,5 +79,6 @@ pub use error::CollectiveError;
 pub use group::{Group, MemberCallback};
 pub use session::{
     Agreement, Callback, OpHandle, OpOutput, OpStats, PeerStats, Session, SessionConfig, SwapGate,
+    SwapTo,
 };
 pub use spec::{OpKind, OpSpec};

@@ -26,6 +26,9 @@ typedef uint64_t kf_handle;
 // handle).
 typedef void (*kf_callback)(kf_handle handle, kf_status status, void *user);
 
+// Transports (`KUNGFU_TRANSPORT`; `kf_set_transport` swaps at run time).
+typedef int32_t kf_transport;
+
 // Communication strategies (see the README's table).
 typedef int32_t kf_strategy;
 
@@ -156,6 +159,18 @@ typedef struct {
 
 #define KF_STRATEGY_RECURSIVE_DOUBLING 8
 
+#define KF_TRANSPORT_AUTO 0
+
+#define KF_TRANSPORT_TCP 1
+
+#define KF_TRANSPORT_SHM 2
+
+#define KF_TRANSPORT_QUIC 3
+
+#define KF_TRANSPORT_FABRIC 4
+
+#define KF_TRANSPORT_VERBS 5
+
 // `value` is a `kf_strategy`.
 #define KF_ACTION_SET_STRATEGY 1
 
@@ -167,6 +182,10 @@ typedef struct {
 
 // The application's own: `custom_kind` (0..65535) and `value`.
 #define KF_ACTION_CUSTOM 4
+
+// `value` is a `kf_transport`; the application applies it with
+// `kf_set_transport` (every rank, right after the agreement).
+#define KF_ACTION_SET_TRANSPORT 5
 
 #ifdef __cplusplus
 extern "C" {
@@ -343,6 +362,15 @@ kf_status kf_group_start(void);
 
 // Closes a group; at the outermost level, starts the fused ops.
 kf_status kf_group_end(void);
+
+// Switches the transport of later ops on every rank, at a consistency
+// barrier that advances the epoch, without tearing the job down: ops in
+// flight finish on the old transport, the ranks agree on the new one and
+// connect it, later ops run on it. A collective, like `kf_set_strategy`.
+// A transport that is not available (not built in, no device, `shm`
+// across hosts, `quic` without certificates) returns an error status on
+// every rank and changes nothing.
+kf_status kf_set_transport(kf_transport t);
 
 // Switches the strategy of later ops on every rank, at a consistency
 // barrier that advances the epoch. A collective: every rank calls it at

@@ -25,6 +25,9 @@ pub const KF_ACTION_RESIZE: kf_action_kind = 2;
 pub const KF_ACTION_SET_BATCH_SIZE: kf_action_kind = 3;
 /// The application's own: `custom_kind` (0..65535) and `value`.
 pub const KF_ACTION_CUSTOM: kf_action_kind = 4;
+/// `value` is a `kf_transport`; the application applies it with
+/// `kf_set_transport` (every rank, right after the agreement).
+pub const KF_ACTION_SET_TRANSPORT: kf_action_kind = 5;
 
 /// An action proposed by a worker or agreed by all.
 #[repr(C)]
@@ -100,6 +103,9 @@ fn action_of(a: &kf_action) -> Res<Action> {
         KF_ACTION_SET_BATCH_SIZE => {
             Action::SetBatchSize(u32::try_from(a.value).map_err(|_| too_big())?)
         }
+        KF_ACTION_SET_TRANSPORT => Action::SetTransport(crate::transport_of(
+            i32::try_from(a.value).map_err(|_| too_big())?,
+        )?),
         KF_ACTION_CUSTOM => Action::Custom {
             kind: u16::try_from(a.custom_kind)
                 .map_err(|_| invalid(format!("custom kind {} > 65535", a.custom_kind)))?,
@@ -125,6 +131,11 @@ fn c_action(a: &Action) -> kf_action {
             kind: KF_ACTION_SET_BATCH_SIZE,
             custom_kind: 0,
             value: u64::from(b),
+        },
+        Action::SetTransport(t) => kf_action {
+            kind: KF_ACTION_SET_TRANSPORT,
+            custom_kind: 0,
+            value: crate::transport_code(t) as u64,
         },
         Action::Custom { kind, value } => kf_action {
             kind: KF_ACTION_CUSTOM,

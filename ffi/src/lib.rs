@@ -122,6 +122,15 @@ pub const KF_STRATEGY_MULTI_BINARY_TREE_STAR: kf_strategy = 6;
 pub const KF_STRATEGY_CLIQUE: kf_strategy = 7;
 pub const KF_STRATEGY_RECURSIVE_DOUBLING: kf_strategy = 8;
 
+/// Transports (`KUNGFU_TRANSPORT`; `kf_set_transport` swaps at run time).
+pub type kf_transport = i32;
+pub const KF_TRANSPORT_AUTO: kf_transport = 0;
+pub const KF_TRANSPORT_TCP: kf_transport = 1;
+pub const KF_TRANSPORT_SHM: kf_transport = 2;
+pub const KF_TRANSPORT_QUIC: kf_transport = 3;
+pub const KF_TRANSPORT_FABRIC: kf_transport = 4;
+pub const KF_TRANSPORT_VERBS: kf_transport = 5;
+
 /// An op in flight or completed, until `kf_release`. Never 0.
 pub type kf_handle = u64;
 
@@ -242,6 +251,7 @@ fn ready(phase: &mut Phase) -> Res<&mut Lib> {
 struct Ctx {
     session: Session<AnyTransport>,
     rt: tokio::runtime::Handle,
+    swap: kungfu_runtime::TransportSwap,
 }
 
 /// The running session, started now if this is the first call needing it.
@@ -262,6 +272,7 @@ fn ctx() -> Res<Ctx> {
         Ok(r) => Ok(Ctx {
             session: r.worker.session().clone(),
             rt: r.rt.handle().clone(),
+            swap: r.worker.transport_swap(),
         }),
     }
 }
@@ -290,6 +301,31 @@ fn start(env: WorkerEnv) -> Result<Running, String> {
 
 // ---------------------------------------------------------------------------
 // arguments
+
+fn transport_of(t: kf_transport) -> Res<kungfu_transport::any::TransportKind> {
+    use kungfu_transport::any::TransportKind as K;
+    Ok(match t {
+        KF_TRANSPORT_AUTO => K::Auto,
+        KF_TRANSPORT_TCP => K::Tcp,
+        KF_TRANSPORT_SHM => K::Shm,
+        KF_TRANSPORT_QUIC => K::Quic,
+        KF_TRANSPORT_FABRIC => K::Fabric,
+        KF_TRANSPORT_VERBS => K::Verbs,
+        other => return Err(invalid(format!("unknown kf_transport {other}"))),
+    })
+}
+
+fn transport_code(t: kungfu_transport::any::TransportKind) -> kf_transport {
+    use kungfu_transport::any::TransportKind as K;
+    match t {
+        K::Auto => KF_TRANSPORT_AUTO,
+        K::Tcp => KF_TRANSPORT_TCP,
+        K::Shm => KF_TRANSPORT_SHM,
+        K::Quic => KF_TRANSPORT_QUIC,
+        K::Fabric => KF_TRANSPORT_FABRIC,
+        K::Verbs => KF_TRANSPORT_VERBS,
+    }
+}
 
 fn dtype_of(d: kf_dtype) -> Res<DType> {
     DType::ALL

@@ -9,7 +9,8 @@ use crate::handles::{Completion, OutPtr};
 use crate::request::{read_input, start_op};
 use crate::{
     ctx, fail_of, group, guard, invalid, kf_callback, kf_dtype, kf_handle, kf_op, kf_status,
-    kf_strategy, lock, name_of, op_of, ready, root_of, strategy_of, PHASE,
+    kf_strategy, kf_transport, lock, name_of, op_of, ready, root_of, strategy_of, transport_of,
+    PHASE,
 };
 
 /// Every rank gets the reduction of every rank's `count` elements.
@@ -317,6 +318,25 @@ pub extern "C" fn kf_group_start() -> kf_status {
 #[no_mangle]
 pub extern "C" fn kf_group_end() -> kf_status {
     guard(group::end)
+}
+
+/// Switches the transport of later ops on every rank, at a consistency
+/// barrier that advances the epoch, without tearing the job down: ops in
+/// flight finish on the old transport, the ranks agree on the new one and
+/// connect it, later ops run on it. A collective, like `kf_set_strategy`.
+/// A transport that is not available (not built in, no device, `shm`
+/// across hosts, `quic` without certificates) returns an error status on
+/// every rank and changes nothing.
+#[no_mangle]
+pub extern "C" fn kf_set_transport(t: kf_transport) -> kf_status {
+    guard(|| {
+        let kind = transport_of(t)?;
+        let ctx = ctx()?;
+        ctx.rt
+            .block_on(ctx.swap.swap(kind))
+            .map_err(|e| fail_of(&e))?;
+        Ok(())
+    })
 }
 
 /// Switches the strategy of later ops on every rank, at a consistency

@@ -351,6 +351,8 @@ fn the_api_before_kf_init_fails_cleanly() {
     assert_eq!(kf_group_start(), KF_ERR_NOT_INITIALIZED);
     assert_eq!(kf_set_strategy(77), KF_ERR_INVALID_ARGUMENT);
     assert_eq!(kf_set_strategy(KF_STRATEGY_RING), KF_ERR_NOT_INITIALIZED);
+    assert_eq!(kf_set_transport(77), KF_ERR_INVALID_ARGUMENT);
+    assert_eq!(kf_set_transport(KF_TRANSPORT_QUIC), KF_ERR_NOT_INITIALIZED);
     assert_eq!(
         (kf_rank(), kf_size(), kf_local_rank(), kf_local_size()),
         (-1, -1, -1, -1)

@@ -23,23 +23,21 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use kungfu_collectives::{CollectiveError, Element, ReduceOp, Session, SessionConfig};
+use kungfu_collectives::{CollectiveError, Element, ReduceOp, Session};
 use kungfu_topology::{PeerList, Rank, Strategy};
 use kungfu_transport::any::{self, AnyTransport, TransportKind};
-#[cfg(feature = "fabric")]
-use kungfu_transport::fabric::FabricConfig;
 use kungfu_transport::pool::BufferPool;
-use kungfu_transport::quic::{QuicConfig, QuicTls};
-use kungfu_transport::shm::ShmConfig;
-use kungfu_transport::tcp::TcpConfig;
-use kungfu_transport::{ClusterVersion, Epoch, TransportError};
+use kungfu_transport::TransportError;
 use tokio::net::TcpListener;
 use tokio::time::Instant;
 
+mod connect;
 pub mod elastic;
 pub mod env;
 pub mod listen;
 pub mod rendezvous;
+mod swap;
+pub use swap::TransportSwap;
 
 pub use env::{Discovery, Launcher, WorkerEnv};
 
@@ -84,6 +82,8 @@ pub struct Worker {
     /// The strategy in use before the last resize, until sync_state hands
     /// it to every worker.
     carry: Option<Strategy>,
+    /// The transport in use: the environment's, or the last one swapped to.
+    current: Arc<std::sync::Mutex<TransportKind>>,
 }
 
 /// What a resize did to this worker.
@@ -153,7 +153,8 @@ impl Worker {
             }
         };
         let pool = BufferPool::new(env.buffer_pool_bytes);
-        let session = connect(&env, &peers, cluster_id, &pool, listener, deadline).await?;
+        let env_transport = env.transport;
+        let session = connect::connect(&env, &peers, cluster_id, &pool, listener, deadline).await?;
         let fresh = env.config_server.is_some() && env.cluster_version > 0;
         Ok(Worker {
             env,
@@ -165,6 +166,7 @@ impl Worker {
             fresh,
             detached: false,
             carry: None,
+            current: Arc::new(std::sync::Mutex::new(env_transport)),
         })
     }
 
@@ -183,12 +185,39 @@ impl Worker {
     /// The transport asked for and what it connected, for headers and
     /// logs: `tcp`, `quic`, `auto (shm+tcp)`, `fabric (tcp;ofi_rxm)`.
     pub fn transport_name(&self) -> String {
-        let got = any::describe(self.session.transport());
-        if got.starts_with(self.env.transport.name()) {
+        let kind = self.transport_kind();
+        let got = any::describe(&self.session.transport());
+        if got.starts_with(kind.name()) {
             got
         } else {
-            format!("{} ({got})", self.env.transport)
+            format!("{kind} ({got})")
         }
+    }
+
+    /// The transport in use: the environment's, or the last one swapped to.
+    pub fn transport_kind(&self) -> TransportKind {
+        *self.current.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// What swaps this worker's transport ([`TransportSwap::swap`]).
+    pub fn transport_swap(&self) -> TransportSwap {
+        TransportSwap {
+            env: self.env.clone(),
+            peers: self.peers.clone(),
+            cluster_id: self.cluster_id,
+            pool: self.pool.clone(),
+            session: self.session.clone(),
+            current: self.current.clone(),
+        }
+    }
+
+    /// Swaps the transport at a consistency barrier (a collective: see
+    /// [`TransportSwap::swap`]); returns the new epoch.
+    pub async fn swap_transport(
+        &self,
+        kind: TransportKind,
+    ) -> Result<kungfu_transport::Epoch, CollectiveError> {
+        self.transport_swap().swap(kind).await
     }
 
     pub fn env(&self) -> &WorkerEnv {
@@ -351,6 +380,8 @@ impl Worker {
             });
         };
         let mut env = self.env.clone();
+        // the transport in use, which a swap may have changed
+        env.transport = self.transport_kind();
         // Every session of the new version starts on the launcher's
         // strategy (new workers know no other); the one in use here is
         // handed on by sync_state.
@@ -363,7 +394,7 @@ impl Worker {
         let listener = listen::listen(&me, self.env.listen_fd).await?;
         let old = self.session.clone();
         let (new, ()) = tokio::join!(
-            connect(
+            connect::connect(
                 &env,
                 &cfg.peers,
                 self.cluster_id,
@@ -436,141 +467,6 @@ fn op_failed(e: CollectiveError) -> BootstrapError {
     BootstrapError::Elastic(e.to_string())
 }
 
-/// Connects the transport `env` asks for, its wires on `pool`, and starts
-/// a session on it.
-async fn connect(
-    env: &WorkerEnv,
-    peers: &PeerList,
-    cluster_id: u64,
-    pool: &Arc<BufferPool>,
-    listener: TcpListener,
-    deadline: Instant,
-) -> Result<Session<AnyTransport>, BootstrapError> {
-    let connect_timeout = deadline.saturating_duration_since(Instant::now());
-    let one_host = peers.hosts().len() == 1;
-    let me = Rank(env.rank as u32);
-    // Every cluster version gets new connections, so its sessions start
-    // at epoch 0: swaps count from there (a Generation orders the two).
-    let version = ClusterVersion(u64::from(env.cluster_version));
-    let shm_cfg = || {
-        let mut c = ShmConfig::new(
-            cluster_id,
-            version,
-            Epoch(0),
-            Rank(env.rank as u32),
-            env.size,
-        );
-        c.connect_timeout = connect_timeout;
-        c.pool = Some(pool.clone());
-        if let Some(spin) = env.spin {
-            c.spin = spin;
-        }
-        c
-    };
-    let tcp_cfg = || {
-        let mut c = TcpConfig::new(
-            cluster_id,
-            version,
-            Epoch(0),
-            Rank(env.rank as u32),
-            peers.clone(),
-        );
-        c.connect_timeout = connect_timeout;
-        c.pool = Some(pool.clone());
-        if let Some(spin) = env.spin {
-            c.spin = spin;
-        }
-        c
-    };
-    let transport = match env.transport {
-        TransportKind::Shm if !one_host => {
-            return Err(BootstrapError::Env {
-                var: "KUNGFU_TRANSPORT".into(),
-                reason: format!(
-                    "shm needs every worker on one host; these are on {} hosts (use tcp or auto)",
-                    peers.hosts().len()
-                ),
-            });
-        }
-        TransportKind::Shm => {
-            drop(listener);
-            any::connect_shm(shm_cfg()).await?
-        }
-        TransportKind::Auto if one_host => {
-            drop(listener);
-            any::connect_shm(shm_cfg()).await?
-        }
-        TransportKind::Auto => any::connect_auto(tcp_cfg(), shm_cfg(), peers, listener).await?,
-        TransportKind::Quic => {
-            // UDP at the port of this rank's entry (reserved as TCP by the
-            // launcher; UDP's ports are another space)
-            drop(listener);
-            let tls = quic_tls(env)?;
-            let mut c = QuicConfig::new(cluster_id, version, Epoch(0), me, peers.clone(), tls);
-            c.connect_timeout = connect_timeout;
-            c.pool = Some(pool.clone());
-            if let Some(spin) = env.spin {
-                c.spin = spin;
-            }
-            let socket = kungfu_transport::quic::bind_udp(peers, me)?;
-            any::connect_quic(c, socket).await?
-        }
-        TransportKind::Tcp => any::connect_tcp(tcp_cfg(), listener).await?,
-        #[cfg(feature = "fabric")]
-        TransportKind::Fabric => {
-            let mut c = FabricConfig::new(
-                cluster_id,
-                version,
-                Epoch(0),
-                me,
-                peers.clone(),
-                env.fabric_provider.clone(),
-            );
-            c.connect_timeout = connect_timeout;
-            c.pool = Some(pool.clone());
-            if let Some(spin) = env.spin {
-                c.spin = spin;
-            }
-            // every worker on this machine's loopback: libfabric's tcp
-            // provider stays on it too
-            let loopback = peers
-                .peers()
-                .iter()
-                .all(|p| p.host.starts_with("127.") || p.host == "localhost");
-            if loopback && c.provider.as_deref().is_some_and(|p| p.starts_with("tcp")) {
-                c.domain = Some("lo".into());
-            }
-            any::connect_fabric(c, listener).await?
-        }
-        _ => return Err(BootstrapError::UnsupportedTransport(env.transport)),
-    };
-    Ok(Session::new(
-        transport,
-        peers.clone(),
-        SessionConfig {
-            strategy: env.strategy,
-            chunk_bytes: env.chunk_bytes,
-            auto: env.auto,
-            op_timeout: env.op_timeout,
-            ..SessionConfig::default()
-        },
-    )?)
-}
-
-/// This worker's QUIC certificates, from the files the environment names.
-fn quic_tls(env: &WorkerEnv) -> Result<QuicTls, BootstrapError> {
-    let Some(f) = &env.quic_files else {
-        return Err(BootstrapError::Env {
-            var: "KUNGFU_QUIC_CERT".into(),
-            reason:
-                "the quic transport needs KUNGFU_QUIC_CA, KUNGFU_QUIC_CERT and KUNGFU_QUIC_KEY \
-                     (PEM files; kungfu-run --transport quic makes them for each job)"
-                    .into(),
-        });
-    };
-    Ok(QuicTls::from_pem_files(&f.ca, &f.cert, &f.key)?)
-}
-
 #[cfg(test)]
 mod tests {
     use std::os::fd::IntoRawFd;
@@ -605,7 +501,8 @@ mod tests {
             let w = Worker::start(WorkerEnv::from_vars(&get).unwrap())
                 .await
                 .unwrap();
-            let pool = w.session().transport().pool();
+            let t = w.session().transport();
+            let pool = t.pool();
             assert_eq!(pool.budget(), 12345, "{transport}");
             assert!(Arc::ptr_eq(pool, &w.pool), "{transport}");
             w.close(Duration::ZERO).await;

@@ -50,20 +50,22 @@ impl JobTls {
     }
 }
 
-/// Where a QUIC job's certificates come from: the user's files, or a CA
+/// Where a job's QUIC certificates come from: the user's files, or a CA
 /// made for this job (one host only: the other hosts' launchers could not
-/// share its key). `None` for the other transports.
+/// share its key; made whatever the transport, so that a job may swap to
+/// QUIC while it runs). `None` for a job across hosts that does not start
+/// on QUIC and has no files of the user's (it cannot swap to QUIC).
 pub fn job_tls(
     transport: TransportKind,
     user: Option<&QuicFiles>,
     one_host: bool,
     cluster_id: u64,
 ) -> anyhow::Result<Option<JobTls>> {
-    if transport != TransportKind::Quic {
-        return Ok(None);
-    }
     if let Some(f) = user {
         return Ok(Some(JobTls::User(f.clone())));
+    }
+    if transport != TransportKind::Quic && !one_host {
+        return Ok(None);
     }
     anyhow::ensure!(
         one_host,

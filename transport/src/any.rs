@@ -69,11 +69,8 @@ impl TransportKind {
     /// Whether this build can connect it at all (a backend not built in
     /// is refused with a clear error wherever it is asked for).
     pub fn built(self) -> bool {
-        match self {
-            TransportKind::Fabric => cfg!(feature = "fabric"),
-            TransportKind::Verbs => false,
-            _ => true,
-        }
+        let fabric = cfg!(feature = "fabric");
+        !matches!(self, TransportKind::Verbs) && (fabric || self != TransportKind::Fabric)
     }
 
     /// The kinds this build can connect, for messages.

@@ -34,9 +34,11 @@ impl<T: Transport> Session<T> {
                 inner
                     .inflight
                     .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                // the op runs to its end on the transport it started on
+                let t = inner.transport();
                 self.inner.runtime.spawn(async move {
                     let started = std::time::Instant::now();
-                    let r = op.run(&inner).await;
+                    let r = op.run(&inner, &t).await;
                     if r.is_ok() {
                         lock(&inner.stats)
                             .entry(op.m.strategy())
@@ -53,7 +55,7 @@ impl<T: Transport> Session<T> {
                         }
                     }
                     let tag = op.m.tag();
-                    inner.transport.retire(tag);
+                    t.retire(tag);
                     lock(&inner.tombstones).insert(tag, op.m.digest(), *op.m.spec());
                     lock(&inner.names).end(tag.op);
                     done(r);
@@ -76,7 +78,7 @@ impl<T: Transport> Session<T> {
 
 /// Sends `abort` for op `tag` to every other rank.
 fn send_aborts<T: Transport>(inner: &Inner<T>, tag: OpTag, digest: u32, abort: &Abort) {
-    let t = &inner.transport;
+    let t = &inner.transport();
     let me = t.rank();
     let payload = abort.encode();
     let header = Header {
@@ -88,15 +90,20 @@ fn send_aborts<T: Transport>(inner: &Inner<T>, tag: OpTag, digest: u32, abort: &
         len: 0,
     };
     for r in (0..t.size() as u32).map(Rank).filter(|&r| r != me) {
-        send_abort(inner, r, header, payload.clone());
+        send_abort(inner, t, r, header, payload.clone());
     }
 }
 
 /// Sends one abort frame to `to`, unless it is known lost. Best effort:
 /// the local error stands either way; the send is bounded by the op
 /// timeout.
-pub(super) fn send_abort<T: Transport>(inner: &Inner<T>, to: Rank, header: Header, payload: Bytes) {
-    let t = &inner.transport;
+pub(super) fn send_abort<T: Transport>(
+    inner: &Inner<T>,
+    t: &Arc<T>,
+    to: Rank,
+    header: Header,
+    payload: Bytes,
+) {
     if t.check_peers(&[to].into_iter().collect()).is_err() {
         return;
     }
@@ -113,7 +120,8 @@ pub(super) fn send_abort<T: Transport>(inner: &Inner<T>, to: Rank, header: Heade
 pub(super) async fn watch_strays<T: Transport>(weak: std::sync::Weak<Inner<T>>) {
     loop {
         let Some(inner) = weak.upgrade() else { return };
-        let t = inner.transport.clone();
+        // the current transport: after a transport swap, the new one's
+        let t = inner.transport();
         drop(inner);
         // Wake up now and then to notice that the session is gone.
         let f = match t

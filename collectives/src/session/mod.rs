@@ -33,7 +33,7 @@ use driver::watch_strays;
 use running::RunningOp;
 use swap::{Deferred, Tombstones};
 
-pub use swap::{Agreement, SwapGate};
+pub use swap::{Agreement, SwapGate, SwapTo};
 
 pub use output::{Callback, OpHandle, OpOutput};
 pub use stats::{OpStats, PeerStats};
@@ -80,7 +80,10 @@ impl Default for SessionConfig {
 }
 
 struct Inner<T> {
-    transport: Arc<T>,
+    /// The transport of ops started from now on: replaced by a transport
+    /// swap ([`Session::swap_transport`]); each op keeps the one it started
+    /// on.
+    transport: std::sync::RwLock<Arc<T>>,
     peers: PeerList,
     config: SessionConfig,
     names: Mutex<NameTable>,
@@ -104,6 +107,16 @@ struct Inner<T> {
     /// While a swap is under way, the ops the caller starts wait here, in
     /// order, to start at the new epoch.
     gate: Mutex<SwapGate<Deferred>>,
+}
+
+impl<T> Inner<T> {
+    /// The transport ops start on now.
+    pub(super) fn transport(&self) -> Arc<T> {
+        self.transport
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
 }
 
 /// Named asynchronous collectives over one transport. Cheap to clone.
@@ -161,7 +174,7 @@ impl<T: Transport> Session<T> {
             strategy: Mutex::new(config.strategy),
             stats: Mutex::new(HashMap::new()),
             peer_stats: Mutex::new(vec![PeerStats::default(); peers.len()]),
-            transport,
+            transport: std::sync::RwLock::new(transport),
             peers,
             config,
             names: Mutex::new(NameTable::default()),
@@ -178,7 +191,7 @@ impl<T: Transport> Session<T> {
     }
 
     pub fn rank(&self) -> Rank {
-        self.inner.transport.rank()
+        self.inner.transport().rank()
     }
 }
 
@@ -203,7 +216,7 @@ impl Session<kungfu_transport::mem::MemTransport> {
 
 impl<T: Transport> Session<T> {
     pub fn size(&self) -> usize {
-        self.inner.transport.size()
+        self.inner.transport().size()
     }
 
     /// Whether `other` is a clone of this session.
@@ -213,7 +226,7 @@ impl<T: Transport> Session<T> {
 
     /// The swap epoch inside this session's cluster version.
     pub fn epoch(&self) -> Epoch {
-        self.inner.transport.epoch()
+        self.inner.transport().epoch()
     }
 
     /// The cluster version this session was connected at (fixed: a resize
@@ -221,7 +234,7 @@ impl<T: Transport> Session<T> {
     /// swaps and resizes alike.
     pub fn generation(&self) -> Generation {
         Generation {
-            version: self.inner.transport.version(),
+            version: self.inner.transport().version(),
             epoch: self.epoch(),
         }
     }
@@ -234,8 +247,8 @@ impl<T: Transport> Session<T> {
         &self.inner.config
     }
 
-    pub fn transport(&self) -> &Arc<T> {
-        &self.inner.transport
+    pub fn transport(&self) -> Arc<T> {
+        self.inner.transport()
     }
 
     /// The topology an op of `bytes` bytes per rank and `root` runs on.
@@ -693,11 +706,11 @@ impl<T: Transport> Session<T> {
     /// Closes the transport gracefully (see [`Transport::close`]): call it
     /// when this worker is done, so frames its peers still need arrive.
     pub async fn close(&self, linger: Duration) {
-        self.inner.transport.close(linger).await;
+        self.inner.transport().close(linger).await;
     }
 
     /// Stops the transport at once: ops in flight and later fail.
     pub fn shutdown(&self) {
-        self.inner.transport.shutdown();
+        self.inner.transport().shutdown();
     }
 }

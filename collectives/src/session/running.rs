@@ -115,8 +115,8 @@ impl RunningOp {
     pub(super) async fn run<T: Transport>(
         &mut self,
         inner: &Inner<T>,
+        t: &Arc<T>,
     ) -> Result<OpOutput, CollectiveError> {
-        let t = &inner.transport;
         let (m, work) = (&mut self.m, &mut self.work);
         // Lend ranges only where a wire of the op's peers needs them.
         let lend = work.is_lent()
@@ -207,7 +207,7 @@ impl RunningOp {
                         to,
                         header,
                         payload,
-                    } => send_abort(inner, to, header, payload),
+                    } => send_abort(inner, t, to, header, payload),
                 }
             }
             // A receive whose frame had come lands as it is posted, which
@@ -296,7 +296,7 @@ impl RunningOp {
         match event {
             OpEvent::Done => Ok(OpOutput {
                 out: self.work.output(self.m.output_range()),
-                version: inner.transport.version(),
+                version: t.version(),
                 epoch: self.m.tag().epoch,
                 strategy: self.m.strategy(),
             }),

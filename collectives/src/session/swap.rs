@@ -40,8 +40,50 @@ pub struct SwapGate<D> {
     swap: Option<Swap<D>>,
 }
 
+/// What a swap changes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SwapTo {
+    Strategy(Strategy),
+    /// The transport: its name, which every rank must ask for alike (e.g.
+    /// `fabric (tcp;ofi_rxm)`), and whether this rank can connect it.
+    Transport {
+        name: String,
+        available: bool,
+    },
+}
+
+impl SwapTo {
+    fn describe(&self) -> String {
+        match self {
+            SwapTo::Strategy(s) => format!("strategy {}", s.name()),
+            SwapTo::Transport {
+                name,
+                available: true,
+            } => format!("transport {name}"),
+            SwapTo::Transport {
+                name,
+                available: false,
+            } => {
+                format!("transport {name}, not available here")
+            }
+        }
+    }
+
+    fn digest_bytes(&self) -> Vec<u8> {
+        match self {
+            SwapTo::Strategy(s) => s.name().as_bytes().to_vec(),
+            SwapTo::Transport { name, available } => {
+                let mut b = b"transport\0".to_vec();
+                b.extend_from_slice(name.as_bytes());
+                b.push(u8::from(*available));
+                b
+            }
+        }
+    }
+}
+
 struct Swap<D> {
-    to: Strategy,
+    to: SwapTo,
     held: Vec<D>,
     /// Once asked for: the epoch the swap leaves and what must be agreed.
     agreement: Option<(Epoch, Agreement)>,
@@ -59,6 +101,9 @@ pub struct Agreement {
 impl Agreement {
     /// The name of a swap's consensus (internal names end in NUL).
     pub const NAME: &'static str = "kf/swap\0";
+    /// The name of a transport swap's second consensus: every rank
+    /// connected the new transport.
+    pub const CONNECTED: &'static str = "kf/swap-connected\0";
 }
 
 impl<D> Default for SwapGate<D> {
@@ -81,7 +126,7 @@ impl<D> SwapGate<D> {
     }
 
     /// Starts a swap to `to`: ops admitted from now on are held.
-    pub fn begin(&mut self, to: Strategy) -> Result<(), CollectiveError> {
+    pub fn begin(&mut self, to: SwapTo) -> Result<(), CollectiveError> {
         if self.swap.is_some() {
             return Err(invalid("another swap is under way on this session".into()));
         }
@@ -126,7 +171,7 @@ impl<D> SwapGate<D> {
                 .ok_or_else(|| invalid(format!("{epoch} is the last epoch")))?,
         );
         let digest = kungfu_topology::Digest::EMPTY
-            .bytes(s.to.name().as_bytes())
+            .bytes(&s.to.digest_bytes())
             .u64(u64::from(next.0))
             .u64(peers.digest().0)
             .0
@@ -141,27 +186,30 @@ impl<D> SwapGate<D> {
     /// transport to and the strategy to run on from then; if the ranks
     /// disagree, nothing changes and every rank gets
     /// [`CollectiveError::Mismatch`].
-    pub fn agreed(&self, same: bool) -> Result<(Epoch, Strategy), CollectiveError> {
+    pub fn agreed(&self, same: bool) -> Result<(Epoch, SwapTo), CollectiveError> {
         let Some(Swap {
             to,
             agreement: Some((epoch, a)),
             ..
-        }) = self.swap
+        }) = &self.swap
         else {
             return Err(invalid("no agreement was asked for".into()));
         };
         if !same {
+            let what = match to {
+                SwapTo::Strategy(_) => "different strategies",
+                SwapTo::Transport { .. } => {
+                    "different transports, or one not available on every rank"
+                }
+            };
             return Err(CollectiveError::Mismatch {
                 name: Agreement::NAME.into(),
-                epoch,
+                epoch: *epoch,
                 ranks: Vec::new(),
-                detail: format!(
-                    "ranks asked to swap to different strategies ({} here)",
-                    to.name()
-                ),
+                detail: format!("ranks asked to swap to {what} ({} here)", to.describe()),
             });
         }
-        Ok((a.next, to))
+        Ok((a.next, to.clone()))
     }
 
     /// Ends the swap, whether it took effect or not: the held ops, in the
@@ -212,7 +260,46 @@ impl<T: Transport> Session<T> {
     /// [`CollectiveError::Mismatch`]; if the barrier fails (a lost peer, a
     /// timeout), its error, and the session stays at the old epoch.
     pub async fn swap_strategy(&self, s: Strategy) -> Result<Epoch, CollectiveError> {
-        lock(&self.inner.gate).begin(s)?;
+        let no_connect = |_: Epoch| async { unreachable!("a strategy swap connects nothing") };
+        self.swap(SwapTo::Strategy(s), no_connect).await
+    }
+
+    /// Changes the transport at a consistency barrier, as
+    /// [`Session::swap_strategy`] changes the strategy; a collective.
+    ///
+    /// Ops started before the call finish on the old transport; ops
+    /// started meanwhile wait. The ranks agree (over the old transport)
+    /// that they all asked for `name` and can connect it here
+    /// (`available`): if not, nothing changes and every rank gets
+    /// [`CollectiveError::Mismatch`]. Then each calls `connect` with the
+    /// epoch the new transport starts at, and the ranks agree again that
+    /// every one connected: if one could not, every rank gets an error and
+    /// stays on the old transport (the new ones are shut down). Otherwise
+    /// later ops run on the new transport, and the old one closes in the
+    /// background (its goodbyes, within `linger`). Returns the new epoch.
+    pub async fn swap_transport<F, Fut>(
+        &self,
+        name: &str,
+        available: bool,
+        connect: F,
+    ) -> Result<Epoch, CollectiveError>
+    where
+        F: FnOnce(Epoch) -> Fut,
+        Fut: std::future::Future<Output = Result<Arc<T>, CollectiveError>>,
+    {
+        let to = SwapTo::Transport {
+            name: name.to_string(),
+            available,
+        };
+        self.swap(to, connect).await
+    }
+
+    async fn swap<F, Fut>(&self, to: SwapTo, connect: F) -> Result<Epoch, CollectiveError>
+    where
+        F: FnOnce(Epoch) -> Fut,
+        Fut: std::future::Future<Output = Result<Arc<T>, CollectiveError>>,
+    {
+        lock(&self.inner.gate).begin(to)?;
         // Reopens the gate even if this future is dropped half-way (the
         // ranks may then disagree on the epoch, and later ops fail on
         // their timeout, but none waits here for ever).
@@ -229,10 +316,14 @@ impl<T: Transport> Session<T> {
             }
         }
         let _reopen = Reopen(self);
-        self.swap_gated().await
+        self.swap_gated(connect).await
     }
 
-    async fn swap_gated(&self) -> Result<Epoch, CollectiveError> {
+    async fn swap_gated<F, Fut>(&self, connect: F) -> Result<Epoch, CollectiveError>
+    where
+        F: FnOnce(Epoch) -> Fut,
+        Fut: std::future::Future<Output = Result<Arc<T>, CollectiveError>>,
+    {
         use std::sync::atomic::Ordering;
         // Drain: every op in flight here ends (each within its own timeout).
         loop {
@@ -246,9 +337,51 @@ impl<T: Transport> Session<T> {
         let (tx, h) = OpHandle::<bool>::pair();
         self.consensus_with(Agreement::NAME, &agreement.digest, true, tx);
         let same = h.await?;
-        let (next, s) = lock(&self.inner.gate).agreed(same)?;
-        self.inner.transport.advance_epoch(next);
-        self.set_strategy(s);
+        let (next, to) = lock(&self.inner.gate).agreed(same)?;
+        match to {
+            SwapTo::Strategy(s) => {
+                self.inner.transport().advance_epoch(next);
+                self.set_strategy(s);
+            }
+            SwapTo::Transport { name, .. } => {
+                let new = connect(next).await;
+                // every rank connected, or all stay (agreed over the old)
+                let (tx, h) = OpHandle::<bool>::pair();
+                self.consensus_with(Agreement::CONNECTED, &[u8::from(new.is_ok())], true, tx);
+                let all = h.await?;
+                let new = match (new, all) {
+                    (Ok(t), true) => t,
+                    (Ok(t), false) => {
+                        t.shutdown();
+                        return Err(CollectiveError::Transport {
+                            name: Agreement::CONNECTED.into(),
+                            epoch: self.epoch(),
+                            source: kungfu_transport::TransportError::Unavailable {
+                                transport: name,
+                                reason: "another rank could not connect it; staying on the old transport".into(),
+                            },
+                        });
+                    }
+                    (Err(e), _) => return Err(e),
+                };
+                let old = std::mem::replace(
+                    &mut *self
+                        .inner
+                        .transport
+                        .write()
+                        .unwrap_or_else(|e| e.into_inner()),
+                    new,
+                );
+                let linger = self
+                    .inner
+                    .config
+                    .op_timeout
+                    .min(std::time::Duration::from_secs(5));
+                self.inner
+                    .runtime
+                    .spawn(async move { old.close(linger).await });
+            }
+        }
         Ok(next)
     }
 }
@@ -261,8 +394,11 @@ mod tests {
     fn the_gate_holds_ops_in_order_only_while_swapping() {
         let mut g = SwapGate::<u32>::default();
         assert_eq!(g.admit(1, |_| unreachable!("not held")), Some(1));
-        g.begin(Strategy::Ring).unwrap();
-        assert!(g.begin(Strategy::Ring).is_err(), "one swap at a time");
+        g.begin(SwapTo::Strategy(Strategy::Ring)).unwrap();
+        assert!(
+            g.begin(SwapTo::Strategy(Strategy::Ring)).is_err(),
+            "one swap at a time"
+        );
         assert_eq!(g.admit(2, |x| x * 10), None);
         assert_eq!(g.admit(3, |x| x * 10), None);
         assert_eq!(g.end(), [20, 30]);
@@ -276,11 +412,14 @@ mod tests {
         let peers = PeerList::local(3);
         let mut g = SwapGate::<()>::default();
         assert!(g.agreement(Epoch(0), &peers).is_err(), "no swap");
-        g.begin(Strategy::Ring).unwrap();
+        g.begin(SwapTo::Strategy(Strategy::Ring)).unwrap();
         assert!(g.agreed(true).is_err(), "nothing asked yet");
         let a = g.agreement(Epoch(4), &peers).unwrap();
         assert_eq!(a.next, Epoch(5));
-        assert_eq!(g.agreed(true).unwrap(), (Epoch(5), Strategy::Ring));
+        assert_eq!(
+            g.agreed(true).unwrap(),
+            (Epoch(5), SwapTo::Strategy(Strategy::Ring))
+        );
         match g.agreed(false) {
             Err(CollectiveError::Mismatch { epoch, detail, .. }) => {
                 assert_eq!(epoch, Epoch(4));
@@ -290,7 +429,7 @@ mod tests {
         }
         let digest = |s, e, p: &PeerList| {
             let mut g = SwapGate::<()>::default();
-            g.begin(s).unwrap();
+            g.begin(SwapTo::Strategy(s)).unwrap();
             g.agreement(e, p).unwrap().digest
         };
         assert_eq!(digest(Strategy::Ring, Epoch(4), &peers), a.digest);

@@ -4,7 +4,7 @@
 //! allreduce-max ops at the old epoch) agrees; then its endpoint advances
 //! the epoch and the held ops start, in order.
 
-use kungfu_collectives::{Agreement, CollectiveError, DType, OpKind, OpSpec, ReduceOp};
+use kungfu_collectives::{Agreement, CollectiveError, DType, OpKind, OpSpec, ReduceOp, SwapTo};
 use kungfu_topology::{Rank, Strategy};
 use kungfu_transport::Epoch;
 
@@ -25,7 +25,7 @@ impl Sim {
         if !node.alive {
             return;
         }
-        if let Err(e) = node.gate.begin(to) {
+        if let Err(e) = node.gate.begin(SwapTo::Strategy(to)) {
             self.swaps[r.idx()].push((self.now, Err(e.to_string())));
             return;
         }
@@ -76,7 +76,10 @@ impl Sim {
                     let (max, notmin) = b.split_at(b.len() / 2);
                     let same = max.iter().zip(notmin).all(|(a, b)| *a == !*b);
                     match self.nodes[r.idx()].gate.agreed(same) {
-                        Ok((next, s)) => {
+                        Ok((next, to)) => {
+                            let SwapTo::Strategy(s) = to else {
+                                unreachable!("the simulation swaps strategies")
+                            };
                             let node = &mut self.nodes[r.idx()];
                             node.epoch = next;
                             node.strategy = s;

@@ -414,6 +414,13 @@ async fn train(args: Args) -> anyhow::Result<()> {
                         println!("step {step}: strategy -> {s}");
                     }
                 }
+                Action::SetTransport(t) => {
+                    // every worker, right after the same agreement
+                    let epoch = w.swap_transport(t).await?;
+                    if w.rank() == 0 {
+                        println!("step {step}: transport -> {} ({epoch})", w.transport_name());
+                    }
+                }
                 Action::Resize(size) => {
                     let before = w.size();
                     let res = w.resize(size as usize).await?;

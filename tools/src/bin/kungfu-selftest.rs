@@ -4,12 +4,16 @@
 //! ```text
 //! kungfu-run -np 4 kungfu-selftest [--steps N] [--size ELEMS]
 //!            [--exit RANK:STEP:CODE] [--hang RANK:STEP]
-//!            [--check-port] [--wait-for PATH]
+//!            [--check-port] [--wait-for PATH] [--swap-transports T,T,...]
 //! ```
 //! Each step allreduces a gradient-sized buffer of exact values and checks
 //! the result. `--exit` makes one rank exit with CODE at STEP; `--hang`
 //! makes one rank stop taking part (the others must fail by their
 //! deadline). Every rank prints its pid first, so tests can kill one.
+//!
+//! `--swap-transports quic,fabric,tcp` swaps the transport to each in
+//! turn at evenly spaced steps (a collective: every rank does), checking
+//! every step before and after.
 //!
 //! For the launcher's port tests: `--check-port` fails unless this
 //! worker's address is already bound when it starts (kungfu-run binds it
@@ -30,6 +34,7 @@ struct Args {
     hang: Option<(usize, usize)>,
     check_port: bool,
     wait_for: Option<std::path::PathBuf>,
+    swaps: Vec<kungfu_transport::any::TransportKind>,
 }
 
 fn parse(a: &[String]) -> anyhow::Result<Args> {
@@ -40,6 +45,7 @@ fn parse(a: &[String]) -> anyhow::Result<Args> {
         hang: None,
         check_port: false,
         wait_for: None,
+        swaps: Vec::new(),
     };
     let mut i = 0;
     while i < a.len() {
@@ -68,6 +74,12 @@ fn parse(a: &[String]) -> anyhow::Result<Args> {
                 _ => bail!("--hang RANK:STEP"),
             },
             "--wait-for" => r.wait_for = Some(v.into()),
+            "--swap-transports" => {
+                r.swaps = v
+                    .split(',')
+                    .map(|t| t.parse().map_err(anyhow::Error::msg))
+                    .collect::<anyhow::Result<_>>()?
+            }
             f => bail!("unknown option {f:?}"),
         }
         i += 2;
@@ -121,7 +133,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
         println!("address {me}: waiting for {}", path.display());
         wait_for(path).await?;
     }
+    let every = args.steps / (args.swaps.len() + 1).max(1);
     for step in 0..args.steps {
+        if every > 0 && step > 0 && step % every == 0 {
+            if let Some(&to) = args.swaps.get(step / every - 1) {
+                let epoch = w.swap_transport(to).await?;
+                println!("step {step}: swapped to {} ({epoch})", w.transport_name());
+            }
+        }
         if args.exit.is_some_and(|(r, st, _)| r == rank && st == step) {
             let code = args.exit.expect("checked").2;
             println!("step {step}: exiting with status {code} as asked");

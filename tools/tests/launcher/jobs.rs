@@ -569,3 +569,55 @@ fn fabric_transport() {
         "{t}"
     );
 }
+
+/// The transport swapped while a training loop runs (kungfu-selftest checks
+/// every step exactly): tcp -> quic -> fabric -> tcp, through the runtime
+/// (each worker rebinds its port, QUIC with the job's certificates). A
+/// transport that is not built in fails on every worker, saying so.
+#[test]
+fn transport_swap_in_a_training_loop() {
+    let cmd = kungfu_run(&[
+        "-np",
+        "4",
+        "--transport",
+        "tcp",
+        "-x",
+        "KUNGFU_FABRIC_PROVIDER=tcp;ofi_rxm",
+        SELFTEST,
+        "--steps",
+        "16",
+        "--size",
+        "100003",
+        "--swap-transports",
+        "quic,fabric,tcp",
+    ]);
+    let out = run_bounded(cmd, Duration::from_secs(120));
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    for want in [
+        "swapped to quic (epoch 1)",
+        "swapped to fabric (tcp;ofi_rxm) (epoch 2)",
+        "swapped to tcp (epoch 3)",
+    ] {
+        assert_eq!(t.matches(want).count(), 4, "{want}:\n{t}");
+    }
+    assert_eq!(t.matches("] done").count(), 4, "{t}");
+
+    let cmd = kungfu_run(&[
+        "-np",
+        "2",
+        SELFTEST,
+        "--steps",
+        "4",
+        "--swap-transports",
+        "verbs",
+    ]);
+    let out = run_bounded(cmd, Duration::from_secs(60));
+    let t = text(&out);
+    assert!(!out.status.success(), "{t}");
+    assert_eq!(
+        t.matches("transport verbs is not available").count(),
+        2,
+        "{t}"
+    );
+}

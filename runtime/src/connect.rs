@@ -1,0 +1,202 @@
+//! Connecting a worker's transport: the one `KUNGFU_TRANSPORT` asks for at
+//! start and after a resize, or the one a transport swap moves to.
+
+use std::sync::Arc;
+
+use kungfu_collectives::{Session, SessionConfig};
+use kungfu_topology::{PeerList, Rank};
+use kungfu_transport::any::{self, AnyTransport, TransportKind};
+#[cfg(feature = "fabric")]
+use kungfu_transport::fabric::FabricConfig;
+use kungfu_transport::pool::BufferPool;
+use kungfu_transport::quic::{QuicConfig, QuicTls};
+use kungfu_transport::shm::ShmConfig;
+use kungfu_transport::tcp::TcpConfig;
+use kungfu_transport::{ClusterVersion, Epoch};
+use tokio::net::TcpListener;
+use tokio::time::Instant;
+
+use crate::{BootstrapError, WorkerEnv};
+
+/// Connects the transport `env` asks for, its wires on `pool`, and starts
+/// a session on it.
+pub(crate) async fn connect(
+    env: &WorkerEnv,
+    peers: &PeerList,
+    cluster_id: u64,
+    pool: &Arc<BufferPool>,
+    listener: TcpListener,
+    deadline: Instant,
+) -> Result<Session<AnyTransport>, BootstrapError> {
+    let link = Link {
+        env,
+        peers,
+        cluster_id,
+        pool,
+    };
+    let transport = link
+        .transport(env.transport, listener, Epoch(0), deadline)
+        .await?;
+    Ok(Session::new(
+        transport,
+        peers.clone(),
+        SessionConfig {
+            strategy: env.strategy,
+            chunk_bytes: env.chunk_bytes,
+            auto: env.auto,
+            op_timeout: env.op_timeout,
+            ..SessionConfig::default()
+        },
+    )?)
+}
+
+/// What a worker connects a transport with.
+pub(crate) struct Link<'a> {
+    pub(crate) env: &'a WorkerEnv,
+    pub(crate) peers: &'a PeerList,
+    pub(crate) cluster_id: u64,
+    pub(crate) pool: &'a Arc<BufferPool>,
+}
+
+impl Link<'_> {
+    /// Whether `kind` can connect here (built in, the hosts and the
+    /// certificates it needs), and if not, why.
+    pub(crate) fn can(&self, kind: TransportKind) -> Result<(), BootstrapError> {
+        if !kind.built() {
+            return Err(BootstrapError::UnsupportedTransport(kind));
+        }
+        if kind == TransportKind::Shm && self.peers.hosts().len() > 1 {
+            return Err(shm_across_hosts(self.peers));
+        }
+        if kind == TransportKind::Quic {
+            quic_tls(self.env)?;
+        }
+        Ok(())
+    }
+
+    /// Connects `kind` at `epoch`, its wires on the pool.
+    pub(crate) async fn transport(
+        &self,
+        kind: TransportKind,
+        listener: TcpListener,
+        epoch: Epoch,
+        deadline: Instant,
+    ) -> Result<Arc<AnyTransport>, BootstrapError> {
+        let Link {
+            env,
+            peers,
+            cluster_id,
+            pool,
+        } = *self;
+        let connect_timeout = deadline.saturating_duration_since(Instant::now());
+        let one_host = peers.hosts().len() == 1;
+        let me = Rank(env.rank as u32);
+        // Every cluster version gets new connections, so its sessions start
+        // at epoch 0: swaps count from there (a Generation orders the two); a
+        // transport swap connects at the epoch it takes effect at.
+        let version = ClusterVersion(u64::from(env.cluster_version));
+        let shm_cfg = || {
+            let mut c = ShmConfig::new(cluster_id, version, epoch, Rank(env.rank as u32), env.size);
+            c.connect_timeout = connect_timeout;
+            c.pool = Some(pool.clone());
+            if let Some(spin) = env.spin {
+                c.spin = spin;
+            }
+            c
+        };
+        let tcp_cfg = || {
+            let mut c = TcpConfig::new(
+                cluster_id,
+                version,
+                epoch,
+                Rank(env.rank as u32),
+                peers.clone(),
+            );
+            c.connect_timeout = connect_timeout;
+            c.pool = Some(pool.clone());
+            if let Some(spin) = env.spin {
+                c.spin = spin;
+            }
+            c
+        };
+        let transport = match kind {
+            TransportKind::Shm if !one_host => return Err(shm_across_hosts(peers)),
+            TransportKind::Shm => {
+                drop(listener);
+                any::connect_shm(shm_cfg()).await?
+            }
+            TransportKind::Auto if one_host => {
+                drop(listener);
+                any::connect_shm(shm_cfg()).await?
+            }
+            TransportKind::Auto => any::connect_auto(tcp_cfg(), shm_cfg(), peers, listener).await?,
+            TransportKind::Quic => {
+                // UDP at the port of this rank's entry (reserved as TCP by the
+                // launcher; UDP's ports are another space)
+                drop(listener);
+                let tls = quic_tls(env)?;
+                let mut c = QuicConfig::new(cluster_id, version, epoch, me, peers.clone(), tls);
+                c.connect_timeout = connect_timeout;
+                c.pool = Some(pool.clone());
+                if let Some(spin) = env.spin {
+                    c.spin = spin;
+                }
+                let socket = kungfu_transport::quic::bind_udp(peers, me)?;
+                any::connect_quic(c, socket).await?
+            }
+            TransportKind::Tcp => any::connect_tcp(tcp_cfg(), listener).await?,
+            #[cfg(feature = "fabric")]
+            TransportKind::Fabric => {
+                let mut c = FabricConfig::new(
+                    cluster_id,
+                    version,
+                    epoch,
+                    me,
+                    peers.clone(),
+                    env.fabric_provider.clone(),
+                );
+                c.connect_timeout = connect_timeout;
+                c.pool = Some(pool.clone());
+                if let Some(spin) = env.spin {
+                    c.spin = spin;
+                }
+                // every worker on this machine's loopback: libfabric's tcp
+                // provider stays on it too
+                let loopback = peers
+                    .peers()
+                    .iter()
+                    .all(|p| p.host.starts_with("127.") || p.host == "localhost");
+                if loopback && c.provider.as_deref().is_some_and(|p| p.starts_with("tcp")) {
+                    c.domain = Some("lo".into());
+                }
+                any::connect_fabric(c, listener).await?
+            }
+            _ => return Err(BootstrapError::UnsupportedTransport(kind)),
+        };
+        Ok(transport)
+    }
+}
+
+fn shm_across_hosts(peers: &PeerList) -> BootstrapError {
+    BootstrapError::Env {
+        var: "KUNGFU_TRANSPORT".into(),
+        reason: format!(
+            "shm needs every worker on one host; these are on {} hosts (use tcp or auto)",
+            peers.hosts().len()
+        ),
+    }
+}
+
+/// This worker's QUIC certificates, from the files the environment names.
+fn quic_tls(env: &WorkerEnv) -> Result<QuicTls, BootstrapError> {
+    let Some(f) = &env.quic_files else {
+        return Err(BootstrapError::Env {
+            var: "KUNGFU_QUIC_CERT".into(),
+            reason:
+                "the quic transport needs KUNGFU_QUIC_CA, KUNGFU_QUIC_CERT and KUNGFU_QUIC_KEY \
+                     (PEM files; kungfu-run --transport quic makes them for each job)"
+                    .into(),
+        });
+    };
+    Ok(QuicTls::from_pem_files(&f.ca, &f.cert, &f.key)?)
+}
