@@ -26,6 +26,9 @@ for c in rustfmt clippy; do
   fi
 done
 
+# builds and the C ABI tests' scratch copies need disk: say what there is
+df -h . "${TMPDIR:-/tmp}" 2>/dev/null || true
+
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== no source file over 800 lines (scripts/check-lines.sh)"
@@ -44,3 +47,5 @@ echo "== Miri: the shm ring and the C ABI layer (scripts/miri.sh --quick)"
 scripts/miri.sh --quick
 echo "== the commands of README.md and docs/ (release builds, then each block)"
 python3 scripts/doc-commands.py
+echo "== disk used by the build"
+du -sh target 2>/dev/null || true
