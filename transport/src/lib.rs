@@ -18,6 +18,9 @@
 //!   waiting.
 //! - [`mem::MemWire`] ([`mem::MemNetwork`]): in-process, for tests; it can
 //!   delay and reorder frames with a seeded RNG and kill ranks.
+//! - `verbs::VerbsWire` (feature `verbs`): ibverbs, an RC queue pair per
+//!   peer, large frames RDMA-written into posted receives; without an
+//!   RDMA device it says what is missing.
 //!
 //! Shared memory inside a host and TCP across is one endpoint over both
 //! wires ([`any::connect_auto`]), not a backend of its own.
@@ -74,6 +77,8 @@
 //! - `conformance`: the module `conformance`, the suite every backend
 //!   must pass, generic over a factory of clusters (test code: the test
 //!   crates enable it, normal builds leave it out).
+//! - `verbs`: the ibverbs wire, through sideway (libibverbs is loaded at
+//!   run time; building needs cmake and libclang).
 //!
 //! # Thread safety and cleanup
 //!
@@ -113,6 +118,11 @@ pub mod region;
 #[allow(unsafe_code)]
 pub mod shm;
 pub mod tcp;
+// ibverbs: queue pairs, registered memory and remote writes, every call
+// into libibverbs behind one seam (`verbs::seam`).
+#[cfg(feature = "verbs")]
+#[allow(unsafe_code)]
+pub mod verbs;
 pub mod wire;
 
 pub use endpoint::{Arrival, RecvKey};

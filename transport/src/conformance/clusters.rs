@@ -18,6 +18,8 @@ use crate::mem::{MemConfig, MemNetwork, MemTransport};
 use crate::quic::{JobCa, QuicConfig, QuicTls, QuicTransport};
 use crate::shm::{ShmConfig, ShmTransport};
 use crate::tcp::{TcpConfig, TcpTransport};
+#[cfg(feature = "verbs")]
+use crate::verbs::{fake::FakeNet, VerbsConfig, VerbsTransport};
 use crate::ClusterVersion;
 
 const CONNECT: Duration = Duration::from_secs(20);
@@ -267,6 +269,68 @@ pub fn fabric_config(
     if provider.starts_with("tcp") {
         c.domain = Some("lo".into()); // the loopback, never another interface
     }
+    c
+}
+
+/// The verbs wire over an in-process fake of an RC fabric (no device:
+/// the protocol, the bootstrap and the wire's handling of completions are
+/// real, the adapter is simulated).
+#[cfg(feature = "verbs")]
+pub struct VerbsFake;
+
+#[cfg(feature = "verbs")]
+impl Cluster for VerbsFake {
+    type T = VerbsTransport;
+
+    fn name() -> &'static str {
+        "verbs (fake fabric)"
+    }
+
+    async fn connect(n: usize, cfg: ConformanceConfig) -> Vec<Arc<VerbsTransport>> {
+        let (listeners, peers) = bind(&vec!["127.0.0.1"; n]).await;
+        let id = unique_cluster_id();
+        let net = FakeNet::new();
+        let tasks: Vec<_> = listeners
+            .into_iter()
+            .enumerate()
+            .map(|(i, l)| {
+                let c = verbs_config(&cfg, id, Rank(i as u32), &peers, None);
+                tokio::spawn(VerbsTransport::connect_fake(c, l, net.clone()))
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.expect("connect task").expect("verbs connect"));
+        }
+        out
+    }
+}
+
+/// A verbs endpoint's settings for a conformance cluster: every frame of
+/// the suite eager (it sends up to 1 MiB without posting), in 8 slots per
+/// peer (what a receiver with no room holds).
+#[cfg(feature = "verbs")]
+pub fn verbs_config(
+    cfg: &ConformanceConfig,
+    id: u64,
+    rank: Rank,
+    peers: &PeerList,
+    device: Option<String>,
+) -> VerbsConfig {
+    let mut c = VerbsConfig::new(
+        id,
+        ClusterVersion(1),
+        cfg.epoch,
+        rank,
+        peers.clone(),
+        device,
+    );
+    c.connect_timeout = CONNECT;
+    c.max_frame = cfg.max_frame;
+    c.mailbox_bytes = cfg.mailbox_bytes;
+    c.spin = cfg.spin;
+    c.eager_max = cfg.max_frame.min(1 << 20);
+    c.eager_slots = 8;
     c
 }
 
