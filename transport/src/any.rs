@@ -25,6 +25,8 @@ use crate::quic::{QuicConfig, QuicWire};
 use crate::region::{Mem, MemMut, Region};
 use crate::shm::{ShmConfig, ShmWire};
 use crate::tcp::{TcpConfig, TcpWire};
+#[cfg(feature = "verbs")]
+use crate::verbs::{VerbsConfig, VerbsWire};
 use crate::wire::{Apply, Caps, Wire};
 use crate::{Header, OpTag, PeerSet, TransportError};
 
@@ -69,8 +71,11 @@ impl TransportKind {
     /// Whether this build can connect it at all (a backend not built in
     /// is refused with a clear error wherever it is asked for).
     pub fn built(self) -> bool {
-        let fabric = cfg!(feature = "fabric");
-        !matches!(self, TransportKind::Verbs) && (fabric || self != TransportKind::Fabric)
+        match self {
+            TransportKind::Fabric => cfg!(feature = "fabric"),
+            TransportKind::Verbs => cfg!(feature = "verbs"),
+            _ => true,
+        }
     }
 
     /// The kinds this build can connect, for messages.
@@ -105,7 +110,7 @@ impl std::str::FromStr for TransportKind {
     }
 }
 
-/// A TCP, QUIC or shared-memory wire.
+/// A TCP, QUIC, shared-memory, libfabric or ibverbs wire.
 // One or two per process, in the endpoint's vector: boxing the larger one
 // would only add a pointer chase to every send.
 #[allow(clippy::large_enum_variant)]
@@ -115,6 +120,8 @@ pub enum AnyWire {
     Quic(QuicWire),
     #[cfg(feature = "fabric")]
     Fabric(FabricWire),
+    #[cfg(feature = "verbs")]
+    Verbs(VerbsWire),
 }
 
 /// An endpoint over the wires the job chose.
@@ -128,6 +135,8 @@ macro_rules! each {
             AnyWire::Quic($w) => $e,
             #[cfg(feature = "fabric")]
             AnyWire::Fabric($w) => $e,
+            #[cfg(feature = "verbs")]
+            AnyWire::Verbs($w) => $e,
         }
     };
 }
@@ -220,12 +229,30 @@ pub async fn connect_fabric(
     Ok(Arc::new(e))
 }
 
+/// ibverbs to every peer (queue pair info exchanged over the bootstrap
+/// connections accepted on `listener`). Without a usable RDMA device:
+/// [`TransportError::Unavailable`], saying what is missing.
+#[cfg(feature = "verbs")]
+pub async fn connect_verbs(
+    cfg: VerbsConfig,
+    listener: TcpListener,
+) -> Result<Arc<AnyTransport>, TransportError> {
+    let (rank, size, version) = (cfg.rank, cfg.peers.len(), cfg.version);
+    let (wire, matcher, pool, ecfg) = VerbsWire::connect(cfg, listener).await?;
+    let wires = vec![AnyWire::Verbs(wire)];
+    let e = Endpoint::new(rank, size, version, "verbs", matcher, pool, wires, ecfg);
+    Ok(Arc::new(e))
+}
+
 /// What the endpoint's wires are, for headers and logs: its name, and the
-/// libfabric provider where there is one (`fabric (tcp;ofi_rxm)`).
+/// libfabric provider or RDMA device where there is one
+/// (`fabric (tcp;ofi_rxm)`, `verbs (mlx5_0)`).
 pub fn describe(t: &AnyTransport) -> String {
     match t.wires() {
         #[cfg(feature = "fabric")]
         [AnyWire::Fabric(f)] => format!("fabric ({})", f.provider()),
+        #[cfg(feature = "verbs")]
+        [AnyWire::Verbs(v)] => format!("verbs ({})", v.device()),
         _ => t.name().to_string(),
     }
 }
@@ -289,6 +316,15 @@ mod tests {
         assert!(
             e.contains("carrier-pigeon") && e.contains("tcp, shm, quic"),
             "{e}"
+        );
+    }
+
+    #[test]
+    fn verbs_is_built_with_its_feature() {
+        assert_eq!(TransportKind::Verbs.built(), cfg!(feature = "verbs"));
+        assert_eq!(
+            TransportKind::available().contains("verbs"),
+            cfg!(feature = "verbs")
         );
     }
 }
