@@ -469,6 +469,12 @@ impl Drop for JobRings {
 /// Runs the job; returns the exit code for `kungfu-run`.
 pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
     anyhow::ensure!(!opts.program.is_empty(), "no program to run");
+    // Handle the signals before any worker starts: one that arrives while
+    // the job starts is forwarded too, never the default death that would
+    // leave the workers behind.
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sighup = signal(SignalKind::hangup())?;
     let slots = assign_ranks(opts.np, &opts.hosts)?;
     let all_local = opts.hosts.iter().all(|h| is_local_host(&h.host));
     let JobPorts {
@@ -581,9 +587,6 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
         }
     }
 
-    let mut sigint = signal(SignalKind::interrupt())?;
-    let mut sigterm = signal(SignalKind::terminate())?;
-    let mut sighup = signal(SignalKind::hangup())?;
     let job_deadline = opts.timeout.map(|d| Instant::now() + d);
     let far = Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600);
     // (when the next stop phase starts, the signal it sends)
