@@ -17,6 +17,9 @@ command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
 # the libfabric wire loads the system libfabric at run time (its tests use it)
 ldconfig -p | grep -q 'libfabric\.so\.1 ' || need+=(libfabric1)
+# the verbs wire's build: rdma-mummy-sys runs bindgen (libclang) and cmake
+# over its vendored rdma-core headers (libibverbs itself is loaded at run time)
+ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need+=(libclang-dev)
 # scripts/doc-commands.py runs the docs' commands
 command -v python3 >/dev/null 2>&1 || need+=(python3)
 scripts/apt-need.sh ${need[@]+"${need[@]}"}
@@ -41,6 +44,10 @@ echo "== cargo build (libkungfu.so/.a and kungfu-run, which the C ABI tests use)
 cargo build --workspace --locked
 echo "== cargo test"
 cargo test --workspace --locked
+echo "== the verbs wire (feature verbs): lints with the runtime, tests over the fake fabric and the clear error here"
+cargo clippy -p kungfu-transport -p kungfu --all-targets --locked \
+  --features kungfu-transport/verbs,kungfu-transport/conformance,kungfu/verbs -- -D warnings
+cargo test -p kungfu-transport --features verbs,conformance --locked verbs::
 echo "== benches (one quick pass each, so they never rot)"
 cargo test --workspace --benches --locked
 echo "== Miri: the shm ring and the C ABI layer (scripts/miri.sh --quick)"

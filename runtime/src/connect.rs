@@ -12,6 +12,8 @@ use kungfu_transport::pool::BufferPool;
 use kungfu_transport::quic::{QuicConfig, QuicTls};
 use kungfu_transport::shm::ShmConfig;
 use kungfu_transport::tcp::TcpConfig;
+#[cfg(feature = "verbs")]
+use kungfu_transport::verbs::VerbsConfig;
 use kungfu_transport::{ClusterVersion, Epoch};
 use tokio::net::TcpListener;
 use tokio::time::Instant;
@@ -68,8 +70,19 @@ impl Link<'_> {
         if kind == TransportKind::Shm && self.peers.hosts().len() > 1 {
             return Err(shm_across_hosts(self.peers));
         }
-        if kind == TransportKind::Quic {
-            quic_tls(self.env)?;
+        match kind {
+            TransportKind::Quic => {
+                quic_tls(self.env)?;
+            }
+            #[cfg(feature = "fabric")]
+            TransportKind::Fabric => {
+                kungfu_transport::fabric::probe(self.env.fabric_provider.as_deref())?;
+            }
+            #[cfg(feature = "verbs")]
+            TransportKind::Verbs => {
+                kungfu_transport::verbs::probe(self.env.verbs_device.as_deref())?;
+            }
+            _ => {}
         }
         Ok(())
     }
@@ -141,7 +154,7 @@ impl Link<'_> {
                 if let Some(spin) = env.spin {
                     c.spin = spin;
                 }
-                let socket = kungfu_transport::quic::bind_udp(peers, me)?;
+                let socket = kungfu_transport::quic::bind_udp_until(peers, me, deadline).await?;
                 any::connect_quic(c, socket).await?
             }
             TransportKind::Tcp => any::connect_tcp(tcp_cfg(), listener).await?,
@@ -171,6 +184,25 @@ impl Link<'_> {
                 }
                 any::connect_fabric(c, listener).await?
             }
+            #[cfg(feature = "verbs")]
+            TransportKind::Verbs => {
+                let mut c = VerbsConfig::new(
+                    cluster_id,
+                    version,
+                    epoch,
+                    me,
+                    peers.clone(),
+                    env.verbs_device.clone(),
+                );
+                c.connect_timeout = connect_timeout;
+                c.pool = Some(pool.clone());
+                if let Some(spin) = env.spin {
+                    c.spin = spin;
+                }
+                any::connect_verbs(c, listener).await?
+            }
+            // a wire this build does not have
+            #[allow(unreachable_patterns)]
             _ => return Err(BootstrapError::UnsupportedTransport(kind)),
         };
         Ok(transport)

@@ -100,6 +100,9 @@ pub struct WorkerEnv {
     /// e.g. `verbs;ofi_rxm`, `efa`, `tcp;ofi_rxm`, `shm`); unset,
     /// libfabric's first choice, which honours `FI_PROVIDER`.
     pub fabric_provider: Option<String>,
+    /// With `verbs`: the RDMA device (`KUNGFU_VERBS_DEVICE`, e.g. `mlx5_0`,
+    /// `rxe0`); unset, the first with an active port.
+    pub verbs_device: Option<String>,
     /// The cluster version (the config server's; the transport's
     /// `ClusterVersion`, widened where it connects).
     pub cluster_version: u32,
@@ -353,6 +356,7 @@ impl WorkerEnv {
                 .unwrap_or(TransportKind::Auto),
             quic_files: quic_files(get)?,
             fabric_provider: get("KUNGFU_FABRIC_PROVIDER").filter(|p| !p.is_empty()),
+            verbs_device: get("KUNGFU_VERBS_DEVICE").filter(|d| !d.is_empty()),
             cluster_version: get("KUNGFU_CLUSTER_VERSION")
                 .map(|v| parse("KUNGFU_CLUSTER_VERSION", &v))
                 .transpose()?

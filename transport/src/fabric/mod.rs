@@ -50,6 +50,37 @@ use crate::{ClusterVersion, Epoch, Header, Instant, OpTag, PeerSet, TransportErr
 mod core;
 mod ofi;
 
+/// The providers that mean RDMA hardware, in the order `auto` tries them.
+pub const HARDWARE_PROVIDERS: [&str; 2] = ["efa", "verbs;ofi_rxm"];
+
+/// The first of [`HARDWARE_PROVIDERS`] that libfabric offers here (it
+/// honours `FI_PROVIDER`), or why none: what `auto` asks before it moves a
+/// job across hosts onto the fabric.
+pub fn hardware_provider() -> Result<&'static str, TransportError> {
+    let mut why = Vec::new();
+    for p in HARDWARE_PROVIDERS {
+        match ofi::offers(Some(p)) {
+            Ok(_) => return Ok(p),
+            Err(e) => why.push(e),
+        }
+    }
+    Err(unavailable(why.join("; ")))
+}
+
+/// Checks, without connecting, whether libfabric offers the endpoints the
+/// wire needs from `provider` (`None`: any) here: the provider it would
+/// give, or [`TransportError::Unavailable`] saying why not.
+pub fn probe(provider: Option<&str>) -> Result<String, TransportError> {
+    ofi::offers(provider).map_err(unavailable)
+}
+
+fn unavailable(reason: String) -> TransportError {
+    TransportError::Unavailable {
+        transport: "fabric".into(),
+        reason,
+    }
+}
+
 /// Settings of a fabric endpoint.
 #[derive(Clone)]
 pub struct FabricConfig {
@@ -488,5 +519,26 @@ impl Wire for FabricWire {
 impl Drop for FabricWire {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `auto` finds: a hardware provider, or a reason that names each
+    /// one tried (this machine has no RDMA device: the latter here).
+    #[test]
+    fn hardware_provider_names_what_it_found_or_each_reason() {
+        match hardware_provider() {
+            Ok(p) => assert!(HARDWARE_PROVIDERS.contains(&p)),
+            Err(TransportError::Unavailable { transport, reason }) => {
+                assert_eq!(transport, "fabric");
+                // each provider's reason, or that libfabric did not load
+                let each = HARDWARE_PROVIDERS.iter().all(|p| reason.contains(p));
+                assert!(each || reason.contains("libfabric"), "{reason}");
+            }
+            Err(e) => panic!("{e}"),
+        }
     }
 }

@@ -437,6 +437,22 @@ impl Drop for Mr {
     }
 }
 
+/// Whether libfabric offers the endpoints the wire needs from `provider`
+/// (`None`: any) here: the provider it would give, or why none.
+pub(super) fn offers(provider: Option<&str>) -> Result<String, String> {
+    kungfu_fabric_sys::load()?;
+    let info = get_info(provider, None)?;
+    // SAFETY: `info` is the non-empty list fi_getinfo returned (its
+    // fabric_attr and prov_name set by libfabric), freed once.
+    unsafe {
+        let name = CStr::from_ptr((*(*info).fabric_attr).prov_name)
+            .to_string_lossy()
+            .into_owned();
+        fi_freeinfo(info);
+        Ok(name)
+    }
+}
+
 /// `fi_getinfo` for a tagged RDM endpoint with `FI_SOURCE` of `provider`.
 fn get_info(provider: Option<&str>, domain: Option<&str>) -> Result<*mut fi_info, String> {
     let cstr = |what: &str, v: Option<&str>| {

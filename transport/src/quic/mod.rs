@@ -200,21 +200,51 @@ impl Endpoint<QuicWire> {
 /// Binds the UDP socket of `rank` at its entry of `peers` (any address of
 /// the host if the entry's address is not this host's).
 pub fn bind_udp(peers: &PeerList, rank: Rank) -> Result<std::net::UdpSocket, TransportError> {
-    let p = peers.peer(rank).ok_or(TransportError::NoSuchPeer {
+    let p = entry(peers, rank)?;
+    try_bind(p).map_err(|e| bind_failed(p, rank, e))
+}
+
+/// [`bind_udp`], retrying while the port is still held (until `deadline`):
+/// after a transport swap the QUIC endpoint of an earlier epoch may still
+/// be closing on it (its connections draining) when the job swaps back.
+pub async fn bind_udp_until(
+    peers: &PeerList,
+    rank: Rank,
+    deadline: Instant,
+) -> Result<std::net::UdpSocket, TransportError> {
+    let p = entry(peers, rank)?;
+    loop {
+        match try_bind(p) {
+            Ok(s) => return Ok(s),
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(10)).await
+            }
+            Err(e) => return Err(bind_failed(p, rank, e)),
+        }
+    }
+}
+
+fn entry(peers: &PeerList, rank: Rank) -> Result<&kungfu_topology::Peer, TransportError> {
+    peers.peer(rank).ok_or(TransportError::NoSuchPeer {
         peer: rank,
         size: peers.len(),
-    })?;
-    let bind_err = |e: std::io::Error| TransportError::Handshake {
+    })
+}
+
+fn try_bind(p: &kungfu_topology::Peer) -> std::io::Result<std::net::UdpSocket> {
+    match std::net::UdpSocket::bind((p.host.as_str(), p.port)) {
+        Err(e) if e.kind() == std::io::ErrorKind::AddrNotAvailable => {
+            std::net::UdpSocket::bind(("0.0.0.0", p.port))
+        }
+        other => other,
+    }
+}
+
+fn bind_failed(p: &kungfu_topology::Peer, rank: Rank, e: std::io::Error) -> TransportError {
+    TransportError::Handshake {
         peer: Some(rank),
         addr: p.to_string(),
         reason: format!("bind UDP: {e}"),
-    };
-    match std::net::UdpSocket::bind((p.host.as_str(), p.port)) {
-        Ok(s) => Ok(s),
-        Err(e) if e.kind() == std::io::ErrorKind::AddrNotAvailable => {
-            std::net::UdpSocket::bind(("0.0.0.0", p.port)).map_err(bind_err)
-        }
-        Err(e) => Err(bind_err(e)),
     }
 }
 

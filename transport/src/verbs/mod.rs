@@ -5,6 +5,16 @@
 //! (a build needs cmake and libclang, not rdma-core; a run needs
 //! rdma-core's libibverbs1 and a provider, and an RDMA device).
 //!
+//! # Why sideway, not the `ibverbs` crate
+//!
+//! The `ibverbs` crate (0.9) posts work requests only from memory regions
+//! it allocated itself (an op's buffer, which rendezvous writes into,
+//! cannot be registered in place), has no RDMA write with immediate, no
+//! completion channel (its users spin on the CQ, burning a core while
+//! idle), and links libibverbs into the program. sideway registers any
+//! buffer, has both, and loads libibverbs at run time, so a build with the
+//! feature still starts on a machine without rdma-core.
+//!
 //! # Without a device
 //!
 //! [`VerbsTransport::connect`] (and [`probe`]) fail with
@@ -86,8 +96,8 @@
 //! KUNGFU_TEST_IB_DEVICE=rxe0 cargo test -p kungfu-transport --features verbs verbs::
 //! ```
 //!
-//! Without `KUNGFU_TEST_IB_DEVICE` the tests that need a device print a
-//! note and pass; everything else (queue pair transitions, work requests,
+//! The tests that need a device are ignored unless `KUNGFU_TEST_IB_DEVICE`
+//! names one (read when the crate is built); everything else (queue pair transitions, work requests,
 //! completion handling, and the whole wire over the fake, also through
 //! the conformance suite with `--features verbs,conformance`) runs
 //! anywhere.

@@ -224,19 +224,15 @@ async fn without_the_device_connect_says_what_is_missing() {
 }
 
 #[tokio::test]
+#[cfg_attr(kungfu_ib_device, ignore = "KUNGFU_TEST_IB_DEVICE names a device here")]
 async fn without_any_device_connect_and_probe_fail_clearly() {
-    if let Ok(dev) = std::env::var(DEVICE_VAR) {
-        eprintln!("note: {DEVICE_VAR}={dev}: this machine has a device; skipped");
-        return;
-    }
     let (mut ls, peers) = bind(1).await;
     match VerbsTransport::connect(config(0, &peers, None, 1024), ls.remove(0)).await {
         Err(TransportError::Unavailable { transport, reason }) => {
             assert_eq!(transport, "verbs");
             assert!(names_what_is_missing(&reason), "{reason}");
         }
-        // a machine with a device, which did not say so
-        Ok(_) => eprintln!("note: an RDMA device is present; set {DEVICE_VAR} to test it"),
+        Ok(_) => panic!("an RDMA device is present: set {DEVICE_VAR} to name it"),
         Err(e) => panic!("{e}"),
     }
     if let Err(e) = probe(None) {
@@ -248,14 +244,17 @@ async fn without_any_device_connect_and_probe_fail_clearly() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(kungfu_ib_device),
+    ignore = "needs an RDMA device: set KUNGFU_TEST_IB_DEVICE (the SoftRoCE recipe in kungfu_transport::verbs)"
+)]
 async fn on_the_device_three_ranks_exchange_eager_and_rendezvous_frames() {
-    let Ok(dev) = std::env::var(DEVICE_VAR) else {
-        eprintln!(
-            "note: {DEVICE_VAR} is not set: the verbs device test is skipped (see the \
-             SoftRoCE recipe in the docs of kungfu_transport::verbs)"
-        );
-        return;
-    };
+    let dev = std::env::var(DEVICE_VAR).unwrap_or_else(|_| {
+        panic!(
+            "{DEVICE_VAR} is not set: name the RDMA device to test (see the SoftRoCE \
+             recipe in the docs of kungfu_transport::verbs)"
+        )
+    });
     tokio::time::timeout(LIMIT, async {
         assert_eq!(probe(Some(&dev)).expect("probe"), dev);
         let (listeners, peers) = bind(3).await;
