@@ -156,7 +156,7 @@ impl Worker {
         let env_transport = env.transport;
         let session = connect::connect(&env, &peers, cluster_id, &pool, listener, deadline).await?;
         let fresh = env.config_server.is_some() && env.cluster_version > 0;
-        Ok(Worker {
+        let mut w = Worker {
             env,
             peers,
             session,
@@ -167,7 +167,29 @@ impl Worker {
             detached: false,
             carry: None,
             current: Arc::new(std::sync::Mutex::new(env_transport)),
-        })
+        };
+        w.auto_across_hosts().await;
+        w.joined.1 = SystemTime::now();
+        Ok(w)
+    }
+
+    /// With `auto` across hosts: RDMA if every worker has it
+    /// ([`TransportSwap`]'s `auto_across_hosts`); rank 0 logs the choice
+    /// and why.
+    async fn auto_across_hosts(&self) {
+        if self.env.transport != TransportKind::Auto || self.peers.hosts().len() < 2 {
+            return;
+        }
+        let (moved, why) = self.transport_swap().auto_across_hosts().await;
+        if self.env.rank == 0 {
+            let on = any::describe(&self.session.transport());
+            let why = match (moved, why.is_empty()) {
+                (true, _) => String::new(),
+                (false, true) => " (this build has no RDMA wire)".into(),
+                (false, false) => format!(" (no RDMA: {})", why.join("; ")),
+            };
+            eprintln!("kungfu: auto: across hosts over {on}{why}");
+        }
     }
 
     /// Closes the connections gracefully, waiting up to `linger` for the
@@ -407,6 +429,7 @@ impl Worker {
         self.session = new?;
         self.env = env;
         self.peers = cfg.peers;
+        self.auto_across_hosts().await;
         self.joined = (began, SystemTime::now());
         Ok(Resized {
             changed: true,

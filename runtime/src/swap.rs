@@ -45,14 +45,28 @@ impl TransportSwap {
     /// without certificates, a provider or device missing), every worker
     /// gets an error (the one lacking it, why) and nothing changes.
     pub async fn swap(&self, kind: TransportKind) -> Result<Epoch, CollectiveError> {
-        let name = self.name(kind);
-        let link = Link {
+        let epoch = self.swap_if(kind, self.link().can(kind)).await?;
+        *self.current.lock().unwrap_or_else(|e| e.into_inner()) = kind;
+        Ok(epoch)
+    }
+
+    fn link(&self) -> Link<'_> {
+        Link {
             env: &self.env,
             peers: &self.peers,
             cluster_id: self.cluster_id,
             pool: &self.pool,
-        };
-        let can = link.can(kind);
+        }
+    }
+
+    /// Swaps to `kind` if every worker `can` (this one's answer).
+    async fn swap_if(
+        &self,
+        kind: TransportKind,
+        can: Result<(), BootstrapError>,
+    ) -> Result<Epoch, CollectiveError> {
+        let name = self.name(kind);
+        let link = self.link();
         let me = self
             .peers
             .peer(Rank(self.env.rank as u32))
@@ -91,10 +105,7 @@ impl TransportSwap {
             .swap_transport(&name, can.is_ok(), connect)
             .await
         {
-            Ok(epoch) => {
-                *self.current.lock().unwrap_or_else(|e| e.into_inner()) = kind;
-                Ok(epoch)
-            }
+            Ok(epoch) => Ok(epoch),
             // the worker that lacks it says why; the others that it is
             // not available on every worker
             Err(e) => Err(match can {
@@ -103,4 +114,58 @@ impl TransportSwap {
             }),
         }
     }
+
+    /// `auto` across hosts, once its TCP (and shared-memory) endpoint is
+    /// up: moves the job onto RDMA if every worker has it (a collective,
+    /// like [`swap`](Self::swap)). It tries libfabric with the provider
+    /// `KUNGFU_FABRIC_PROVIDER` names, else with a hardware provider
+    /// (`efa`, `verbs;ofi_rxm`) if libfabric offers one here; then, in a
+    /// build with `verbs`, ibverbs. Every worker must get the same answer,
+    /// else the job stays where it is. The transport kind stays `auto`.
+    /// Returns whether it moved, and why not over each RDMA wire tried.
+    pub(crate) async fn auto_across_hosts(mut self) -> (bool, Vec<String>) {
+        let mut why = Vec::new();
+        #[cfg(feature = "fabric")]
+        {
+            let found = match &self.env.fabric_provider {
+                Some(p) => Ok(p.clone()),
+                None => kungfu_transport::fabric::hardware_provider().map(String::from),
+            };
+            // a worker without one asks for a name no provider has, so
+            // that the names disagree as well as the availability
+            self.env.fabric_provider = Some(found.as_ref().map_or("none", |p| p).to_string());
+            let can = match found {
+                Ok(_) => self.link().can(TransportKind::Fabric),
+                Err(e) => Err(e.into()),
+            };
+            match self.swap_if(TransportKind::Fabric, can).await {
+                Ok(_) => return (true, why),
+                Err(e) => why.push(causes(&e)),
+            }
+        }
+        #[cfg(feature = "verbs")]
+        {
+            let can = self.link().can(TransportKind::Verbs);
+            match self.swap_if(TransportKind::Verbs, can).await {
+                Ok(_) => return (true, why),
+                Err(e) => why.push(causes(&e)),
+            }
+        }
+        (false, why)
+    }
+}
+
+/// An error and its causes, for a log line: the reason a wire was not
+/// available is in the transport error under the collective's.
+fn causes(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut next = e.source();
+    while let Some(c) = next {
+        let line = c.to_string();
+        if !s.contains(&line) {
+            s = format!("{s}: {line}");
+        }
+        next = c.source();
+    }
+    s
 }

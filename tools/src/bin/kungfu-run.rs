@@ -31,13 +31,15 @@ options:
   -H host:slots,...     hosts and their slots (default: 127.0.0.1:N); ranks fill
                         hosts in order; workers on other machines start via ssh
   --strategy S          {strategies} (default AUTO)
-  --transport T         auto (default: shared memory inside each host, tcp
-                        across), tcp, shm (every worker on one host), or quic
-                        (mutual TLS: kungfu-run makes a CA for the job and a
-                        certificate per worker, in a directory only you can
-                        read, removed at exit), or fabric (libfabric; choose
-                        the provider with -x KUNGFU_FABRIC_PROVIDER=P, e.g.
-                        verbs;ofi_rxm, efa, tcp;ofi_rxm, shm)
+  --transport T         auto (default: shared memory inside each host; across
+                        hosts RDMA if every worker has it, else tcp), tcp,
+                        shm (every worker on one host), quic (mutual TLS:
+                        kungfu-run makes a CA for the job and a certificate
+                        per worker, in a directory only you can read, removed
+                        at exit), fabric (libfabric; choose the provider with
+                        -x KUNGFU_FABRIC_PROVIDER=P, e.g. verbs;ofi_rxm, efa,
+                        tcp;ofi_rxm, shm) or verbs (ibverbs, in a build with
+                        the feature verbs; -x KUNGFU_VERBS_DEVICE=D)
   --quic-ca F --quic-cert F --quic-key F
                         your own PEM files for quic instead (every worker
                         uses them; needed for quic across hosts)

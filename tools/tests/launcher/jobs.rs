@@ -570,6 +570,57 @@ fn fabric_transport() {
     );
 }
 
+/// `auto` across hosts (two loopback addresses as two hosts): TCP between
+/// them (shared memory inside each) while no worker has RDMA, which rank 0
+/// logs with the reason; libfabric once every worker has the provider
+/// `KUNGFU_FABRIC_PROVIDER` names (here tcp;ofi_rxm, as efa or
+/// verbs;ofi_rxm would be found on a cluster).
+#[test]
+fn auto_across_hosts_moves_to_the_fabric_only_where_every_worker_has_it() {
+    let job = |extra: &[&str]| {
+        let mut args = vec!["-np", "4", "-H", "127.0.0.1:2,127.0.0.2:2"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&[
+            "--transport",
+            "auto",
+            BENCH,
+            "allreduce",
+            "-b",
+            "0",
+            "-e",
+            "1M",
+            "-f",
+            "64",
+            "-n",
+            "2",
+            "-w",
+            "1",
+            "-c",
+            "1",
+        ]);
+        let out = run_bounded(kungfu_run(&args), Duration::from_secs(120));
+        let t = text(&out);
+        assert!(out.status.success(), "{extra:?}:\n{t}");
+        assert!(t.contains("# Out of bounds values : 0 OK"), "{t}");
+        t
+    };
+    // this machine has no RDMA device
+    let t = job(&[]);
+    assert!(t.contains("transport auto (shm+tcp)"), "{t}");
+    assert!(
+        t.contains("kungfu: auto: across hosts over shm+tcp (no RDMA: ")
+            && t.contains("efa")
+            && t.contains("verbs;ofi_rxm"),
+        "{t}"
+    );
+    let t = job(&["-x", "KUNGFU_FABRIC_PROVIDER=tcp;ofi_rxm"]);
+    assert!(t.contains("transport auto (fabric (tcp;ofi_rxm))"), "{t}");
+    assert!(
+        t.contains("kungfu: auto: across hosts over fabric (tcp;ofi_rxm)\n"),
+        "{t}"
+    );
+}
+
 /// The transport swapped while a training loop runs (kungfu-selftest checks
 /// every step exactly): tcp -> quic -> fabric -> tcp, through the runtime
 /// (each worker rebinds its port, QUIC with the job's certificates). A
