@@ -17,7 +17,7 @@ use kungfu_transport::Region;
 use super::monitor::{monitor_overhead, ROUNDS};
 use super::report::{cell, count_wrong, json, nccl_type, Row};
 use super::resize::resize_bench;
-use super::swap::swap_bench;
+use super::swap::{swap_bench, transport_swap_bench};
 use super::{sizes, Args, Op};
 use crate::heap;
 
@@ -211,6 +211,9 @@ async fn measure(
 pub(crate) async fn bench(args: Args) -> anyhow::Result<bool> {
     if args.swap {
         return swap_bench(args.iters.max(1), args.warmup).await;
+    }
+    if let Some(kinds) = &args.swap_transports {
+        return transport_swap_bench(kinds, args.iters.max(1), args.warmup, args.min).await;
     }
     if let Some(sizes) = &args.resize {
         return resize_bench(sizes, args.iters.max(1), args.min).await;

@@ -6,6 +6,7 @@ use anyhow::{bail, Context};
 use kungfu_collectives::{DType, ReduceOp};
 use kungfu_tools::parse_size;
 use kungfu_topology::Strategy;
+use kungfu_transport::any::TransportKind;
 
 /// Calls the generic `$f::<E>(args)` for the element type of `$dtype`.
 macro_rules! for_dtype {
@@ -96,6 +97,8 @@ pub(crate) struct Args {
     op: Op,
     /// `swap`: measure strategy swaps instead of an op.
     swap: bool,
+    /// `swap-transport`: measure transport swaps, cycling through these.
+    swap_transports: Option<Vec<TransportKind>>,
     /// `resize`: the sizes to resize to, in order.
     resize: Option<Vec<usize>>,
     min: usize,
@@ -125,7 +128,8 @@ pub(crate) fn parse_args(a: &[String]) -> anyhow::Result<Option<Args>> {
     }
     let swap = a[0] == "swap";
     let resize = a[0] == "resize";
-    let op = if swap || resize {
+    let swap_transport = a[0] == "swap-transport";
+    let op = if swap || resize || swap_transport {
         Op::Allreduce
     } else {
         Op::parse(&a[0]).with_context(|| format!("unknown op {:?}", a[0]))?
@@ -133,6 +137,7 @@ pub(crate) fn parse_args(a: &[String]) -> anyhow::Result<Option<Args>> {
     let mut r = Args {
         op,
         swap,
+        swap_transports: swap_transport.then(Vec::new),
         resize: resize.then(Vec::new),
         min: 1024,
         max: 64 << 20,
@@ -173,6 +178,18 @@ pub(crate) fn parse_args(a: &[String]) -> anyhow::Result<Option<Args>> {
             "--strategy" => r.strategy = Some(v.parse()?),
             "--json" => r.json = Some(v.clone()),
             "--plot" => r.plot = Some(v.clone()),
+            "--transports" if swap_transport => {
+                r.swap_transports = Some(
+                    v.split(',')
+                        .map(|t| {
+                            t.trim()
+                                .parse::<TransportKind>()
+                                .map_err(anyhow::Error::msg)
+                        })
+                        .collect::<anyhow::Result<Vec<_>>>()
+                        .with_context(|| format!("--transports {v:?}"))?,
+                )
+            }
             "--sizes" if resize => {
                 r.resize = Some(
                     v.split(',')
@@ -184,6 +201,9 @@ pub(crate) fn parse_args(a: &[String]) -> anyhow::Result<Option<Args>> {
             _ => bail!("unknown option {flag:?}"),
         }
         i += 2;
+    }
+    if r.swap_transports.as_ref().is_some_and(|t| t.len() < 2) {
+        bail!("swap-transport needs --transports with at least two, e.g. tcp,quic");
     }
     if r.factor < 2 {
         bail!("-f must be at least 2");

@@ -92,6 +92,9 @@ usage: kungfu-bench OP [options]     (run under kungfu-run)
 
 OP: allreduce | broadcast | allgather | reduce-scatter | reduce | alltoall
     | swap (the latency of a strategy swap: agreement and switch; -n, -w)
+    | swap-transport --transports T,T,... (the latency of a transport swap:
+      agreement, connecting the next transport of the list in turn, switch;
+      each followed by a checked allreduce of -b bytes on it; -n, -w)
     | resize --sizes N,N,... (elastic, under kungfu-run -w: a training loop
       of -n steps between resizes over a model of -b bytes; checks the
       model after every change, prints each resize's latency)

@@ -126,3 +126,51 @@ fn bench_measures_swaps_and_monitor_overhead() {
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     assert!(text(&out).contains("--monitor measures allreduces of float"));
 }
+
+/// `kungfu-bench swap-transport` times transport swaps through a list,
+/// each followed by a checked allreduce on the new transport; a list of
+/// one is refused.
+#[test]
+fn bench_measures_transport_swaps() {
+    let out = run_bounded(
+        kungfu_run(&[
+            "-np",
+            "3",
+            "--transport",
+            "tcp",
+            "-x",
+            "KUNGFU_FABRIC_PROVIDER=tcp;ofi_rxm",
+            BENCH,
+            "swap-transport",
+            "--transports",
+            "tcp,quic,fabric",
+            "-n",
+            "6",
+            "-w",
+            "1",
+            "-b",
+            "64K",
+        ]),
+        Duration::from_secs(120),
+    );
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    // from tcp: quic first; 7 swaps, the first untimed: 2 to each
+    let row = |to: &str| format!("[0] {to:>28} {:>6} ", 2);
+    for want in [
+        "[0] # kungfu-bench swap-transport: 3 ranks, 6 swaps (after 1 untimed) through tcp,quic,fabric, from tcp".to_string(),
+        row("quic"),
+        row("fabric (tcp;ofi_rxm)"),
+        row("tcp"),
+        "[0] # Out of bounds values : 0 OK".to_string(),
+    ] {
+        assert!(t.contains(&want), "{want:?} in\n{t}");
+    }
+    let out = run_bounded(
+        kungfu_run(&["-np", "2", BENCH, "swap-transport", "--transports", "tcp"]),
+        Duration::from_secs(60),
+    );
+    let t = text(&out);
+    assert!(!out.status.success(), "{t}");
+    assert!(t.contains("needs --transports with at least two"), "{t}");
+}
