@@ -63,6 +63,22 @@ impl OpKind {
         }
     }
 
+    /// Whether the output of rank `me` depends on what rank `peer` gives
+    /// (directly or through others): every rank's, for the all-to-all
+    /// kinds; the root's, for a broadcast; everyone's at the root of a
+    /// reduce or gather, no one's elsewhere. An op whose rank depends on a
+    /// lost peer cannot complete.
+    pub fn depends_on(&self, me: Rank, peer: Rank) -> bool {
+        match *self {
+            OpKind::Allreduce(_)
+            | OpKind::Allgather
+            | OpKind::ReduceScatter(_)
+            | OpKind::Alltoall => true,
+            OpKind::Broadcast { root } => peer == root,
+            OpKind::Reduce { root, .. } | OpKind::Gather { root } => me == root,
+        }
+    }
+
     pub fn root(&self) -> Root {
         match *self {
             OpKind::Reduce { root, .. } | OpKind::Broadcast { root } | OpKind::Gather { root } => {

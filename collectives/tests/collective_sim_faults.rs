@@ -388,6 +388,54 @@ fn lost_peer_fails_only_ops_that_need_it() {
     }
 }
 
+/// A rank dies half-way through an allreduce, and every abort between the
+/// survivors is lost (a neighbour that gives up cannot tell the others):
+/// every survivor still fails, naming the dead rank, not the neighbour it
+/// waited for, within the grace after it heard of the loss, long before
+/// the op timeout.
+#[test]
+fn a_loss_fails_every_survivor_naming_it_even_without_aborts() {
+    let cfg = Config::default();
+    let timeout = cfg.timeout;
+    let mut graced = 0;
+    for (n, strategy, seed) in cases(2).filter(|c| c.0 >= 3) {
+        let dead = Rank((seed as usize * 7 % n) as u32);
+        let mut sim = Sim::new(layout(n, seed % 2 == 0), strategy, cfg.clone(), seed);
+        let op = sim.same_op("killed", f32s(SUM, 2000), ms(1));
+        sim.fault(Fault::KillAt {
+            rank: dead,
+            at: ms(1) + Duration::from_micros(100 + seed % 900),
+        });
+        for a in (0..n as u32).map(Rank) {
+            for b in (0..n as u32).map(Rank) {
+                if a != b {
+                    sim.fault(Fault::DropAborts { from: a, to: b });
+                }
+            }
+        }
+        let rep = sim.run();
+        rep.check_outputs();
+        let ctx = format!("seed {seed}: {strategy} n={n}, {dead} dies");
+        for r in (0..n).filter(|&r| r != dead.idx()) {
+            let rec = rep.rec(op, r);
+            match &rec.end {
+                Some((at, Outcome::Failed(CollectiveError::PeerLost { peer, .. }))) => {
+                    assert_eq!(*peer, dead, "{ctx}: rank {r}");
+                    assert!(*at < timeout / 2, "{ctx}: rank {r} failed at {at:?}");
+                    if *at >= kungfu_collectives::op::LOST_GRACE {
+                        graced += 1;
+                    }
+                }
+                // what the dead rank owed had all left it
+                Some((_, Outcome::Done(_))) => {}
+                e => panic!("{ctx}: rank {r}: {e:?}"),
+            }
+        }
+    }
+    // Ranks that never waited for the dead one were put to the test.
+    assert!(graced > 10, "{graced}");
+}
+
 /// Swaps at different virtual times on each rank (drain, agree, advance,
 /// release, through `SwapGate` and the consensus, as the session runs
 /// them): ops started before the swap finish at the old epoch, ops

@@ -77,7 +77,10 @@ typedef struct {
 // The ranks disagree on an op of this name (count, type, op, root).
 #define KF_ERR_MISMATCH 3
 
-// A peer process died or closed its connection.
+// A peer was lost: its process died or closed its connection, or it was
+// silent for `KUNGFU_PEER_TIMEOUT_MS` (frozen, its host or network gone).
+// `kf_last_error()` names it (`needs rank R: ... (the worker at
+// HOST:PORT)`); `kf_recover` shrinks the cluster to the survivors.
 #define KF_ERR_PEER_LOST 4
 
 // The op made no progress for the op timeout (`KUNGFU_OP_TIMEOUT_MS`).
@@ -89,7 +92,8 @@ typedef struct {
 // Two live ops have names that hash alike; rename one.
 #define KF_ERR_DUPLICATE_NAME 7
 
-// The cluster changed (a frame of another cluster version).
+// The cluster changed: a frame of another cluster version, or
+// `kf_recover` found that the cluster went on without this worker.
 #define KF_ERR_MEMBERSHIP_CHANGED 8
 
 // A bug or an unexpected failure inside the library (a caught panic).
@@ -499,6 +503,18 @@ kf_status kf_sync_state(uint64_t *step,
                         void *const *bufs,
                         const uint64_t *bytes,
                         int32_t n);
+
+// After an op failed with `KF_ERR_PEER_LOST` (`kf_last_error()` names the
+// lost rank and where it ran): the survivors agree on who is left and go
+// on as a smaller cluster. A collective among the survivors (each calls
+// it once it saw a loss; no other call may run meanwhile). On `KF_OK`,
+// `kf_rank()`, `kf_size()` and `kf_version()` describe the new cluster;
+// call `kf_sync_state` next, then go on. A worker that the others
+// declared lost (it was frozen, or cut off) gets
+// `KF_ERR_MEMBERSHIP_CHANGED`: the cluster went on without it, so it
+// should finalize and exit. Needs the job's config server (`kungfu-run
+// --on-failure shrink|replace`, or `-w`); without one, `KF_ERR_BOOTSTRAP`.
+kf_status kf_recover(void);
 
 #ifdef __cplusplus
 }  // extern "C"

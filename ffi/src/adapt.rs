@@ -361,7 +361,7 @@ pub extern "C" fn kf_gradient_variance(mean_local_sq: f64, mean_grad_sq: f64) ->
 
 /// Runs `f` on the started worker, with the library locked (no other call
 /// proceeds meanwhile), then refreshes what the getters report.
-fn with_worker<R>(
+pub(crate) fn with_worker<R>(
     f: impl FnOnce(&tokio::runtime::Runtime, &mut kungfu_runtime::Worker) -> Res<R>,
 ) -> Res<R> {
     ctx()?;

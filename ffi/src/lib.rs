@@ -38,6 +38,8 @@ mod handles;
 pub use handles::{kf_release, kf_test, kf_wait};
 mod adapt;
 pub use adapt::*;
+mod recover;
+pub use recover::kf_recover;
 mod group;
 mod request;
 
@@ -66,7 +68,10 @@ pub const KF_ERR_INVALID_ARGUMENT: kf_status = 1;
 pub const KF_ERR_NOT_INITIALIZED: kf_status = 2;
 /// The ranks disagree on an op of this name (count, type, op, root).
 pub const KF_ERR_MISMATCH: kf_status = 3;
-/// A peer process died or closed its connection.
+/// A peer was lost: its process died or closed its connection, or it was
+/// silent for `KUNGFU_PEER_TIMEOUT_MS` (frozen, its host or network gone).
+/// `kf_last_error()` names it (`needs rank R: ... (the worker at
+/// HOST:PORT)`); `kf_recover` shrinks the cluster to the survivors.
 pub const KF_ERR_PEER_LOST: kf_status = 4;
 /// The op made no progress for the op timeout (`KUNGFU_OP_TIMEOUT_MS`).
 pub const KF_ERR_TIMEOUT: kf_status = 5;
@@ -74,7 +79,8 @@ pub const KF_ERR_TIMEOUT: kf_status = 5;
 pub const KF_ERR_ABORTED: kf_status = 6;
 /// Two live ops have names that hash alike; rename one.
 pub const KF_ERR_DUPLICATE_NAME: kf_status = 7;
-/// The cluster changed (a frame of another cluster version).
+/// The cluster changed: a frame of another cluster version, or
+/// `kf_recover` found that the cluster went on without this worker.
 pub const KF_ERR_MEMBERSHIP_CHANGED: kf_status = 8;
 /// A bug or an unexpected failure inside the library (a caught panic).
 pub const KF_ERR_INTERNAL: kf_status = 9;

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use kungfu_collectives::{Session, SessionConfig};
 use kungfu_topology::{PeerList, Rank};
 use kungfu_transport::any::{self, AnyTransport, TransportKind};
+use kungfu_transport::endpoint::Liveness;
 #[cfg(feature = "fabric")]
 use kungfu_transport::fabric::FabricConfig;
 use kungfu_transport::pool::BufferPool;
@@ -14,7 +15,7 @@ use kungfu_transport::shm::ShmConfig;
 use kungfu_transport::tcp::TcpConfig;
 #[cfg(feature = "verbs")]
 use kungfu_transport::verbs::VerbsConfig;
-use kungfu_transport::{ClusterVersion, Epoch};
+use kungfu_transport::{ClusterVersion, Epoch, Transport as _};
 use tokio::net::TcpListener;
 use tokio::time::Instant;
 
@@ -110,6 +111,7 @@ impl Link<'_> {
         let version = ClusterVersion(u64::from(env.cluster_version));
         let shm_cfg = || {
             let mut c = ShmConfig::new(cluster_id, version, epoch, Rank(env.rank as u32), env.size);
+            c.secret = env.secret.clone();
             c.connect_timeout = connect_timeout;
             c.pool = Some(pool.clone());
             if let Some(spin) = env.spin {
@@ -125,6 +127,7 @@ impl Link<'_> {
                 Rank(env.rank as u32),
                 peers.clone(),
             );
+            c.secret = env.secret.clone();
             c.connect_timeout = connect_timeout;
             c.pool = Some(pool.clone());
             if let Some(spin) = env.spin {
@@ -168,6 +171,7 @@ impl Link<'_> {
                     peers.clone(),
                     env.fabric_provider.clone(),
                 );
+                c.secret = env.secret.clone();
                 c.connect_timeout = connect_timeout;
                 c.pool = Some(pool.clone());
                 if let Some(spin) = env.spin {
@@ -194,6 +198,7 @@ impl Link<'_> {
                     peers.clone(),
                     env.verbs_device.clone(),
                 );
+                c.secret = env.secret.clone();
                 c.connect_timeout = connect_timeout;
                 c.pool = Some(pool.clone());
                 if let Some(spin) = env.spin {
@@ -205,6 +210,12 @@ impl Link<'_> {
             #[allow(unreachable_patterns)]
             _ => return Err(BootstrapError::UnsupportedTransport(kind)),
         };
+        transport
+            .matcher()
+            .name_peers(peers.peers().iter().map(|p| p.to_string()));
+        if !env.peer_timeout.is_zero() {
+            transport.watch_peers(Liveness::with_timeout(env.peer_timeout));
+        }
         Ok(transport)
     }
 }

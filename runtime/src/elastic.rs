@@ -18,13 +18,27 @@
 //!
 //! A worker's identity across versions is its address: its rank in a
 //! version is its position in that version's peer list.
+//!
+//! # Credential
+//!
+//! A server with a credential ([`ServerRules::credential`]; `kungfu-run
+//! -w` always gives one) refuses a `PUT` without `Authorization: Bearer
+//! <token>` (401) or with another token (403), compared in constant time.
+//! The token is [`JobSecret::config_token`] of the job's secret
+//! (`KUNGFU_JOB_SECRET`): workers make it themselves, and `kungfu-run
+//! --config-token` prints it for a user whose environment holds the
+//! secret. It is derived, not the secret, because plain HTTP carries it in
+//! clear (over loopback: `kungfu-run` binds the server to 127.0.0.1). `GET`
+//! stays open: it changes nothing, and what it shows (the workers'
+//! loopback addresses) any local user can list with `ss -tln`.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kungfu_topology::{Peer, PeerList};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use kungfu_transport::auth::{eq_constant_time, JobSecret};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -92,6 +106,10 @@ pub struct ServerRules {
     /// Makes the address of a new peer when `size N` grows the cluster;
     /// given the peers so far.
     pub new_peer: NewPeer,
+    /// The bearer token a request that changes the config must carry
+    /// ([`JobSecret::config_token`]); `None`: anyone who reaches the port
+    /// may (tests only).
+    pub credential: Option<String>,
 }
 
 /// A running config server.
@@ -116,10 +134,11 @@ impl ConfigServer {
     ) -> std::io::Result<ConfigServer> {
         let addr = listener.local_addr()?;
         let (tx, rx) = watch::channel(initial);
+        let history = [tx.borrow().clone()].into();
         let state = Arc::new(ServerState {
             tx,
             rules,
-            write: Mutex::new(()),
+            write: Mutex::new(history),
         });
         let task = tokio::spawn(async move {
             loop {
@@ -149,13 +168,17 @@ impl ConfigServer {
 struct ServerState {
     tx: watch::Sender<ClusterConfig>,
     rules: ServerRules,
-    /// Serialises puts (check and replace as one step).
-    write: Mutex<()>,
+    /// Serialises puts (check and replace as one step), and keeps the
+    /// last [`HISTORY`] versions (`GET /cluster/V`).
+    write: Mutex<std::collections::VecDeque<ClusterConfig>>,
 }
+
+/// How many versions the config server keeps for `GET /cluster/V`.
+const HISTORY: usize = 64;
 
 impl ServerState {
     fn put(&self, body: &str) -> Result<ClusterConfig, (u16, String)> {
-        let _w = self.write.lock().unwrap_or_else(|e| e.into_inner());
+        let mut history = self.write.lock().unwrap_or_else(|e| e.into_inner());
         let cur = self.tx.borrow().clone();
         let bad = |why: String| (400, why);
         let next_version = cur
@@ -209,46 +232,114 @@ impl ServerState {
             }
         }
         self.tx.send_replace(next.clone());
+        if history.len() == HISTORY {
+            history.pop_front();
+        }
+        history.push_back(next.clone());
         Ok(next)
+    }
+
+    /// Version `v`, if it was made and is still kept.
+    fn version(&self, v: &str) -> (u16, String) {
+        let history = self.write.lock().unwrap_or_else(|e| e.into_inner());
+        match v.parse::<u32>() {
+            Err(_) => (400, format!("bad version {v:?}\n")),
+            Ok(v) => match history.iter().find(|c| c.version == v) {
+                Some(c) => (200, c.encode()),
+                None => (
+                    404,
+                    format!("no version {v} (not made yet, or forgotten)\n"),
+                ),
+            },
+        }
     }
 }
 
 async fn serve_one(mut s: TcpStream, state: &ServerState) -> std::io::Result<()> {
-    let (code, body) = match read_message(&mut s).await {
+    let (code, body) = respond(state, read_message(&mut s).await);
+    s.write_all(response(code, &body).as_bytes()).await?;
+    s.shutdown().await
+}
+
+/// The server's answer to a request read by [`read_message`] (or the
+/// reason it could not be read): the status code and the body.
+fn respond(state: &ServerState, request: Result<(String, String), String>) -> (u16, String) {
+    match request {
         Err(why) => (400, why),
         Ok((head, body)) => {
             let line = head.lines().next().unwrap_or_default();
             let mut parts = line.split_whitespace();
             match (parts.next(), parts.next()) {
                 (Some("GET"), Some("/cluster")) => (200, state.tx.borrow().encode()),
-                (Some("PUT"), Some("/cluster")) => match state.put(&body) {
-                    Ok(c) => (200, c.encode()),
-                    Err((code, why)) => (code, format!("{why}\n")),
-                },
+                (Some("GET"), Some(p)) if p.starts_with("/cluster/") => {
+                    state.version(&p["/cluster/".len()..])
+                }
+                (Some("PUT"), Some("/cluster")) => {
+                    match authorized(&head, state.rules.credential.as_deref())
+                        .and_then(|()| state.put(&body))
+                    {
+                        Ok(c) => (200, c.encode()),
+                        Err((code, why)) => (code, format!("{why}\n")),
+                    }
+                }
                 (Some(_), Some("/cluster")) => (405, "GET or PUT\n".into()),
                 _ => (404, "only /cluster is served\n".into()),
             }
         }
-    };
+    }
+}
+
+/// The whole response the server writes.
+fn response(code: u16, body: &str) -> String {
     let reason = match code {
         200 => "OK",
         400 => "Bad Request",
+        401 => "Unauthorized",
+        403 => "Forbidden",
         404 => "Not Found",
         405 => "Method Not Allowed",
         409 => "Conflict",
         _ => "Service Unavailable",
     };
-    let msg = format!(
-        "HTTP/1.1 {code} {reason}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+    let challenge = if code == 401 {
+        "WWW-Authenticate: Bearer\r\n"
+    } else {
+        ""
+    };
+    format!(
+        "HTTP/1.1 {code} {reason}\r\n{challenge}Content-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
-    );
-    s.write_all(msg.as_bytes()).await?;
-    s.shutdown().await
+    )
+}
+
+/// Whether the request of `head` carries `credential` as its bearer
+/// token: 401 without one, 403 with another.
+fn authorized(head: &str, credential: Option<&str>) -> Result<(), (u16, String)> {
+    let Some(want) = credential else {
+        return Ok(());
+    };
+    let given = head.lines().skip(1).find_map(|line| {
+        let (k, v) = line.split_once(':')?;
+        k.trim()
+            .eq_ignore_ascii_case("authorization")
+            .then(|| v.trim())
+    });
+    let Some(given) = given else {
+        return Err((401, "this server wants the job's credential (Authorization: Bearer <kungfu-run --config-token>)".into()));
+    };
+    let token = given
+        .split_once(' ')
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, t)| t.trim());
+    match token {
+        Some(t) if eq_constant_time(t.as_bytes(), want.as_bytes()) => Ok(()),
+        _ => Err((403, "bad credential".into())),
+    }
 }
 
 /// Reads one HTTP message: the head (up to the blank line) and a body of
 /// `Content-Length` bytes (none if absent), both bounded.
-async fn read_message(s: &mut TcpStream) -> Result<(String, String), String> {
+async fn read_message<S: AsyncRead + Unpin>(s: &mut S) -> Result<(String, String), String> {
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 4096];
     let head_end = loop {
@@ -307,11 +398,21 @@ fn split_url(url: &str) -> Result<(&str, &str), String> {
     })
 }
 
-/// One HTTP request to the config server; the status code and the body.
+/// The status code of a response head.
+fn status(head: &str) -> Result<u16, String> {
+    head.split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| format!("bad status line {:?}", head.lines().next()))
+}
+
+/// One HTTP request to the config server, with the job's credential if
+/// `secret` is given; the status code and the body.
 pub async fn request(
     method: &str,
     url: &str,
     body: &str,
+    secret: Option<&JobSecret>,
     deadline: Instant,
 ) -> Result<(u16, String), String> {
     let (addr, path) = split_url(url)?;
@@ -319,20 +420,18 @@ pub async fn request(
         let mut s = TcpStream::connect(addr)
             .await
             .map_err(|e| format!("connect to {addr}: {e}"))?;
+        let auth = secret.map_or_else(String::new, |k| {
+            format!("Authorization: Bearer {}\r\n", k.config_token())
+        });
         let req = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
         );
         s.write_all(req.as_bytes())
             .await
             .map_err(|e| format!("write: {e}"))?;
         let (head, body) = read_message(&mut s).await?;
-        let code = head
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .ok_or_else(|| format!("bad status line {:?}", head.lines().next()))?;
-        Ok((code, body))
+        Ok((status(&head)?, body))
     };
     tokio::time::timeout_at(deadline, io)
         .await
@@ -341,17 +440,92 @@ pub async fn request(
 
 /// Gets the current config.
 pub async fn get_config(url: &str, deadline: Instant) -> Result<ClusterConfig, String> {
-    match request("GET", url, "", deadline).await? {
+    match request("GET", url, "", None, deadline).await? {
         (200, body) => ClusterConfig::parse(&body),
         (code, body) => Err(format!("GET {url}: {code} {}", body.trim())),
     }
 }
 
-/// Puts `body` (`size N` or a whole config); the new config.
-pub async fn put_config(url: &str, body: &str, deadline: Instant) -> Result<ClusterConfig, String> {
-    match request("PUT", url, body, deadline).await? {
+/// Gets version `v` of the config, if the server made it (and still
+/// keeps it): the successor a recovery decided, whatever came after it.
+pub async fn get_version(
+    url: &str,
+    v: u32,
+    deadline: Instant,
+) -> Result<Option<ClusterConfig>, String> {
+    match request("GET", &format!("{url}/{v}"), "", None, deadline).await? {
+        (200, body) => ClusterConfig::parse(&body).map(Some),
+        (404, _) => Ok(None),
+        (code, body) => Err(format!("GET {url}/{v}: {code} {}", body.trim())),
+    }
+}
+
+/// Puts `body` (`size N` or a whole config), with the job's credential if
+/// `secret` is given; the new config.
+pub async fn put_config(
+    url: &str,
+    body: &str,
+    secret: Option<&JobSecret>,
+    deadline: Instant,
+) -> Result<ClusterConfig, String> {
+    match request("PUT", url, body, secret, deadline).await? {
         (200, body) => ClusterConfig::parse(&body),
         (code, body) => Err(format!("PUT {url}: {code} {}", body.trim())),
+    }
+}
+
+/// Fuzzing: `data` as the bytes a config server reads, in reads of a
+/// size the first byte picks; a request that reads is answered by a server
+/// of at most 64 peers on 127.0.0.1, and the response must read back the
+/// same through the client's side. Panics only on a broken invariant.
+pub(crate) fn fuzz_http(data: &[u8]) {
+    use std::sync::atomic::{AtomicU16, Ordering};
+    let Some((&pick, rest)) = data.split_first() else {
+        return;
+    };
+    let read = crate::fuzzing::ready(read_message(&mut crate::fuzzing::Chunks::new(
+        rest,
+        usize::from(pick) * 37 + 1,
+    )));
+    if let Ok((head, body)) = &read {
+        assert!(head.len() <= MAX_HEAD + 4096, "head of {}", head.len());
+        assert!(
+            !head.contains("\r\n\r\n"),
+            "the head ends at its blank line"
+        );
+        assert!(body.len() <= MAX_BODY, "body of {}", body.len());
+    }
+    let next_port = AtomicU16::new(5000);
+    let (tx, _) = watch::channel(ClusterConfig {
+        version: 7,
+        peers: "127.0.0.1:4000,127.0.0.1:4001"
+            .parse()
+            .expect("a peer list"),
+    });
+    let state = ServerState {
+        tx,
+        rules: ServerRules {
+            max_size: 64,
+            // the credential check has its own tests; here, what follows it
+            credential: None,
+            only_host: Some("127.0.0.1".into()),
+            new_peer: Box::new(move |_| {
+                Ok(Peer {
+                    host: "127.0.0.1".into(),
+                    port: next_port.fetch_add(1, Ordering::Relaxed),
+                })
+            }),
+        },
+        write: Mutex::new(Default::default()),
+    };
+    let (code, body) = respond(&state, read);
+    let text = response(code, &body);
+    let (head, back) =
+        crate::fuzzing::ready(read_message(&mut text.as_bytes())).expect("a response reads back");
+    assert_eq!((status(&head), back.as_str()), (Ok(code), body.as_str()));
+    if code == 200 {
+        let c = ClusterConfig::parse(&body).expect("a served config parses");
+        assert_eq!(c, *state.tx.borrow());
     }
 }
 
@@ -366,6 +540,7 @@ mod tests {
     #[tokio::test]
     async fn serves_gets_and_puts_and_refuses_bad_ones() {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let job = JobSecret::new(b"s3cret").unwrap();
         let initial = ClusterConfig {
             version: 0,
             peers: "127.0.0.1:1000,127.0.0.1:1001".parse().unwrap(),
@@ -383,14 +558,25 @@ mod tests {
                         port: next_port.fetch_add(1, std::sync::atomic::Ordering::SeqCst),
                     })
                 }),
+                credential: Some(job.config_token()),
             },
         )
         .unwrap();
         let url = server.url();
         let mut rx = server.subscribe();
         assert_eq!(get_config(&url, soon()).await.unwrap(), initial);
+        // changes need the job's credential: 401 without, 403 with another
+        let e = put_config(&url, "size 3", None, soon()).await.unwrap_err();
+        assert!(e.contains("401"), "{e}");
+        let other = JobSecret::new(b"guess").unwrap();
+        let e = put_config(&url, "size 3", Some(&other), soon())
+            .await
+            .unwrap_err();
+        assert!(e.contains("403 bad credential"), "{e}");
+        assert!(!rx.has_changed().unwrap(), "refused: nothing changed");
+        let put = |body: &'static str| put_config(&url, body, Some(&job), soon());
 
-        let c = put_config(&url, "size 3", soon()).await.unwrap();
+        let c = put("size 3").await.unwrap();
         assert_eq!(c.version, 1);
         assert_eq!(
             c.peers.to_string(),
@@ -399,16 +585,16 @@ mod tests {
         assert!(rx.has_changed().unwrap());
         assert_eq!(*rx.borrow_and_update(), c);
 
-        let c = put_config(&url, "size 1", soon()).await.unwrap();
+        let c = put("size 1").await.unwrap();
         assert_eq!(
             (c.version, c.peers.to_string()),
             (2, "127.0.0.1:1000".into())
         );
 
         let whole = "version 3\npeers 127.0.0.1:7,127.0.0.1:8\n";
-        assert_eq!(put_config(&url, whole, soon()).await.unwrap().version, 3);
+        assert_eq!(put(whole).await.unwrap().version, 3);
         // a stale writer loses
-        let e = put_config(&url, whole, soon()).await.unwrap_err();
+        let e = put(whole).await.unwrap_err();
         assert!(e.contains("409"), "{e}");
         for bad in [
             "size 0",
@@ -419,13 +605,13 @@ mod tests {
             "version 4\n",
             "hello",
         ] {
-            let e = put_config(&url, bad, soon()).await.unwrap_err();
+            let e = put(bad).await.unwrap_err();
             assert!(e.contains("400"), "{bad:?}: {e}");
         }
         assert_eq!(get_config(&url, soon()).await.unwrap().version, 3);
-        let (code, _) = request("POST", &url, "", soon()).await.unwrap();
+        let (code, _) = request("POST", &url, "", None, soon()).await.unwrap();
         assert_eq!(code, 405);
-        let (code, _) = request("GET", &url.replace("/cluster", "/x"), "", soon())
+        let (code, _) = request("GET", &url.replace("/cluster", "/x"), "", None, soon())
             .await
             .unwrap();
         assert_eq!(code, 404);

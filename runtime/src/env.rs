@@ -15,15 +15,33 @@
 //! launcher, and `KUNGFU_RENDEZVOUS_PORT` just the port. Where no port is
 //! given (Slurm, Open MPI), it is derived from the job id, so every rank of
 //! a job computes the same one.
+//!
+//! # The job secret
+//!
+//! `KUNGFU_JOB_SECRET` is the secret every worker of the job shares: each
+//! link proves it in the transports' handshake (TCP, shared memory,
+//! libfabric, ibverbs; QUIC has mutual TLS), the rendezvous checks it on
+//! each registration, and the config server of `kungfu-run -w` wants a
+//! token made from it for each change. `kungfu-run` always sets it (its
+//! own `KUNGFU_JOB_SECRET`, or a random one per job). Unset (or empty),
+//! nothing is authenticated, as before: torchrun, `srun` and `mpirun`
+//! jobs keep working unchanged, and should set it on every rank (the same
+//! value; e.g. `export KUNGFU_JOB_SECRET=$(openssl rand -hex 32)` where
+//! the job is submitted) to be authenticated. A worker does not make one
+//! up: the others could not know it.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use kungfu_topology::{fnv1a64, AutoThresholds, PeerList, Strategy};
 use kungfu_transport::any::TransportKind;
+use kungfu_transport::auth::JobSecret;
 use kungfu_transport::pool::BufferPool;
 
 use crate::BootstrapError;
+
+/// The variable that holds the job's secret.
+pub const SECRET_VAR: &str = "KUNGFU_JOB_SECRET";
 
 /// Which launcher started this worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,10 +124,18 @@ pub struct WorkerEnv {
     /// The cluster version (the config server's; the transport's
     /// `ClusterVersion`, widened where it connects).
     pub cluster_version: u32,
-    /// Set by kungfu-run; with a rendezvous, rank 0 chooses it.
+    /// Set by kungfu-run; with a rendezvous, rank 0 chooses it. Sent in
+    /// clear: it keeps jobs apart, it proves nothing.
     pub cluster_id: Option<u64>,
+    /// The job's secret (`KUNGFU_JOB_SECRET`; see "The job secret"
+    /// above): `None`, nothing is authenticated.
+    pub secret: Option<JobSecret>,
     pub connect_timeout: Duration,
     pub op_timeout: Duration,
+    /// A peer silent this long (no frame, no heartbeat) is lost
+    /// (`KUNGFU_PEER_TIMEOUT_MS`, 1500; 0: no heartbeats, only broken
+    /// connections tell). See `kungfu_transport::endpoint::Liveness`.
+    pub peer_timeout: Duration,
     pub chunk_bytes: usize,
     /// The budget of the process's buffer pool: idle buffers kept for
     /// reuse, in bytes at most (`KUNGFU_BUFFER_POOL_BYTES`; 256 MiB; see
@@ -335,7 +361,17 @@ impl WorkerEnv {
         let spin = get("KUNGFU_SPIN_US")
             .map(|v| parse("KUNGFU_SPIN_US", &v).map(Duration::from_micros))
             .transpose()?;
+        let secret = get(SECRET_VAR)
+            .filter(|v| !v.is_empty())
+            .map(|v| {
+                JobSecret::new(v.as_bytes()).map_err(|e| BootstrapError::Env {
+                    var: SECRET_VAR.into(),
+                    reason: e.to_string(),
+                })
+            })
+            .transpose()?;
         Ok(WorkerEnv {
+            secret,
             spin,
             config_server: get("KUNGFU_CONFIG_SERVER"),
             listen_fd,
@@ -364,6 +400,7 @@ impl WorkerEnv {
             cluster_id,
             connect_timeout: ms("KUNGFU_CONNECT_TIMEOUT_MS", 60_000)?,
             op_timeout: ms("KUNGFU_OP_TIMEOUT_MS", 60_000)?,
+            peer_timeout: ms("KUNGFU_PEER_TIMEOUT_MS", 1_500)?,
             chunk_bytes,
             buffer_pool_bytes,
         })
@@ -435,6 +472,7 @@ mod tests {
         assert_eq!((e.launcher, e.rank, e.size), (Launcher::KungfuRun, 1, 2));
         assert_eq!(e.strategy, Strategy::Ring);
         assert_eq!(e.cluster_id, Some(0xabc));
+        assert_eq!(e.secret, None, "not set: nothing is authenticated");
         assert_eq!(e.auto, AutoThresholds::default());
         assert_eq!(e.spin, None);
         assert_eq!(e.listen_fd, None);
@@ -470,6 +508,36 @@ mod tests {
             ("KUNGFU_PEERS", "a:1,a:2")
         ])
         .is_err());
+    }
+
+    #[test]
+    fn the_job_secret() {
+        let base = [
+            ("KUNGFU_RANK", "0"),
+            ("KUNGFU_SIZE", "1"),
+            ("KUNGFU_PEERS", "127.0.0.1:5000"),
+        ];
+        let with = |v: &str| env(&[base.as_slice(), &[("KUNGFU_JOB_SECRET", v)]].concat());
+        let e = with("0123abcd").unwrap();
+        assert_eq!(e.secret, Some(JobSecret::new(b"0123abcd").unwrap()));
+        assert!(!format!("{e:?}").contains("0123abcd"), "never printed");
+        assert_eq!(with("").unwrap().secret, None, "empty is unset");
+        let long = "x".repeat(2000);
+        let err = with(&long).unwrap_err().to_string();
+        assert!(
+            err.contains("KUNGFU_JOB_SECRET") && err.contains("at most"),
+            "{err}"
+        );
+        // every launcher's workers read it
+        let t = env(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "10.1.2.3"),
+            ("MASTER_PORT", "29500"),
+            ("KUNGFU_JOB_SECRET", "s"),
+        ])
+        .unwrap();
+        assert!(t.secret.is_some());
     }
 
     #[test]

@@ -34,9 +34,13 @@ use tokio::time::Instant;
 mod connect;
 pub mod elastic;
 pub mod env;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod listen;
+pub mod recover;
 pub mod rendezvous;
 mod swap;
+pub use recover::Recovered;
 pub use swap::TransportSwap;
 
 pub use env::{Discovery, Launcher, WorkerEnv};
@@ -62,6 +66,10 @@ pub enum BootstrapError {
     Session(#[from] CollectiveError),
     #[error("resizing: {0}")]
     Elastic(String),
+    /// The cluster went on at `version` without this worker (a recovery
+    /// declared it lost): it should exit. Its session is closed.
+    #[error("left out of the cluster at version {version}: {reason}")]
+    Excluded { version: u32, reason: String },
 }
 
 /// A started worker: its environment and its session.
@@ -125,6 +133,7 @@ impl Worker {
                         l,
                         env.size,
                         env.cluster_version,
+                        env.secret.clone(),
                         deadline,
                     )))
                 } else {
@@ -136,6 +145,7 @@ impl Worker {
                     env.rank,
                     env.size,
                     env.cluster_version,
+                    env.secret.as_ref(),
                     deadline,
                 )
                 .await;
@@ -312,6 +322,7 @@ impl Worker {
         elastic::put_config(
             url,
             &format!("size {n}"),
+            self.env.secret.as_ref(),
             Instant::now() + self.env.connect_timeout,
         )
         .await
@@ -401,40 +412,86 @@ impl Worker {
                 detached: true,
             });
         };
-        let mut env = self.env.clone();
-        // the transport in use, which a swap may have changed
-        env.transport = self.transport_kind();
-        // Every session of the new version starts on the launcher's
-        // strategy (new workers know no other); the one in use here is
-        // handed on by sync_state.
-        self.carry = Some(self.session.strategy());
-        env.rank = rank;
-        env.size = cfg.peers.len();
-        env.cluster_version = cfg.version;
-        env.discovery = Discovery::Peers(cfg.peers.clone());
-        // the same address: with an inherited socket, a duplicate of it
-        let listener = listen::listen(&me, self.env.listen_fd).await?;
-        let old = self.session.clone();
-        let (new, ()) = tokio::join!(
-            connect::connect(
-                &env,
-                &cfg.peers,
-                self.cluster_id,
-                &self.pool,
-                listener,
-                deadline
-            ),
-            old.close(linger)
-        );
-        self.session = new?;
-        self.env = env;
-        self.peers = cfg.peers;
-        self.auto_across_hosts().await;
+        self.switch_to(rank, cfg, deadline).await?;
         self.joined = (began, SystemTime::now());
         Ok(Resized {
             changed: true,
             detached: false,
         })
+    }
+
+    /// Connects this worker, as `rank`, to the cluster `cfg` (new
+    /// connections at its version, which the handshake checks, so no frame
+    /// of the old one reaches them) while the old session's close.
+    async fn switch_to(
+        &mut self,
+        rank: usize,
+        cfg: elastic::ClusterConfig,
+        deadline: Instant,
+    ) -> Result<(), BootstrapError> {
+        let env = self.env_for(rank, &cfg);
+        let old = self.session.clone();
+        let (new, ()) = tokio::join!(
+            self.connect_version(&env, &cfg, deadline),
+            old.close(Duration::from_secs(2))
+        );
+        self.adopt(new?, env, cfg).await;
+        Ok(())
+    }
+
+    /// This worker's environment as `rank` of `cfg`.
+    fn env_for(&self, rank: usize, cfg: &elastic::ClusterConfig) -> WorkerEnv {
+        let mut env = self.env.clone();
+        // the transport in use, which a swap may have changed
+        env.transport = self.transport_kind();
+        env.rank = rank;
+        env.size = cfg.peers.len();
+        env.cluster_version = cfg.version;
+        env.discovery = Discovery::Peers(cfg.peers.clone());
+        env
+    }
+
+    /// Listens at this worker's address again and connects a session to
+    /// the cluster `cfg` as `env` says.
+    async fn connect_version(
+        &self,
+        env: &WorkerEnv,
+        cfg: &elastic::ClusterConfig,
+        deadline: Instant,
+    ) -> Result<Session<AnyTransport>, BootstrapError> {
+        let me = self
+            .peers
+            .peer(Rank(self.env.rank as u32))
+            .expect("own rank");
+        // the same address: with an inherited socket, a duplicate of it
+        let listener = listen::listen(me, self.env.listen_fd).await?;
+        connect::connect(
+            env,
+            &cfg.peers,
+            self.cluster_id,
+            &self.pool,
+            listener,
+            deadline,
+        )
+        .await
+    }
+
+    /// Takes `session`, connected to `cfg` as `env` says, as this
+    /// worker's.
+    async fn adopt(
+        &mut self,
+        session: Session<AnyTransport>,
+        env: WorkerEnv,
+        cfg: elastic::ClusterConfig,
+    ) {
+        // Every session of the new version starts on the launcher's
+        // strategy (new workers know no other); the one in use here is
+        // handed on by sync_state.
+        self.carry = Some(self.session.strategy());
+        self.session = session;
+        self.env = env;
+        self.peers = cfg.peers;
+        self.auto_across_hosts().await;
     }
 
     /// Brings every worker to the same training state: the step counter,

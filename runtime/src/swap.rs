@@ -123,6 +123,8 @@ impl TransportSwap {
     /// build with `verbs`, ibverbs. Every worker must get the same answer,
     /// else the job stays where it is. The transport kind stays `auto`.
     /// Returns whether it moved, and why not over each RDMA wire tried.
+    // without an RDMA wire built in there is nothing to try or change
+    #[cfg_attr(not(any(feature = "fabric", feature = "verbs")), allow(unused_mut))]
     pub(crate) async fn auto_across_hosts(mut self) -> (bool, Vec<String>) {
         let mut why = Vec::new();
         #[cfg(feature = "fabric")]
@@ -155,6 +157,7 @@ impl TransportSwap {
     }
 }
 
+#[cfg(any(feature = "fabric", feature = "verbs"))]
 /// An error and its causes, for a log line: the reason a wire was not
 /// available is in the transport error under the collective's.
 fn causes(e: &dyn std::error::Error) -> String {

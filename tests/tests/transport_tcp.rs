@@ -161,16 +161,16 @@ async fn an_older_hello_version_is_refused_at_once() {
     hello[3] = 1;
     hello[4..8].copy_from_slice(&1u32.to_le_bytes());
     s.write_all(&hello).await.unwrap();
-    let mut ack = [0u8; 32];
+    let mut ack = [0u8; 96];
     tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut ack))
         .await
         .expect("an answer before the deadline")
         .expect("an answer, not a closed stream");
-    assert_eq!((&ack[0..4], ack[4]), (&b"KH\x02\x02"[..], 6), "malformed");
+    assert_eq!((&ack[0..4], ack[4]), (&b"KH\x03\x02"[..], 6), "malformed");
     let e = server.await.unwrap().err().expect("rank 1 never connected");
     assert!(
         e.to_string()
-            .contains("hello version 1 (this build speaks 2)"),
+            .contains("hello version 1 (this build speaks 3)"),
         "{e}"
     );
 }
@@ -188,11 +188,12 @@ async fn hostile_peer(epoch: u32, max_frame: usize) -> (std::sync::Arc<TcpTransp
     let mut s = TcpStream::connect((p0.host.as_str(), p0.port))
         .await
         .unwrap();
-    // hello version 2: from, to, epoch, cluster id, peer list digest,
-    // cluster version
-    let mut hello = [0u8; 40];
+    // hello version 3: from, to, epoch, cluster id, peer list digest,
+    // cluster version, flags (0: no job secret), nonce (zeros, unused
+    // without a secret)
+    let mut hello = [0u8; 80];
     hello[0..2].copy_from_slice(b"KH");
-    hello[2] = 2;
+    hello[2] = 3;
     hello[3] = 1;
     hello[4..8].copy_from_slice(&1u32.to_le_bytes());
     hello[8..12].copy_from_slice(&0u32.to_le_bytes());
@@ -201,7 +202,7 @@ async fn hostile_peer(epoch: u32, max_frame: usize) -> (std::sync::Arc<TcpTransp
     hello[24..32].copy_from_slice(&peers.digest().0.to_le_bytes());
     hello[32..40].copy_from_slice(&0u64.to_le_bytes());
     s.write_all(&hello).await.unwrap();
-    let mut ack = [0u8; 32];
+    let mut ack = [0u8; 96];
     s.read_exact(&mut ack).await.unwrap();
     assert_eq!(ack[4], 0, "hello accepted");
     (server.await.unwrap().unwrap(), s)

@@ -24,70 +24,16 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use crate::certs::{job_tls, QuicFiles};
-use crate::{assign_ranks, bind_listener, is_local_host, job_ports, HostSlots, JobPorts};
+use crate::certs::job_tls;
+use crate::remote;
+use crate::{assign_ranks, bind_listener, is_local_host, job_ports, JobPorts};
 use kungfu::elastic::{ClusterConfig, ConfigServer, ServerRules};
+use kungfu::env::SECRET_VAR;
 use kungfu_topology::{Peer, PeerList, Rank};
-use kungfu_transport::any::TransportKind;
+use kungfu_transport::auth::JobSecret;
 
-/// What `kungfu-run` was asked to do.
-#[derive(Clone, Debug)]
-pub struct LaunchOptions {
-    pub np: usize,
-    pub hosts: Vec<HostSlots>,
-    pub strategy: Option<String>,
-    pub transport: TransportKind,
-    /// The user's QUIC certificates (`--quic-ca`, `--quic-cert`,
-    /// `--quic-key`); without them a QUIC job makes its own.
-    pub quic: Option<QuicFiles>,
-    /// Bounds the whole job.
-    pub timeout: Option<Duration>,
-    /// Ports on multi-machine layouts: `port_base + local rank`.
-    pub port_base: u16,
-    /// Set on the remote side of an ssh launch: only this host's workers.
-    pub self_host: Option<String>,
-    pub cluster_id: Option<u64>,
-    /// How long the other workers may take to exit by themselves after one
-    /// failed, before they are sent SIGTERM.
-    pub grace: Duration,
-    /// Extra `NAME=VALUE` for every worker.
-    pub env: Vec<(String, String)>,
-    /// Pin each local worker to one CPU.
-    pub bind: Bind,
-    /// Watch mode (`-w`): serve the cluster config over HTTP and start the
-    /// workers of new versions.
-    pub watch: bool,
-    /// The largest cluster a watched job may grow to.
-    pub max_np: usize,
-    /// How long a worker a new version left out may take to exit by
-    /// itself (it learns it is detached at its next resize) before it is
-    /// stopped.
-    pub detach_timeout: Duration,
-    pub program: Vec<String>,
-}
+pub use crate::options::{Bind, LaunchOptions, OnFailure};
 
-/// Whether workers are pinned to CPUs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Bind {
-    /// Pin worker `i` of a host to its `i`-th allowed CPU when the host has
-    /// at least as many allowed CPUs as workers (as `mpirun` binds to
-    /// cores by default for small jobs); otherwise leave them free.
-    Auto,
-    Core,
-    None,
-}
-
-impl std::str::FromStr for Bind {
-    type Err = anyhow::Error;
-    fn from_str(s: &str) -> anyhow::Result<Bind> {
-        match s {
-            "auto" => Ok(Bind::Auto),
-            "core" => Ok(Bind::Core),
-            "none" => Ok(Bind::None),
-            _ => anyhow::bail!("--bind-to {s:?}: expected auto, core or none"),
-        }
-    }
-}
 
 /// The CPUs this process may run on, in order.
 fn allowed_cpus() -> Vec<usize> {
@@ -180,6 +126,8 @@ struct Proc {
     removed: Option<(Instant, Signal)>,
     /// Stopped for not leaving when removed: its exit is no failure.
     stopped: bool,
+    /// Exited with status 0.
+    succeeded: bool,
 }
 
 /// The processes of a job and the tasks that wait for them and relay
@@ -198,13 +146,26 @@ impl Job {
         label: String,
         prefix: String,
         addr: Option<String>,
+        stdin_line: Option<&str>,
     ) -> anyhow::Result<()> {
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true);
+        cmd.stdin(if stdin_line.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true);
         let mut child = cmd.spawn().with_context(|| format!("starting {label}"))?;
+        if let (Some(line), Some(mut stdin)) = (stdin_line, child.stdin.take()) {
+            let line = format!("{line}\n");
+            // Closed after the line: the remote launcher reads no more.
+            self.relays.spawn(async move {
+                use tokio::io::AsyncWriteExt;
+                let _ = stdin.write_all(line.as_bytes()).await;
+            });
+        }
         let out = child.stdout.take().expect("piped");
         let err = child.stderr.take().expect("piped");
         self.relays.spawn(relay(out, prefix.clone(), false));
@@ -217,6 +178,7 @@ impl Job {
             addr,
             removed: None,
             stopped: false,
+            succeeded: false,
         });
         self.waits.spawn(async move { (idx, child.wait().await) });
         Ok(())
@@ -252,7 +214,7 @@ fn worker_cmd(
     opts: &LaunchOptions,
     allowed: &[usize],
     w: &WorkerSpec<'_>,
-    cluster_id: u64,
+    job: &JobKeys,
     config_url: Option<&str>,
     listener: Option<std::net::TcpListener>,
 ) -> anyhow::Result<Command> {
@@ -275,7 +237,9 @@ fn worker_cmd(
         .env("KUNGFU_PEERS", w.peers.to_string())
         .env("KUNGFU_TRANSPORT", opts.transport.name())
         .env("KUNGFU_CLUSTER_VERSION", w.version.to_string())
-        .env("KUNGFU_CLUSTER_ID", format!("{cluster_id:x}"));
+        .env("KUNGFU_CLUSTER_ID", format!("{:x}", job.cluster_id))
+        // the environment, not the command line, which every user can read
+        .env(SECRET_VAR, &job.secret);
     if let Some(url) = config_url {
         cmd.env("KUNGFU_CONFIG_SERVER", url);
     }
@@ -286,6 +250,27 @@ fn worker_cmd(
         cmd.env(k, v);
     }
     Ok(cmd)
+}
+
+/// What identifies a job to its workers.
+struct JobKeys {
+    cluster_id: u64,
+    /// The job secret, as the workers get it (`KUNGFU_JOB_SECRET`).
+    secret: String,
+}
+
+/// The job's secret: `given`, else `KUNGFU_JOB_SECRET` from the
+/// environment (so that launchers started apart on each host share one),
+/// else 32 fresh random bytes in hex.
+pub fn job_secret(given: Option<&str>) -> anyhow::Result<String> {
+    let from_env = std::env::var(SECRET_VAR).ok().filter(|s| !s.is_empty());
+    let secret = match given.map(str::to_string).or(from_env) {
+        Some(s) => s,
+        None => JobSecret::generate_hex()?,
+    };
+    // refused here rather than by every worker
+    JobSecret::new(secret.as_bytes()).context(SECRET_VAR)?;
+    Ok(secret)
 }
 
 /// Sockets bound for the workers a watched job has not started yet, by
@@ -309,13 +294,16 @@ fn listener_for(pending: &Pending, p: &Peer) -> anyhow::Result<std::net::TcpList
 
 /// Starts the config server of a watched job on this host. A new peer gets
 /// a port bound here and held until its worker starts with it (see
-/// `pass_listener`).
+/// `pass_listener`). Every worker of a watched job is on this host, so the
+/// server listens on the loopback only, and wants the job's credential for
+/// every change (see `kungfu::elastic`).
 async fn config_server(
     opts: &LaunchOptions,
     peers: &PeerList,
+    secret: &JobSecret,
 ) -> anyhow::Result<(ConfigServer, Pending)> {
     let host = peers.peers()[0].host.clone();
-    let listener = tokio::net::TcpListener::bind((host.as_str(), 0))
+    let listener = tokio::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0))
         .await
         .context("binding the config server")?;
     let used = std::sync::Mutex::new(
@@ -357,6 +345,7 @@ async fn config_server(
             }
             Err("no free port".into())
         }),
+        credential: Some(secret.config_token()),
     };
     let initial = ClusterConfig {
         version: 0,
@@ -374,17 +363,6 @@ fn describe(status: &ExitStatus) -> (String, i32) {
         (format!("was killed by signal {sig} ({name})"), 128 + sig)
     } else {
         ("ended in an unknown way".into(), 1)
-    }
-}
-
-fn shell_quote(s: &str) -> String {
-    if !s.is_empty()
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"-_./:=,@+".contains(&b))
-    {
-        s.to_string()
-    } else {
-        format!("'{}'", s.replace('\'', "'\\''"))
     }
 }
 
@@ -482,17 +460,25 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
         mut listeners,
     } = job_ports(&slots, all_local, opts.port_base)?;
     let cluster_id = opts.cluster_id.unwrap_or_else(job_id);
+    let keys = JobKeys {
+        cluster_id,
+        secret: job_secret(opts.secret.as_deref())?,
+    };
+    let secret = JobSecret::new(keys.secret.as_bytes())?;
+    // the config server: for -w, and for the survivors' recovery
+    let serves = opts.watch || opts.on_failure != OnFailure::Stop;
     let mine = |host: &str| match &opts.self_host {
         Some(me) => host == me,
         None => is_local_host(host),
     };
 
     anyhow::ensure!(
-        !opts.watch || (opts.hosts.len() == 1 && all_local && opts.self_host.is_none()),
-        "watch mode (-w) starts workers on this host only: give one local host"
+        !serves || (opts.hosts.len() == 1 && all_local && opts.self_host.is_none()),
+        "watch mode (-w) and --on-failure shrink|replace start workers on this host only: \
+         give one local host"
     );
-    let (server, pending) = if opts.watch {
-        let (s, p) = config_server(&opts, &peers).await?;
+    let (server, pending) = if serves {
+        let (s, p) = config_server(&opts, &peers, &secret).await?;
         (Some(s), p)
     } else {
         (None, Pending::default())
@@ -518,7 +504,7 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
             version: 0,
         };
         let listener = listeners[s.rank].take();
-        let mut cmd = worker_cmd(&opts, &allowed, &w, cluster_id, url.as_deref(), listener)?;
+        let mut cmd = worker_cmd(&opts, &allowed, &w, &keys, url.as_deref(), listener)?;
         if let Some(t) = &tls {
             t.apply(&mut cmd, s.rank)?;
         }
@@ -528,6 +514,7 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
             format!("rank {}", s.rank),
             format!("[{:>width$}] ", s.rank),
             addr,
+            None,
         )?;
     }
     if opts.self_host.is_none() {
@@ -537,53 +524,18 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
             if !slots.iter().any(|s| s.host == h.host) {
                 continue;
             }
-            let hosts: Vec<String> = opts
-                .hosts
-                .iter()
-                .map(|h| format!("{}:{}", h.host, h.slots))
-                .collect();
-            let mut remote = vec![
-                exe.display().to_string(),
-                "--self".into(),
-                h.host.clone(),
-                "--cluster-id".into(),
-                format!("{cluster_id:x}"),
-                "-np".into(),
-                opts.np.to_string(),
-                "-H".into(),
-                hosts.join(","),
-                "--port-base".into(),
-                opts.port_base.to_string(),
-                "--transport".into(),
-                opts.transport.name().into(),
-            ];
-            if let Some(f) = &opts.quic {
-                for (flag, path) in [
-                    ("--quic-ca", &f.ca),
-                    ("--quic-cert", &f.cert),
-                    ("--quic-key", &f.key),
-                ] {
-                    remote.extend([flag.into(), path.display().to_string()]);
-                }
-            }
-            if let Some(st) = &opts.strategy {
-                remote.extend(["--strategy".into(), st.clone()]);
-            }
-            let bind = match opts.bind {
-                Bind::Auto => "auto",
-                Bind::Core => "core",
-                Bind::None => "none",
-            };
-            remote.extend(["--bind-to".into(), bind.into()]);
-            for (k, v) in &opts.env {
-                remote.extend(["-x".into(), format!("{k}={v}")]);
-            }
-            remote.push("--".into());
-            remote.extend(opts.program.iter().cloned());
-            let line: Vec<String> = remote.iter().map(|a| shell_quote(a)).collect();
+            let line = remote::remote_command(&opts, &h.host, cluster_id, &exe);
             let mut cmd = Command::new("ssh");
-            cmd.args(["-o", "BatchMode=yes", &h.host, &line.join(" ")]);
-            job.spawn(cmd, format!("ssh to {}", h.host), String::new(), None)?;
+            cmd.args(["-o", "BatchMode=yes", &h.host, &line]);
+            // the secret on ssh's standard input (see `remote`)
+            let secret = Some(keys.secret.as_str());
+            job.spawn(
+                cmd,
+                format!("ssh to {}", h.host),
+                String::new(),
+                None,
+                secret,
+            )?;
         }
     }
 
@@ -594,6 +546,7 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
     let mut exit_code: Option<i32> = None;
     let mut remaining = job.procs.len();
     let mut timed_out = false;
+    let mut survived = Survived::default();
 
     while remaining > 0 {
         let phase_at = next_phase.map_or(far, |(t, _)| t);
@@ -607,8 +560,17 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                     Ok(st) => describe(&st),
                     Err(e) => (format!("could not be waited for: {e}"), 1),
                 };
+                job.procs[idx].succeeded = code == 0;
                 if job.procs[idx].stopped {
                     eprintln!("kungfu-run: {} (removed from the cluster) {what}", job.procs[idx].label);
+                } else if code != 0 && opts.on_failure != OnFailure::Stop && exit_code.is_none() {
+                    eprintln!(
+                        "kungfu-run: {} {what}; the others go on without it (--on-failure {})",
+                        job.procs[idx].label,
+                        if opts.on_failure == OnFailure::Shrink { "shrink" } else { "replace" },
+                    );
+                    survived.failed.get_or_insert(code);
+                    survived.to_replace += usize::from(opts.on_failure == OnFailure::Replace);
                 } else if code != 0 {
                     let msg = format!("{} {what}", job.procs[idx].label);
                     if exit_code.is_none() {
@@ -623,6 +585,19 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
             Ok(()) = async { config.as_mut().expect("guarded").changed().await }, if config.is_some() && exit_code.is_none() => {
                 let c = config.as_mut().expect("guarded").borrow_and_update().clone();
                 eprintln!("kungfu-run: cluster version {}: {} workers", c.version, c.peers.len());
+                if survived.to_replace > 0 && c.peers.len() < opts.np {
+                    // the survivors shrank: grow back with new workers
+                    survived.to_replace = 0;
+                    let (url, secret) = (url.clone().unwrap_or_default(), secret.clone());
+                    let body = format!("size {}", opts.np);
+                    tokio::spawn(async move {
+                        let deadline = Instant::now() + Duration::from_secs(30);
+                        match kungfu::elastic::put_config(&url, &body, Some(&secret), deadline).await {
+                            Ok(c) => eprintln!("kungfu-run: replacing the lost: version {} of {} workers", c.version, c.peers.len()),
+                            Err(e) => eprintln!("kungfu-run: could not start replacements: {e}"),
+                        }
+                    });
+                }
                 let members: HashSet<String> =
                     c.peers.peers().iter().map(|p| p.to_string()).collect();
                 for p in job.procs.iter_mut().filter(|p| p.alive && p.removed.is_none()) {
@@ -645,14 +620,14 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                         version: c.version,
                     };
                     let started = listener_for(&pending, p)
-                        .and_then(|l| worker_cmd(&opts, &allowed, &w, cluster_id, url.as_deref(), Some(l)))
+                        .and_then(|l| worker_cmd(&opts, &allowed, &w, &keys, url.as_deref(), Some(l)))
                         .and_then(|mut cmd| {
                             if let Some(t) = &tls {
                                 t.apply(&mut cmd, rank)?;
                             }
                             Ok(cmd)
                         })
-                        .and_then(|cmd| job.spawn(cmd, format!("worker {addr}"), format!("[{rank:>width$}] "), Some(addr)));
+                        .and_then(|cmd| job.spawn(cmd, format!("worker {addr}"), format!("[{rank:>width$}] "), Some(addr), None));
                     match started {
                         Ok(()) => remaining += 1,
                         Err(e) => {
@@ -723,20 +698,26 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
         while job.relays.join_next().await.is_some() {}
     })
     .await;
-    Ok(exit_code.unwrap_or(0))
+    // with --on-failure shrink|replace: the job failed only if no worker
+    // finished well
+    Ok(exit_code.unwrap_or(match survived.failed {
+        Some(code) if job.procs.iter().all(|p| !p.succeeded) => code,
+        _ => 0,
+    }))
+}
+
+/// What `--on-failure shrink|replace` keeps track of.
+#[derive(Default)]
+struct Survived {
+    /// The status of the first worker that failed.
+    failed: Option<i32>,
+    /// Failed workers a replacement is still to be started for.
+    to_replace: usize,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn quoting() {
-        assert_eq!(shell_quote("abc-1.2/x"), "abc-1.2/x");
-        assert_eq!(shell_quote("a b"), "'a b'");
-        assert_eq!(shell_quote("it's"), "'it'\\''s'");
-        assert_eq!(shell_quote(""), "''");
-    }
 
     #[test]
     fn statuses() {

@@ -10,7 +10,9 @@ use kungfu_topology::{Peer, PeerList};
 
 pub mod certs;
 pub mod launch;
+pub mod options;
 pub mod plot;
+pub mod remote;
 
 /// Parses `90s`, `5m`, `1h`, `250ms`, or a plain number of seconds.
 pub fn parse_duration(s: &str) -> anyhow::Result<Duration> {

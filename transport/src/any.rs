@@ -70,6 +70,8 @@ impl TransportKind {
 
     /// Whether this build can connect it at all (a backend not built in
     /// is refused with a clear error wherever it is asked for).
+    // a table per feature, which reads the same whichever features are on
+    #[allow(clippy::match_like_matches_macro)]
     pub fn built(self) -> bool {
         match self {
             TransportKind::Fabric => cfg!(feature = "fabric"),

@@ -2,8 +2,8 @@
 //! dials every rank below it, retrying until the deadline, and accepts
 //! every rank above it. A refused handshake is final for the dialer, but
 //! never stops the acceptor from waiting for the right peer until the
-//! deadline, so a stray process (or one without the job's certificate)
-//! cannot break a job.
+//! deadline, so a stray process (or one without the job's certificate or
+//! secret) cannot break a job; every refusal is logged on standard error.
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
@@ -194,4 +194,42 @@ where
         }
     }
     Ok(out)
+}
+
+#[cfg(any(feature = "fabric", feature = "verbs"))]
+/// The control links of a wire whose data moves elsewhere (libfabric,
+/// ibverbs): a TCP writer per peer, `None` for this rank and once closed.
+pub(crate) type ControlLinks = Vec<tokio::sync::Mutex<Option<tokio::net::tcp::OwnedWriteHalf>>>;
+
+#[cfg(any(feature = "fabric", feature = "verbs"))]
+/// Writes each peer its goodbye on its control link: `BYE!` and how many
+/// frames this rank sent it (`sent`, by rank), within `deadline`.
+pub(crate) async fn say_goodbyes(
+    links: &ControlLinks,
+    sent: &[std::sync::atomic::AtomicU64],
+    deadline: crate::Instant,
+) {
+    use tokio::io::AsyncWriteExt;
+    for (r, link) in links.iter().enumerate() {
+        let mut bye = [0u8; 12];
+        bye[..4].copy_from_slice(b"BYE!");
+        bye[4..].copy_from_slice(
+            &sent[r]
+                .load(std::sync::atomic::Ordering::Relaxed)
+                .to_le_bytes(),
+        );
+        if let Some(w) = link.lock().await.as_mut() {
+            let _ = tokio::time::timeout_at(deadline, w.write_all(&bye)).await;
+        }
+    }
+}
+
+#[cfg(any(feature = "fabric", feature = "verbs"))]
+/// Ends the control links that are free now: the peers see this rank gone.
+pub(crate) fn drop_links(links: &ControlLinks) {
+    for link in links {
+        if let Ok(mut w) = link.try_lock() {
+            w.take();
+        }
+    }
 }

@@ -4,7 +4,7 @@
 //! offset size field
 //!  0     2    magic  "KF" (0x4b 0x46)
 //!  2     1    version (1)
-//!  3     1    kind   (1 data, 2 abort)
+//!  3     1    kind   (1 data, 2 abort, 3 heartbeat)
 //!  4     2    flags  (0; reserved, must be zero)
 //!  6     2    step
 //!  8     4    epoch
@@ -85,6 +85,10 @@ pub enum FrameKind {
     /// The sender failed this op and tells its peers why (the payload is a
     /// small structure defined by the collectives layer).
     Abort = 2,
+    /// The sender is alive (sent on idle links, see
+    /// [`crate::endpoint::Liveness`]); taken by the matcher, never by an op.
+    /// Its tag and payload mean nothing.
+    Heartbeat = 3,
 }
 
 /// The identity of one op instance on the wire: the transport matches
@@ -164,6 +168,7 @@ impl Header {
         let kind = match b[3] {
             1 => FrameKind::Data,
             2 => FrameKind::Abort,
+            3 => FrameKind::Heartbeat,
             k => return Err(HeaderError::Kind(k)),
         };
         let flags = u16_at(4);
@@ -287,7 +292,11 @@ mod tests {
 
         fn header() -> impl Strategy<Value = Header> {
             (
-                prop_oneof![Just(FrameKind::Data), Just(FrameKind::Abort)],
+                prop_oneof![
+                    Just(FrameKind::Data),
+                    Just(FrameKind::Abort),
+                    Just(FrameKind::Heartbeat)
+                ],
                 (any::<u32>(), any::<u64>(), any::<u32>()),
                 any::<u32>(),
                 any::<u16>(),
@@ -319,7 +328,7 @@ mod tests {
                 Some(HeaderError::Magic([b[0], b[1]]))
             } else if b[2] != 1 {
                 Some(HeaderError::Version(b[2]))
-            } else if !(1..=2).contains(&b[3]) {
+            } else if !(1..=3).contains(&b[3]) {
                 Some(HeaderError::Kind(b[3]))
             } else if b[4] != 0 || b[5] != 0 {
                 Some(HeaderError::Flags(u16::from_le_bytes([b[4], b[5]])))

@@ -98,6 +98,7 @@ use crate::pool::BufferPool;
 mod peerset;
 pub use peerset::PeerSet;
 pub mod any;
+pub mod auth;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 mod connect;
@@ -106,6 +107,8 @@ pub mod endpoint;
 #[cfg(feature = "fabric")]
 #[allow(unsafe_code)]
 pub mod fabric;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod handshake;
 pub mod header;
 pub mod mem;
@@ -358,6 +361,13 @@ pub trait Transport: Send + Sync + 'static {
     /// to fail yet (a broadcast root may send everything and leave).
     fn check_peers_for(&self, tag: OpTag, peers: &PeerSet) -> Result<(), TransportError> {
         self.matcher().check_peers_for(tag, peers)
+    }
+
+    /// Every lost rank in `peers` from which no frame of `tag` is queued,
+    /// the first lost first (a [`TransportError::PeerLost`] each), or
+    /// [`TransportError::Closed`].
+    fn lost_for(&self, tag: OpTag, peers: &PeerSet) -> Result<Vec<TransportError>, TransportError> {
+        self.matcher().lost_for(tag, peers)
     }
 
     /// Sends a frame at once straight from the caller's bytes, if the

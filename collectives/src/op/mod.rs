@@ -71,6 +71,11 @@ pub struct MachineConfig {
     pub max_inflight_bytes: usize,
 }
 
+/// How long an op goes on without progress once a rank its output depends
+/// on (not one it waits for) was lost: long enough for what that rank sent
+/// before it went to arrive, or for the abort of a neighbour that gave up.
+pub const LOST_GRACE: Duration = Duration::from_secs(1);
+
 /// What the driver must send.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Transmit {
@@ -132,6 +137,13 @@ pub struct OpMachine {
     listen: PeerSet,
     /// Ranks known lost: no abort is sent to them.
     lost: PeerSet,
+    /// The first loss this op heard of: when the op fails for a lost peer,
+    /// it names this one (the culprit, not a neighbour that gave up
+    /// because of it).
+    first_lost: Option<TransportError>,
+    /// A rank this op's output depends on was lost: see
+    /// [`OpMachine::handle_peer_lost`].
+    lost_dependency: bool,
     started: Instant,
     deadline: Instant,
     arrivals: Vec<Arrivals>,
@@ -165,6 +177,8 @@ impl OpMachine {
             needed,
             listen,
             lost: PeerSet::new(),
+            first_lost: None,
+            lost_dependency: false,
             started: now,
             deadline: now + cfg.timeout,
             arrivals: vec![Arrivals::default(); size],
@@ -371,6 +385,8 @@ impl OpMachine {
                     .handle_frame(from, header.chunk, header.step, payload, work);
                 self.planned(from, r);
             }
+            // the transport's own, never matched to an op
+            FrameKind::Heartbeat => {}
         }
     }
 
@@ -445,20 +461,42 @@ impl OpMachine {
         taken
     }
 
-    /// `peer` was lost (`e` says how). The op fails if it still waits for
-    /// frames from it; otherwise (it never needed the peer, or everything
-    /// the peer owed it arrived before the connection closed) it stops
-    /// listening to it. A send still owed to the peer fails on its own.
+    /// `peer` was lost (`e` says how). The op fails at once while it waits
+    /// for frames from the peer. When this rank's output depends on the
+    /// peer only through others ([`crate::OpKind::depends_on`]), what the
+    /// peer owed may already be on its way (the op then completes), or a
+    /// neighbour gave up because of the loss, and its abort should follow:
+    /// the op goes on, but from now on fails after [`LOST_GRACE`] without
+    /// progress, not after the op timeout. Either way the error names the
+    /// first rank this op heard was lost: the culprit, not the neighbour.
+    /// A send owed to the peer fails on its own.
     pub fn handle_peer_lost(&mut self, now: Instant, peer: Rank, e: TransportError) {
-        let _ = now;
         if !self.is_running() {
             return;
         }
         self.lost.insert(peer);
-        if self.needed.contains(peer) && self.plan.waiting_for().contains(&peer) {
-            self.fail(self.transport_error(e));
-        } else {
-            self.listen.remove(peer);
+        let first = self.first_lost.get_or_insert_with(|| e.clone()).clone();
+        let waiting = self.plan.waiting_for();
+        if waiting.contains(&peer) {
+            let e = match first {
+                TransportError::PeerLost { peer: p, reason } if p != peer => {
+                    TransportError::PeerLost {
+                        peer: p,
+                        reason: format!(
+                            "{reason} (lost first; {peer}, which this op waited for, was lost \
+                             after it)"
+                        )
+                        .into(),
+                    }
+                }
+                _ => e,
+            };
+            return self.fail(self.transport_error(e));
+        }
+        self.listen.remove(peer);
+        if !waiting.is_empty() && self.op.spec.kind.depends_on(self.me, peer) {
+            self.lost_dependency = true;
+            self.deadline = self.deadline.min(now + self.grace());
         }
     }
 
@@ -467,6 +505,20 @@ impl OpMachine {
     pub fn handle_timeout(&mut self, now: Instant) {
         if !self.is_running() || now < self.deadline {
             return;
+        }
+        if self.lost_dependency {
+            if let Some(TransportError::PeerLost { peer, reason }) = self.first_lost.clone() {
+                let e = TransportError::PeerLost {
+                    peer,
+                    reason: format!(
+                        "{reason} (this op depends on it, and made no progress for {:?} after \
+                         the loss)",
+                        self.grace()
+                    )
+                    .into(),
+                };
+                return self.fail(self.transport_error(e));
+            }
         }
         // Once the plan is done only sends are left: no rank to wait for.
         let waiting = if self.plan.is_done() {
@@ -492,7 +544,17 @@ impl OpMachine {
     }
 
     fn progress(&mut self, now: Instant) {
-        self.deadline = now + self.cfg.timeout;
+        self.deadline = now + self.grace();
+    }
+
+    /// How long the op may go without progress: the op timeout, or less
+    /// once a rank its output depends on was lost.
+    fn grace(&self) -> Duration {
+        if self.lost_dependency {
+            self.cfg.timeout.min(LOST_GRACE)
+        } else {
+            self.cfg.timeout
+        }
     }
 
     fn arrived(&mut self, now: Instant, from: Rank, len: usize) {

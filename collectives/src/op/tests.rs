@@ -17,10 +17,22 @@ fn spec() -> OpSpec {
     }
 }
 
+/// A broadcast from rank 1: rank 0's output depends on rank 1 only.
+fn leaf_spec() -> OpSpec {
+    OpSpec {
+        kind: OpKind::Broadcast { root: Rank(1) },
+        ..spec()
+    }
+}
+
 fn instance() -> OpInstance {
+    instance_of(spec())
+}
+
+fn instance_of(spec: OpSpec) -> OpInstance {
     OpInstance {
         name: "w".into(),
-        spec: spec(),
+        spec,
         tag: OpTag {
             epoch: Epoch(1),
             op: OpId(7),
@@ -34,6 +46,10 @@ fn instance() -> OpInstance {
 /// Rank 0 of 3: sends its 16 bytes to rank 1 in `sends` frames, and
 /// receives (reducing) 16 bytes from rank 1. Rank 2 takes no part.
 fn machine(sends: usize, window: usize, now: Instant) -> OpMachine {
+    machine_of(spec(), sends, window, now)
+}
+
+fn machine_of(spec: OpSpec, sends: usize, window: usize, now: Instant) -> OpMachine {
     let mut b = PlanBuilder::new();
     let per = 16 / sends;
     for i in 0..sends {
@@ -45,7 +61,7 @@ fn machine(sends: usize, window: usize, now: Instant) -> OpMachine {
         timeout: T,
         max_inflight_bytes: window,
     };
-    OpMachine::new(instance(), plan, Rank(0), 3, cfg, now)
+    OpMachine::new(instance_of(spec), plan, Rank(0), 3, cfg, now)
 }
 
 fn data(chunk: u32, step: u16, digest: u32) -> Header {
@@ -202,7 +218,7 @@ fn the_deadline_moves_only_on_progress() {
 fn a_frame_for_another_spec_is_a_mismatch_told_to_every_rank_not_lost() {
     let t0 = Instant::now();
     let mut work = f32s(&[1.0; 4]);
-    let mut m = machine(1, usize::MAX, t0);
+    let mut m = machine_of(leaf_spec(), 1, usize::MAX, t0);
     m.handle_peer_lost(t0, Rank(2), lost(2));
     assert!(m.is_running(), "rank 2 takes no part");
     // In place, it is refused (comes back owned), then fails the op.
@@ -223,7 +239,7 @@ fn a_frame_for_another_spec_is_a_mismatch_told_to_every_rank_not_lost() {
         a[0],
         (
             Rank(1),
-            Abort::new(AbortReason::Mismatch, Rank(0), Rank(1), &spec())
+            Abort::new(AbortReason::Mismatch, Rank(0), Rank(1), &leaf_spec())
         )
     );
     assert_eq!(
@@ -338,10 +354,10 @@ fn lost(r: u32) -> TransportError {
 }
 
 #[test]
-fn a_lost_peer_fails_the_op_only_while_it_waits_for_that_peer() {
+fn a_lost_peer_fails_the_op_only_while_its_output_depends_on_it() {
     let t0 = Instant::now();
     let mut work = f32s(&[1.0; 4]);
-    let mut m = machine(1, usize::MAX, t0);
+    let mut m = machine_of(leaf_spec(), 1, usize::MAX, t0);
     assert!(
         m.listening().contains(Rank(2)),
         "aborts may come from anyone"
@@ -350,8 +366,15 @@ fn a_lost_peer_fails_the_op_only_while_it_waits_for_that_peer() {
     assert!(m.is_running());
     assert!(!m.listening().contains(Rank(2)));
     m.handle_peer_lost(t0, Rank(1), lost(1));
+    // it waited for rank 1, but rank 2 was lost first: the likelier
+    // culprit, which rank 1 may have given up on
     match failed(&mut m, &mut work) {
-        CollectiveError::PeerLost { peer, .. } => assert_eq!(peer, Rank(1)),
+        CollectiveError::PeerLost { peer, source, .. } => {
+            assert_eq!(peer, Rank(2));
+            assert!(source
+                .to_string()
+                .contains("rank 1, which this op waited for"));
+        }
         e => panic!("{e}"),
     }
     let a = aborts(&mut m);
@@ -371,6 +394,41 @@ fn a_lost_peer_fails_the_op_only_while_it_waits_for_that_peer() {
     assert!(m.is_running());
     assert_eq!(send_all(&mut m, t0, &mut work), 1);
     assert!(matches!(m.poll_event(&mut work), Some(OpEvent::Done)));
+}
+
+#[test]
+fn an_allreduce_fails_for_a_lost_rank_it_never_talks_to_and_names_it() {
+    // Rank 0 waits for rank 1 only, but its sum needs rank 2's part too:
+    // if rank 1 gives up on rank 2 and its abort does not come, waiting for
+    // the op timeout would end in an error that blames rank 1.
+    let t0 = Instant::now();
+    let mut work = f32s(&[1.0; 4]);
+    let mut m = machine(1, usize::MAX, t0);
+    m.handle_peer_lost(t0, Rank(2), lost(2));
+    // What rank 2 sent before it went may still come through rank 1 (or
+    // rank 1's abort): the op goes on, but only for the grace.
+    assert!(m.is_running());
+    assert_eq!(m.poll_timeout(), Some(t0 + LOST_GRACE));
+    m.handle_timeout(t0 + LOST_GRACE);
+    match failed(&mut m, &mut work) {
+        CollectiveError::PeerLost { peer, source, .. } => {
+            assert_eq!(peer, Rank(2));
+            assert!(
+                source.to_string().contains("no progress for 1s after"),
+                "{source}"
+            );
+        }
+        e => panic!("{e}"),
+    }
+    // rank 1 hears it from us, naming rank 2
+    let a = aborts(&mut m);
+    assert_eq!(
+        a,
+        [(
+            Rank(1),
+            Abort::new(AbortReason::PeerLost, Rank(0), Rank(2), &spec())
+        )]
+    );
 }
 
 #[test]

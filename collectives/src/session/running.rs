@@ -127,14 +127,20 @@ impl RunningOp {
             work.lend();
             m.post_receives();
         }
-        // A lost rank fails the op now, unless we only receive from it and
-        // some of its frames for this op are here (a broadcast root that
-        // sent everything and closed): then the receives decide.
-        if let Err(e) = t
-            .check_peers(m.targets())
-            .and_then(|()| t.check_peers_for(m.tag(), m.needed()))
-        {
-            m.handle_error(e);
+        // A lost rank fails the op now if the op would wait for it (or
+        // for anyone, when this rank's output depends on it), unless some
+        // of its frames for this op are here (a broadcast root that sent
+        // everything and closed): then the receives decide. A send to a
+        // lost rank fails on its own. The error names the first rank lost.
+        match t.lost_for(m.tag(), &m.listening().clone()) {
+            Ok(lost) => {
+                for e in lost {
+                    if let TransportError::PeerLost { peer, .. } = e {
+                        m.handle_peer_lost(Instant::now(), peer, e);
+                    }
+                }
+            }
+            Err(e) => m.handle_error(e),
         }
         let mut listen = m.listening().clone();
         let mut sends = Sends::default();
@@ -299,6 +305,21 @@ impl RunningOp {
                 version: t.version(),
                 epoch: self.m.tag().epoch,
                 strategy: self.m.strategy(),
+            }),
+            // A loss heard of in an abort names where the lost rank ran.
+            OpEvent::Failed(CollectiveError::PeerLost {
+                name,
+                epoch,
+                peer,
+                source: TransportError::PeerLost { peer: p, reason },
+            }) => Err(CollectiveError::PeerLost {
+                name,
+                epoch,
+                peer,
+                source: TransportError::PeerLost {
+                    peer: p,
+                    reason: t.matcher().locate(p, reason),
+                },
             }),
             OpEvent::Failed(e) => Err(e),
         }

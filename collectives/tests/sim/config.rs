@@ -43,6 +43,8 @@ impl Default for Config {
 pub enum Fault {
     /// The `nth` data frame (from 0) that `from` sends to `to` is lost.
     Drop { from: Rank, to: Rank, nth: usize },
+    /// Every abort frame that `from` sends to `to` is lost.
+    DropAborts { from: Rank, to: Rank },
     /// `rank` dies at `at`.
     KillAt { rank: Rank, at: Duration },
     /// `rank` dies the moment its op `op` is done, i.e. right after the

@@ -570,6 +570,15 @@ impl Sim {
                 return;
             }
         }
+        if header.kind == FrameKind::Abort
+            && self
+                .faults
+                .iter()
+                .any(|f| matches!(*f, Fault::DropAborts { from: a, to: b } if (a, b) == (from, to)))
+        {
+            self.log(from, What::Dropped { to });
+            return;
+        }
         let at = self.now + self.draw(self.cfg.net);
         let last = &mut self.last_arrival[from.idx()][to.idx()];
         *last = (*last).max(at);

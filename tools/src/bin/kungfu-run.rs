@@ -3,16 +3,18 @@
 //! ```text
 //! kungfu-run -np N [-H host:slots,...] [--strategy S] [--transport T]
 //!            [--quic-ca F --quic-cert F --quic-key F]
-//!            [--timeout DUR] [-w [--max-np N]] [-x NAME=VALUE]... [--] PROGRAM ARGS...
+//!            [--timeout DUR] [-w [--max-np N]] [--on-failure stop|shrink|replace] [-x NAME=VALUE]... [--] PROGRAM ARGS...
 //! ```
 
 use std::time::Duration;
 
 use anyhow::{bail, Context};
 use kungfu_tools::certs::QuicFiles;
-use kungfu_tools::launch::{run, Bind, LaunchOptions};
+use kungfu_tools::launch::{run, Bind, LaunchOptions, OnFailure};
+use kungfu_tools::remote::{read_secret, SECRET_STDIN};
 use kungfu_tools::{parse_duration, parse_hosts, HostSlots};
 use kungfu_transport::any::TransportKind;
+use kungfu_transport::auth::JobSecret;
 
 /// The help text; `{strategies}` stands for the strategy names.
 const USAGE: &str = "\
@@ -20,11 +22,16 @@ usage: kungfu-run -np N [options] [--] PROGRAM [ARGS...]
 
 Starts N workers of PROGRAM and gives each its identity in the environment
 (KUNGFU_RANK, KUNGFU_SIZE, KUNGFU_LOCAL_RANK, KUNGFU_LOCAL_SIZE, KUNGFU_PEERS,
-KUNGFU_STRATEGY, KUNGFU_TRANSPORT, KUNGFU_CLUSTER_VERSION, KUNGFU_CLUSTER_ID).
+KUNGFU_STRATEGY, KUNGFU_TRANSPORT, KUNGFU_CLUSTER_VERSION, KUNGFU_CLUSTER_ID)
+and the job secret every connection proves (KUNGFU_JOB_SECRET: this process's
+if set, so that launchers started apart on each host share one, else 32
+random bytes; set it in the environment, never with -x, which shows it on
+the command line).
 When every host is this machine, each worker also inherits its listening
 socket, already bound at a port the kernel chose (KUNGFU_LISTEN_FD).
 Each output line is prefixed with the worker's rank. If a worker fails, the
-others are stopped and kungfu-run exits non-zero, naming it.
+others are stopped and kungfu-run exits non-zero, naming it (unless
+--on-failure says otherwise).
 
 options:
   -np N                 number of workers (required)
@@ -53,12 +60,23 @@ options:
   -w, --watch           elastic job: serve the cluster config over HTTP (its URL
                         in KUNGFU_CONFIG_SERVER; GET it, PUT 'size N' or a whole
                         config) and start the workers each new version adds;
-                        removed workers are told by the library and exit
+                        removed workers are told by the library and exit.
+                        The server listens on 127.0.0.1; a PUT needs
+                        'Authorization: Bearer TOKEN' (--config-token)
+  --on-failure F        what a worker's failure does: stop (default: stop the
+                        others, exit with its status), shrink (the others go
+                        on; they agree on who is left and shrink the cluster,
+                        with the library's recover step: kf_recover,
+                        Worker::recover) or replace (shrink, then start a new
+                        worker that joins as in -w); shrink and replace serve
+                        the config server as -w does (one local host)
   --max-np N            the largest size a watched job may grow to (64)
   --detach-timeout DUR  how long a worker a new version leaves out may run on
                         before it is stopped (60s; it exits by itself at its
                         next resize, when the library tells it is detached)
   -x NAME=VALUE         set an environment variable for every worker
+  --config-token        print the config server's TOKEN for the
+                        KUNGFU_JOB_SECRET of this environment, and exit
   -h, --help            this text
 ";
 
@@ -108,12 +126,14 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
         port_base: 38000,
         self_host: None,
         cluster_id: None,
+        secret: None,
         grace: Duration::from_secs(2),
         env: Vec::new(),
         bind: Bind::Auto,
         watch: false,
         max_np: 0,
         detach_timeout: Duration::from_secs(60),
+        on_failure: OnFailure::Stop,
         program: Vec::new(),
     };
     let mut max_np = None;
@@ -129,6 +149,17 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
         let a = args[i].as_str();
         match a {
             "-h" | "--help" => return Ok(None),
+            "--config-token" => {
+                let secret = std::env::var(kungfu::env::SECRET_VAR)
+                    .ok()
+                    .filter(|s| !s.is_empty())
+                    .context("--config-token: KUNGFU_JOB_SECRET is not set")?;
+                let secret = JobSecret::new(secret.as_bytes())?;
+                println!("{}", secret.config_token());
+                std::process::exit(0);
+            }
+            // after --self: the launcher that ran us through ssh writes it
+            SECRET_STDIN => o.secret = Some(read_secret(&mut std::io::stdin().lock())?),
             "-np" | "-n" | "--np" => {
                 np = Some(value(&mut i, a)?.parse().context("-np needs a number")?)
             }
@@ -160,6 +191,7 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
             }
             "--bind-to" => o.bind = value(&mut i, a)?.parse()?,
             "-w" | "--watch" => o.watch = true,
+            "--on-failure" => o.on_failure = value(&mut i, a)?.parse()?,
             "--detach-timeout" => o.detach_timeout = parse_duration(&value(&mut i, a)?)?,
             "--max-np" => {
                 max_np = Some(

@@ -7,9 +7,17 @@
 //!            [--check-port] [--wait-for PATH] [--swap-transports T,T,...]
 //! ```
 //! Each step allreduces a gradient-sized buffer of exact values and checks
-//! the result. `--exit` makes one rank exit with CODE at STEP; `--hang`
+//! the result. `--exit` makes one rank (its rank at start) exit with CODE at STEP; `--hang`
 //! makes one rank stop taking part (the others must fail by their
 //! deadline). Every rank prints its pid first, so tests can kill one.
+//!
+//! `--recover` keeps training when a worker is lost: the survivors call
+//! [`Worker::recover`], then [`Worker::sync_state`], and go on from the
+//! step they agree on (run it under `kungfu-run --on-failure shrink`).
+//! Every step adds the (exact) sum to a model and checks with a consensus
+//! that every worker's model is the same. `--follow-config` calls
+//! [`Worker::resize_from_config`] every step, so that workers that the
+//! launcher starts (`--on-failure replace`, `-w`) join.
 //!
 //! `--swap-transports quic,fabric,tcp` swaps the transport to each in
 //! turn at evenly spaced steps (a collective: every rank does), checking
@@ -24,7 +32,7 @@
 
 use anyhow::{bail, Context};
 use kungfu::{Discovery, Worker, WorkerEnv};
-use kungfu_collectives::ReduceOp;
+use kungfu_collectives::{CollectiveError, ReduceOp};
 use kungfu_topology::Rank;
 
 struct Args {
@@ -35,6 +43,8 @@ struct Args {
     check_port: bool,
     wait_for: Option<std::path::PathBuf>,
     swaps: Vec<kungfu_transport::any::TransportKind>,
+    recover: bool,
+    follow: bool,
 }
 
 fn parse(a: &[String]) -> anyhow::Result<Args> {
@@ -46,11 +56,19 @@ fn parse(a: &[String]) -> anyhow::Result<Args> {
         check_port: false,
         wait_for: None,
         swaps: Vec::new(),
+        recover: false,
+        follow: false,
     };
     let mut i = 0;
     while i < a.len() {
-        if a[i] == "--check-port" {
-            r.check_port = true;
+        let flag = match a[i].as_str() {
+            "--check-port" => Some(&mut r.check_port),
+            "--recover" => Some(&mut r.recover),
+            "--follow-config" => Some(&mut r.follow),
+            _ => None,
+        };
+        if let Some(f) = flag {
+            *f = true;
             i += 1;
             continue;
         }
@@ -118,8 +136,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if args.check_port {
         check_port_held(&env)?;
     }
-    let w = Worker::start(env).await?;
-    let s = w.session();
+    let mut w = Worker::start(env).await?;
     let (rank, n) = (w.rank(), w.size());
     println!(
         "pid {} rank {rank}/{n} local {}/{} launcher {:?}",
@@ -133,14 +150,23 @@ async fn run(args: Args) -> anyhow::Result<()> {
         println!("address {me}: waiting for {}", path.display());
         wait_for(path).await?;
     }
+    let mut model = vec![0f32; args.size];
+    let mut step = 0;
+    if w.is_fresh() {
+        // a worker that joined a running job: where is training?
+        step = w.sync_state(0, &mut [("model", &mut model)]).await? as usize;
+        println!("joined at step {step} as rank {}/{}", w.rank(), w.size());
+    }
     let every = args.steps / (args.swaps.len() + 1).max(1);
-    for step in 0..args.steps {
+    let mut joined_at = Some(step);
+    while step < args.steps {
         if every > 0 && step > 0 && step % every == 0 {
             if let Some(&to) = args.swaps.get(step / every - 1) {
                 let epoch = w.swap_transport(to).await?;
                 println!("step {step}: swapped to {} ({epoch})", w.transport_name());
             }
         }
+        // by the rank at start (a recovery renumbers the workers)
         if args.exit.is_some_and(|(r, st, _)| r == rank && st == step) {
             let code = args.exit.expect("checked").2;
             println!("step {step}: exiting with status {code} as asked");
@@ -150,23 +176,78 @@ async fn run(args: Args) -> anyhow::Result<()> {
             println!("step {step}: hanging as asked");
             std::future::pending::<()>().await;
         }
-        let grad: Vec<f32> = (0..args.size)
-            .map(|i| ((rank + i + step) % 5) as f32)
-            .collect();
-        let sum = s.allreduce("grad", &grad, ReduceOp::Sum).await?;
-        for (i, v) in sum.iter().enumerate() {
-            let want: f32 = (0..n).map(|r| ((r + i + step) % 5) as f32).sum();
-            if *v != want {
-                bail!("step {step}: element {i} is {v}, expected {want}");
+        if args.follow && joined_at != Some(step) && w.resize_from_config().await?.changed {
+            step = w
+                .sync_state(step as u64, &mut [("model", &mut model)])
+                .await? as usize;
+            println!(
+                "step {step}: resized to {} workers, now rank {}",
+                w.size(),
+                w.rank()
+            );
+        }
+        joined_at = None;
+        match train(&w, step, &mut model).await {
+            Ok(()) => {}
+            Err(e) if args.recover && matches!(e, CollectiveError::PeerLost { .. }) => {
+                println!("step {step}: {e}; recovering");
+                let t0 = std::time::Instant::now();
+                let r = w.recover().await?;
+                let lost: Vec<String> = r.lost.iter().map(|(r, p)| format!("{r} ({p})")).collect();
+                step = w
+                    .sync_state(step as u64, &mut [("model", &mut model)])
+                    .await? as usize;
+                println!(
+                    "step {step}: recovered in {:.0} ms: lost {}; now rank {}/{} at version {}",
+                    t0.elapsed().as_secs_f64() * 1e3,
+                    lost.join(", "),
+                    w.rank(),
+                    w.size(),
+                    r.version
+                );
+                // the step that failed runs again
+                continue;
             }
+            Err(e) => return Err(e.into()),
         }
         if step % 10 == 0 || step + 1 == args.steps {
             println!("step {step} ok");
         }
+        step += 1;
     }
-    s.barrier("selftest/end").await?;
+    w.session().barrier("selftest/end").await?;
     w.close(std::time::Duration::from_secs(10)).await;
     println!("done");
+    Ok(())
+}
+
+/// One step: allreduce exact gradients, check the sum, add it to the
+/// model, and check that every worker's model is the same.
+async fn train(w: &Worker, step: usize, model: &mut [f32]) -> Result<(), CollectiveError> {
+    let s = w.session();
+    let (rank, n) = (w.rank(), w.size());
+    let grad: Vec<f32> = (0..model.len())
+        .map(|i| ((rank + i + step) % 5) as f32)
+        .collect();
+    let sum = s.allreduce("grad", &grad, ReduceOp::Sum).await?;
+    for (i, v) in sum.iter().enumerate() {
+        let want: f32 = (0..n).map(|r| ((r + i + step) % 5) as f32).sum();
+        if *v != want {
+            // a wrong value is never recovered from
+            eprintln!("kungfu-selftest: step {step}: element {i} is {v}, expected {want}");
+            std::process::exit(4);
+        }
+    }
+    for (m, g) in model.iter_mut().zip(&sum) {
+        // integer-valued, exact; wraps before 2^24 so it stays exact
+        *m = (*m + g) % 4096.0;
+    }
+    let bytes: Vec<u8> = model.iter().flat_map(|m| m.to_le_bytes()).collect();
+    let digest = kungfu_topology::fnv1a64(kungfu_topology::Digest::EMPTY.0, &bytes);
+    if !s.consensus("model", &digest.to_le_bytes()).await? {
+        eprintln!("kungfu-selftest: step {step}: the workers' models differ");
+        std::process::exit(4);
+    }
     Ok(())
 }
 

@@ -57,7 +57,8 @@ fn elastic_job(transport: &str) {
 
 /// Watch mode stops the workers a new version leaves out if they do not
 /// exit by themselves (here: shell workers that never resize), without
-/// failing the job; the config server takes a plain HTTP PUT.
+/// failing the job; the config server takes a plain HTTP PUT with the
+/// job's credential.
 #[test]
 fn watch_mode_stops_removed_workers_that_stay() {
     let dir = TempDir::new("watch-stop");
@@ -67,7 +68,7 @@ fn watch_mode_stops_removed_workers_that_stay() {
 if [ "$KUNGFU_RANK" = 0 ] && [ "$KUNGFU_CLUSTER_VERSION" = 0 ]; then
   a=${KUNGFU_CONFIG_SERVER#http://}; a=${a%%/*}
   exec 3<>/dev/tcp/${a%:*}/${a#*:}
-  printf 'PUT /cluster HTTP/1.1\r\nContent-Length: 6\r\n\r\nsize 1' >&3
+  printf 'PUT /cluster HTTP/1.1\r\nAuthorization: Bearer %s\r\nContent-Length: 6\r\n\r\nsize 1' "$("$KFRUN" --config-token)" >&3
   head -c 12 <&3; echo
   for i in $(seq 600); do
     gone=0
@@ -91,6 +92,8 @@ fi
             "3",
             "--detach-timeout",
             "300ms",
+            "-x",
+            &format!("KFRUN={RUN}"),
             "-x",
             &dir_var,
             "bash",
@@ -127,7 +130,7 @@ fn watch_mode_passes_new_workers_their_sockets() {
 if [ "$KUNGFU_CLUSTER_VERSION" = 0 ]; then
   a=${KUNGFU_CONFIG_SERVER#http://}; a=${a%%/*}
   exec 3<>/dev/tcp/${a%:*}/${a#*:}
-  printf 'PUT /cluster HTTP/1.1\r\nContent-Length: 6\r\n\r\nsize 2' >&3
+  printf 'PUT /cluster HTTP/1.1\r\nAuthorization: Bearer %s\r\nContent-Length: 6\r\n\r\nsize 2' "$("$KFRUN" --config-token)" >&3
   head -c 12 <&3; echo
   # stay until the new worker is done (else version 1 restarts rank 0)
   for i in $(seq 1200); do
@@ -148,7 +151,18 @@ touch "$DIR/done"
 "#;
     let dir_var = format!("DIR={}", dir.0.display());
     let out = run_bounded(
-        kungfu_run(&["-w", "-np", "1", "-x", &dir_var, "bash", "-c", script]),
+        kungfu_run(&[
+            "-w",
+            "-np",
+            "1",
+            "-x",
+            &format!("KFRUN={RUN}"),
+            "-x",
+            &dir_var,
+            "bash",
+            "-c",
+            script,
+        ]),
         Duration::from_secs(60),
     );
     let t = text(&out);

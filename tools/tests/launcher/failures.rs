@@ -36,7 +36,50 @@ fn a_worker_killed_during_allreduce_is_named_and_nothing_hangs_shm() {
     kill_rank_two_mid_allreduce("shm");
 }
 
-fn kill_rank_two_mid_allreduce(transport: &str) {
+/// A worker frozen (SIGSTOP) mid-allreduce: no socket breaks, yet the
+/// survivors fail within seconds (heartbeats; the op timeout is ten
+/// minutes here), naming the frozen rank as silent.
+#[test]
+fn a_frozen_worker_is_named_within_seconds() {
+    let (lines, pid, stopped) = start_and_signal_rank_two("tcp", nix::sys::signal::Signal::SIGSTOP);
+    let deadline = stopped + Duration::from_secs(30);
+    let (rx, mut lines, guard) = lines;
+    // every survivor names rank 2, the one that froze
+    let mut named = [None; 4];
+    while named[0].is_none() || named[1].is_none() || named[3].is_none() {
+        let Ok(l) = rx.recv_timeout(Duration::from_millis(100)) else {
+            assert!(
+                Instant::now() < deadline,
+                "not everyone noticed ({named:?}):\n{}",
+                lines.join("\n")
+            );
+            continue;
+        };
+        for r in [0, 1, 3] {
+            if l.starts_with(&format!("[{r}]")) && l.contains("error") {
+                assert!(l.contains("needs rank 2"), "rank {r} blamed another: {l}");
+                named[r].get_or_insert(stopped.elapsed());
+            }
+        }
+        lines.push(l);
+    }
+    let named = named.iter().flatten().max().copied().expect("named");
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    drop(guard);
+    let all = lines.join("\n");
+    assert!(all.contains("silent for"), "{all}");
+    // detection is about 1.5 s; the bound is for a loaded machine
+    assert!(named < Duration::from_secs(20), "{named:?}:\n{all}");
+}
+
+type Started = ((mpsc::Receiver<String>, Vec<String>, Guard), i32, Instant);
+
+/// Starts a 4-worker training loop over `transport`, waits until it is
+/// well into it, and sends rank 2 `sig`.
+fn start_and_signal_rank_two(transport: &str, sig: nix::sys::signal::Signal) -> Started {
     let mut c = kungfu_run_failing(&[
         "-np",
         "4",
@@ -48,6 +91,7 @@ fn kill_rank_two_mid_allreduce(transport: &str) {
         "--size",
         "262144",
     ]);
+    c.env("KUNGFU_OP_TIMEOUT_MS", "600000");
     c.stdout(Stdio::piped()).stderr(Stdio::piped());
     let mut child = c.spawn().expect("spawn kungfu-run");
     let stdout = child.stdout.take().expect("piped");
@@ -68,7 +112,6 @@ fn kill_rank_two_mid_allreduce(transport: &str) {
     let mut lines = Vec::new();
     let mut pid: Option<i32> = None;
     let deadline = Instant::now() + Duration::from_secs(60);
-    // wait until rank 2 is known and the job is well into its loop
     while Instant::now() < deadline {
         let Ok(l) = rx.recv_timeout(Duration::from_secs(1)) else {
             continue;
@@ -83,12 +126,14 @@ fn kill_rank_two_mid_allreduce(transport: &str) {
         }
     }
     let pid = pid.unwrap_or_else(|| panic!("rank 2 never started:\n{}", lines.join("\n")));
-    let killed_at = Instant::now();
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
+    let at = Instant::now();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), sig).unwrap();
+    ((rx, lines, guard), pid, at)
+}
+
+fn kill_rank_two_mid_allreduce(transport: &str) {
+    let ((rx, mut lines, guard), _, killed_at) =
+        start_and_signal_rank_two(transport, nix::sys::signal::Signal::SIGKILL);
     let mut guard = guard;
     let mut child = guard.0.pop().expect("child");
     let status = loop {
@@ -113,12 +158,25 @@ fn kill_rank_two_mid_allreduce(transport: &str) {
         all.contains("kungfu-run: rank 2 was killed by signal 9 (SIGKILL)"),
         "{all}"
     );
-    // the survivors' allreduce failed with an error naming rank 2
-    let named = lines
-        .iter()
-        .filter(|l| !l.starts_with("[2]") && l.contains("error") && l.contains("rank 2"))
-        .count();
-    assert!(named >= 1, "no survivor named rank 2:\n{all}");
+    // every survivor's allreduce failed with an error naming rank 2 (the
+    // culprit, not a neighbour that gave up) and where it ran
+    for r in [0, 1, 3] {
+        let named = lines.iter().any(|l| {
+            l.starts_with(&format!("[{r}]"))
+                && l.contains("error")
+                && l.contains("needs rank 2")
+                && l.contains("the worker at 127.0.0.1:")
+        });
+        assert!(named, "rank {r} did not name rank 2:\n{all}");
+        let blamed = lines.iter().any(|l| {
+            l.starts_with(&format!("[{r}]"))
+                && l.contains("error")
+                && [0, 1, 3]
+                    .iter()
+                    .any(|o| l.contains(&format!("needs rank {o}")))
+        });
+        assert!(!blamed, "rank {r} blamed a survivor:\n{all}");
+    }
 }
 
 #[test]

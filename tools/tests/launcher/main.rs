@@ -12,12 +12,14 @@ use std::time::{Duration, Instant};
 
 use kungfu_topology::Strategy;
 
+mod auth;
 mod bench;
 mod cli;
 mod elastic;
 mod failures;
 mod jobs;
 mod ports;
+mod recover;
 
 const RUN: &str = env!("CARGO_BIN_EXE_kungfu-run");
 const BENCH: &str = env!("CARGO_BIN_EXE_kungfu-bench");

@@ -115,6 +115,7 @@ impl Cluster for Tcp {
 
 fn tcp_config(cfg: &ConformanceConfig, id: u64, rank: Rank, peers: &PeerList) -> TcpConfig {
     let mut c = TcpConfig::new(id, ClusterVersion(1), cfg.epoch, rank, peers.clone());
+    c.secret = Some(job_secret(id));
     c.connect_timeout = CONNECT;
     c.max_frame = cfg.max_frame;
     c.mailbox_bytes = cfg.mailbox_bytes;
@@ -260,6 +261,7 @@ pub fn fabric_config(
         peers.clone(),
         Some(provider.into()),
     );
+    c.secret = Some(job_secret(id));
     c.connect_timeout = CONNECT;
     c.max_frame = cfg.max_frame;
     c.mailbox_bytes = cfg.mailbox_bytes;
@@ -325,6 +327,7 @@ pub fn verbs_config(
         peers.clone(),
         device,
     );
+    c.secret = Some(job_secret(id));
     c.connect_timeout = CONNECT;
     c.max_frame = cfg.max_frame;
     c.mailbox_bytes = cfg.mailbox_bytes;
@@ -370,6 +373,7 @@ impl Cluster for Shm {
 
 fn shm_config(cfg: &ConformanceConfig, id: u64, rank: Rank, n: usize) -> ShmConfig {
     let mut c = ShmConfig::new(id, ClusterVersion(1), cfg.epoch, rank, n);
+    c.secret = Some(job_secret(id));
     c.ring_bytes = cfg.ring_bytes;
     c.max_frame = cfg.max_frame;
     c.mailbox_bytes = cfg.mailbox_bytes;
@@ -438,6 +442,12 @@ async fn bind(hosts: &[&str]) -> (Vec<TcpListener>, PeerList) {
         listeners.push(l);
     }
     (listeners, PeerList::new(peers).expect("distinct ports"))
+}
+
+/// The job secret of cluster `id`: every cluster of the suite but QUIC's
+/// (mutual TLS) runs authenticated, as kungfu-run's jobs do.
+fn job_secret(id: u64) -> crate::auth::JobSecret {
+    crate::auth::JobSecret::new(format!("conformance {id:x}").as_bytes()).expect("a secret")
 }
 
 /// A cluster id no other cluster of this process or another uses (shared

@@ -30,11 +30,11 @@ pub struct EndpointConfig {
 /// inside a host and TCP across is an endpoint over two wires, not a third
 /// backend.
 pub struct Endpoint<W> {
-    me: Rank,
-    size: usize,
+    pub(super) me: Rank,
+    pub(super) size: usize,
     version: ClusterVersion,
     name: &'static str,
-    matcher: Arc<Matcher>,
+    pub(super) matcher: Arc<Matcher>,
     /// The pool the wires fill payloads from (see [`Transport::pool`]).
     pool: Arc<BufferPool>,
     wires: Vec<W>,
@@ -43,6 +43,8 @@ pub struct Endpoint<W> {
     /// Wires whose frames move only while a receiver polls.
     polled: Vec<usize>,
     cfg: EndpointConfig,
+    /// The heartbeats and watchdog, once started ([`Endpoint::watch_peers`]).
+    pub(super) watcher: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 impl<W: Wire> Endpoint<W> {
@@ -82,6 +84,7 @@ impl<W: Wire> Endpoint<W> {
             route,
             polled,
             cfg,
+            watcher: std::sync::Mutex::new(None),
         }
     }
 
@@ -258,6 +261,7 @@ impl<W: Wire> Transport for Endpoint<W> {
     }
 
     async fn close(&self, linger: Duration) {
+        self.stop_watching();
         // All wires at once, each within the same linger.
         let mut closes: Vec<std::pin::Pin<Box<dyn Future<Output = ()> + Send + '_>>> = self
             .wires
@@ -277,6 +281,7 @@ impl<W: Wire> Transport for Endpoint<W> {
     }
 
     fn shutdown(&self) {
+        self.stop_watching();
         self.matcher.close();
         for w in &self.wires {
             w.shutdown();

@@ -103,6 +103,15 @@ struct Inner {
     /// Rendezvous senders waiting for a post.
     rendezvous: usize,
     lost: HashMap<Rank, Arc<str>>,
+    /// The order ranks were lost in (the first is the likeliest cause of
+    /// the others: a neighbour that gave up because of it).
+    lost_order: Vec<Rank>,
+    /// Where each rank runs, when known ([`Matcher::name_peers`]): added
+    /// to the reason of a loss.
+    names: Vec<Arc<str>>,
+    /// When each peer was last heard from (any frame, a heartbeat, bytes
+    /// of a long frame), while liveness is watched.
+    heard: HashMap<Rank, Instant>,
     closed: bool,
     retired: HashSet<OpTag>,
     retired_order: VecDeque<OpTag>,
@@ -140,6 +149,9 @@ impl Matcher {
                 posted: HashMap::new(),
                 rendezvous: 0,
                 lost: HashMap::new(),
+                lost_order: Vec::new(),
+                names: Vec::new(),
+                heard: HashMap::new(),
                 closed: false,
                 retired: HashSet::new(),
                 retired_order: VecDeque::new(),
@@ -271,6 +283,12 @@ impl Matcher {
         let mut inner = self.lock();
         if inner.closed {
             return Err(TransportError::Closed);
+        }
+        if !inner.heard.is_empty() {
+            inner.heard.insert(from, Instant::now());
+        }
+        if header.kind == FrameKind::Heartbeat {
+            return Ok(None);
         }
         if header.tag.epoch < inner.epoch {
             let err = TransportError::StaleEpoch {
@@ -438,12 +456,82 @@ impl Matcher {
         self.lock().posted.len()
     }
 
+    /// Says where each rank runs (`host:port`, by rank): the reason of a
+    /// loss names it, so that an error tells which machine to look at.
+    pub fn name_peers(&self, names: impl IntoIterator<Item = String>) {
+        self.lock().names = names.into_iter().map(Arc::from).collect();
+    }
+
+    /// `reason`, a loss of `peer`, with where `peer` runs when that is
+    /// known and not said yet.
+    pub fn locate(&self, peer: Rank, reason: Arc<str>) -> Arc<str> {
+        locate(&self.lock(), peer, reason)
+    }
+
     /// Marks `peer` lost: receives that name it fail once nothing of theirs
     /// is queued. The first reason is kept.
     pub fn fail_peer(&self, peer: Rank, reason: impl Into<Arc<str>>) {
         let mut inner = self.lock();
-        inner.lost.entry(peer).or_insert_with(|| reason.into());
+        let reason = locate(&inner, peer, reason.into());
+        if let std::collections::hash_map::Entry::Vacant(v) = inner.lost.entry(peer) {
+            v.insert(reason);
+            inner.lost_order.push(peer);
+        }
         wake_all(&mut inner);
+    }
+
+    /// Whether the endpoint closed (or shut down).
+    pub fn is_closed(&self) -> bool {
+        self.lock().closed
+    }
+
+    /// The ranks lost so far, the first lost first.
+    pub fn lost_in_order(&self) -> Vec<Rank> {
+        self.lock().lost_order.clone()
+    }
+
+    /// Starts keeping when each of `peers` was last heard from (now, to
+    /// begin with): see [`Matcher::silent`].
+    pub fn watch(&self, peers: impl IntoIterator<Item = Rank>) {
+        let now = Instant::now();
+        let mut inner = self.lock();
+        for p in peers {
+            inner.heard.entry(p).or_insert(now);
+        }
+    }
+
+    /// `peer` is alive now: a wire that reads a long frame in pieces says
+    /// so as bytes arrive (frames say so themselves).
+    pub fn heard(&self, peer: Rank) {
+        let mut inner = self.lock();
+        if let Some(t) = inner.heard.get_mut(&peer) {
+            *t = Instant::now();
+        }
+    }
+
+    /// Every watched peer is alive now (as far as this endpoint can tell:
+    /// see the liveness watchdog, after this process did not run).
+    pub fn heard_all(&self) {
+        let now = Instant::now();
+        for t in self.lock().heard.values_mut() {
+            *t = now;
+        }
+    }
+
+    /// The watched peers not lost and not heard from since `before`.
+    pub fn silent(&self, before: Instant) -> Vec<(Rank, Instant)> {
+        let inner = self.lock();
+        if inner.closed {
+            return Vec::new();
+        }
+        let mut v: Vec<_> = inner
+            .heard
+            .iter()
+            .filter(|(r, t)| **t < before && !inner.lost.contains_key(r))
+            .map(|(r, t)| (*r, *t))
+            .collect();
+        v.sort_unstable();
+        v
     }
 
     /// The checks every backend makes before it sends `len` bytes to
@@ -503,6 +591,18 @@ impl Matcher {
 
     /// See [`crate::Transport::check_peers_for`].
     pub fn check_peers_for(&self, tag: OpTag, peers: &PeerSet) -> Result<(), TransportError> {
+        match self.lost_for(tag, peers)?.into_iter().next() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// See [`crate::Transport::lost_for`].
+    pub fn lost_for(
+        &self,
+        tag: OpTag,
+        peers: &PeerSet,
+    ) -> Result<Vec<TransportError>, TransportError> {
         let inner = self.lock();
         if inner.closed {
             return Err(TransportError::Closed);
@@ -516,10 +616,17 @@ impl Matcher {
                 silent.remove(*from);
             }
         }
-        match lost_in(&inner, &silent) {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        Ok(inner
+            .lost_order
+            .iter()
+            .filter(|r| silent.contains(**r))
+            .filter_map(|r| {
+                inner.lost.get(r).map(|why| TransportError::PeerLost {
+                    peer: *r,
+                    reason: why.clone(),
+                })
+            })
+            .collect())
     }
 
     /// The reason `peer` was lost, if it was.
@@ -615,15 +722,25 @@ impl Matcher {
     }
 }
 
+const WORKER_AT: &str = "the worker at ";
+
+fn locate(inner: &Inner, peer: Rank, reason: Arc<str>) -> Arc<str> {
+    match inner.names.get(peer.idx()) {
+        Some(at) if !reason.contains(WORKER_AT) => format!("{reason} ({WORKER_AT}{at})").into(),
+        _ => reason,
+    }
+}
+
 fn lost_in(inner: &Inner, from: &PeerSet) -> Option<TransportError> {
-    // Report the lowest lost rank so errors are reproducible.
+    // Report the first of them lost: the culprit, not a neighbour whose
+    // connection failed later because of it (and reproducible).
     inner
-        .lost
+        .lost_order
         .iter()
-        .filter(|(r, _)| from.contains(**r))
-        .min_by_key(|(r, _)| **r)
+        .find(|r| from.contains(**r))
+        .and_then(|r| inner.lost.get(r).map(|why| (*r, why)))
         .map(|(r, why)| TransportError::PeerLost {
-            peer: *r,
+            peer: r,
             reason: why.clone(),
         })
 }

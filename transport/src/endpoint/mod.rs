@@ -18,6 +18,9 @@
 //!   frame larger than the budget cannot wedge a peer.
 //! - **Lost peers.** A lost rank fails the receives that name it once
 //!   nothing of theirs is queued, and every send to it.
+//! - **Liveness** (when started, [`Endpoint::watch_peers`]): heartbeats on
+//!   every link, and a peer silent for too long is lost (frozen, its host
+//!   or network gone: what no socket reports).
 //! - **The receive loop.** A receive first stays runnable for a while,
 //!   letting the backend move frames in (its *pump*: a task polling shared
 //!   memory rings itself, or the runtime polling sockets when the task
@@ -43,11 +46,13 @@
 use crate::{Frame, Instant, OpTag, PeerSet, TransportError};
 
 mod generic;
+mod liveness;
 mod matching;
 #[cfg(test)]
 mod tests;
 
 pub use self::generic::{Endpoint, EndpointConfig};
+pub use self::liveness::Liveness;
 pub use self::matching::{Arrival, Matcher, RecvKey};
 
 /// What one poll of a backend's inbound queues did.

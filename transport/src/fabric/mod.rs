@@ -33,7 +33,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use kungfu_topology::{PeerList, Rank};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Mutex as AsyncMutex;
 
@@ -89,6 +89,9 @@ pub struct FabricConfig {
     pub epoch: Epoch,
     pub rank: Rank,
     pub peers: PeerList,
+    /// The job's secret: every peer must prove it holds it (see
+    /// [`crate::handshake`]); `None`: links are not authenticated.
+    pub secret: Option<crate::auth::JobSecret>,
     /// The libfabric provider (`tcp;ofi_rxm`, `shm`, `verbs;ofi_rxm`,
     /// `efa`); `None`: libfabric's first choice (see `FI_PROVIDER`).
     pub provider: Option<String>,
@@ -121,6 +124,7 @@ impl FabricConfig {
             self.epoch,
             self.rank,
             &self.peers,
+            self.secret.as_ref(),
         )
     }
 
@@ -140,6 +144,7 @@ impl FabricConfig {
             epoch,
             rank,
             peers,
+            secret: None,
             provider,
             domain: None,
             connect_timeout: Duration::from_secs(30),
@@ -160,6 +165,7 @@ impl FabricConfig {
             self.epoch,
             self.rank,
             &self.peers,
+            self.secret.as_ref(),
         )
         .expect("the rank is checked at connect")
     }
@@ -175,7 +181,7 @@ pub struct FabricWire {
     core: Arc<Core>,
     /// The write halves of the control links, for the goodbyes.
     /// (Dropped on shutdown: the peers see the link end.)
-    links: Vec<AsyncMutex<Option<OwnedWriteHalf>>>,
+    links: connect::ControlLinks,
     progress: Tasks,
     watchers: Tasks,
 }
@@ -404,7 +410,7 @@ async fn accept_higher(
             Ok((from, (s, eager, addr)))
         }
     };
-    connect::accept(&wanted, &local, deadline, None, incoming, answer).await
+    connect::accept(&wanted, &local, deadline, Some(cfg.rank), incoming, answer).await
 }
 
 /// Watches the control link of `peer`: its goodbye (then waits until its
@@ -490,14 +496,7 @@ impl Wire for FabricWire {
         while self.core.sends_in_flight() > 0 && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        for (r, link) in self.links.iter().enumerate() {
-            let mut bye = [0u8; 12];
-            bye[..4].copy_from_slice(b"BYE!");
-            bye[4..].copy_from_slice(&self.core.sent[r].load(Ordering::Relaxed).to_le_bytes());
-            if let Some(w) = link.lock().await.as_mut() {
-                let _ = tokio::time::timeout_at(deadline, w.write_all(&bye)).await;
-            }
-        }
+        connect::say_goodbyes(&self.links, &self.core.sent, deadline).await;
         // what the peers sent, until each said goodbye too
         self.watchers.join_until(deadline).await;
         self.shutdown();
@@ -508,11 +507,7 @@ impl Wire for FabricWire {
         self.progress.abort();
         self.watchers.abort();
         // the links end: the peers see this rank gone
-        for link in &self.links {
-            if let Ok(mut w) = link.try_lock() {
-                w.take();
-            }
-        }
+        connect::drop_links(&self.links);
     }
 }
 

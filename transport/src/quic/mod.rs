@@ -100,6 +100,8 @@ impl QuicConfig {
             self.epoch,
             self.rank,
             &self.peers,
+            // authenticated by mutual TLS, not by the handshake
+            None,
         )
     }
 
@@ -141,6 +143,8 @@ impl QuicConfig {
             self.epoch,
             self.rank,
             &self.peers,
+            // authenticated by mutual TLS, not by the handshake
+            None,
         )
         .expect("the rank is checked at connect")
     }

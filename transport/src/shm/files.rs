@@ -12,7 +12,7 @@ use kungfu_topology::Rank;
 use memmap2::MmapMut;
 
 use super::hooks::{kill_point, Stage};
-use super::ring::{Ring, RingIdentity, CTL};
+use super::ring::{Ring, RingIdentity, CTL, SEAL_LEN};
 use super::ShmConfig;
 use crate::handshake::{self, Hello};
 use crate::{ClusterVersion, Epoch, TransportError};
@@ -108,14 +108,57 @@ fn create_inbound(
         .map_err(|e| format!("size {}: {e}", path.display()))?;
     let map = map_file(&file, CTL + cap).map_err(|e| format!("map {}: {e}", path.display()))?;
     let ring = Ring::new(map, cap);
-    ring.init(
-        cfg.cluster_id,
-        cfg.version.0,
-        cfg.epoch.0,
-        from.0,
-        cfg.rank.0,
-    );
+    let mut id = RingIdentity {
+        cluster: cfg.cluster_id,
+        version: cfg.version.0,
+        epoch: cfg.epoch.0,
+        from: from.0,
+        to: cfg.rank.0,
+        cap: cap as u32,
+        seal: [0; SEAL_LEN],
+    };
+    if let Some(secret) = &cfg.secret {
+        let nonce: [u8; 32] = crate::auth::random().map_err(|e| e.to_string())?;
+        let mac = secret.mac(SEAL_LABEL, &[&sealed_bytes(&id), &nonce]);
+        id.seal[..32].copy_from_slice(&nonce);
+        id.seal[32..].copy_from_slice(&mac);
+    }
+    ring.init(&id);
     Ok(ring)
+}
+
+const SEAL_LABEL: &[u8] = b"kungfu shm ring v3: creator";
+
+/// What a ring's seal covers: its identity (cluster id, version, epoch,
+/// sender, receiver, size), little-endian.
+fn sealed_bytes(id: &RingIdentity) -> [u8; 32] {
+    let mut b = [0u8; 32];
+    b[0..8].copy_from_slice(&id.cluster.to_le_bytes());
+    b[8..16].copy_from_slice(&id.version.to_le_bytes());
+    b[16..20].copy_from_slice(&id.epoch.to_le_bytes());
+    b[20..24].copy_from_slice(&id.from.to_le_bytes());
+    b[24..28].copy_from_slice(&id.to.to_le_bytes());
+    b[28..32].copy_from_slice(&id.cap.to_le_bytes());
+    b
+}
+
+/// Checks a ring's seal: made with the job's secret over this identity,
+/// or absent in a job without one.
+fn check_seal(cfg: &ShmConfig, id: &RingIdentity) -> Result<(), String> {
+    let sealed = id.seal != [0; SEAL_LEN];
+    match &cfg.secret {
+        None if sealed => Err("bad credential: the ring is sealed with a job secret (KUNGFU_JOB_SECRET), we hold none".into()),
+        None => Ok(()),
+        Some(_) if !sealed => Err("bad credential: the ring is not sealed, we hold a job secret (KUNGFU_JOB_SECRET)".into()),
+        Some(secret) => {
+            let (nonce, mac) = id.seal.split_at(32);
+            if secret.verify(SEAL_LABEL, &[&sealed_bytes(id), nonce], mac) {
+                Ok(())
+            } else {
+                Err("bad credential: the ring's seal is not of this job's secret".into())
+            }
+        }
+    }
 }
 
 /// Checks a peer's ring by the shared handshake's rules
@@ -132,9 +175,12 @@ fn check_ring(cfg: &ShmConfig, cap: usize, to: Rank, id: &RingIdentity) -> Resul
         epoch: Epoch(id.epoch),
         cluster_id: id.cluster,
         peers_digest: me.peers_digest,
+        secret: me.secret.is_some(),
+        nonce: [0; 32],
     };
     handshake::check(&me, &hello, |r| r == to)
         .map_err(|(_, why)| format!("ring refused: {why}"))?;
+    check_seal(cfg, id).map_err(|why| format!("ring refused: {why}"))?;
     if id.cap as usize != cap {
         return Err(format!("ring size is {}, expected {cap}", id.cap));
     }
@@ -287,6 +333,7 @@ mod tests {
             from: 1,
             to: 2,
             cap: 4096,
+            seal: [0; SEAL_LEN],
         };
         assert_eq!(check_ring(&cfg, 4096, Rank(2), &good), Ok(()));
         let refused = |id: RingIdentity| check_ring(&cfg, 4096, Rank(2), &id).unwrap_err();
@@ -305,5 +352,50 @@ mod tests {
         assert!(e.contains("may not dial"), "{e}");
         let e = refused(RingIdentity { cap: 8192, ..good });
         assert_eq!(e, "ring size is 8192, expected 4096");
+    }
+
+    /// With a secret, a ring sealed by its creator with the job's secret
+    /// is taken; one sealed with another, unsealed, or sealed over another
+    /// identity is refused, as is a sealed one in a job without a secret.
+    #[test]
+    fn a_rings_seal_binds_it_to_the_job_secret() {
+        let dir = std::env::temp_dir().join(format!("kungfu-seal-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let secret = crate::auth::JobSecret::new(b"s3cret").unwrap();
+        let made_by = |rank: u32, secret: Option<&crate::auth::JobSecret>| {
+            let mut c = ShmConfig::new(0x5ea1, ClusterVersion(0), Epoch(0), Rank(rank), 2);
+            c.secret = secret.cloned();
+            c.dir = dir.clone();
+            c
+        };
+        // rank 1 makes the ring from rank 0, which checks it
+        let sealed_id = |secret: Option<&crate::auth::JobSecret>| {
+            let mut created = Created(Vec::new());
+            let ring = create_inbound(&made_by(1, secret), 4096, Rank(0), &mut created).unwrap();
+            ring.identity().unwrap()
+        };
+        let theirs = crate::auth::JobSecret::new(b"guess").unwrap();
+        let ours = made_by(0, Some(&secret));
+        let check = |cfg: &ShmConfig, id: &RingIdentity| check_ring(cfg, 4096, Rank(1), id);
+        let good = sealed_id(Some(&secret));
+        assert_eq!(check(&ours, &good), Ok(()));
+        let e = check(&ours, &sealed_id(Some(&theirs))).unwrap_err();
+        assert!(e.contains("bad credential: the ring's seal is not"), "{e}");
+        let e = check(&ours, &sealed_id(None)).unwrap_err();
+        assert!(e.contains("not sealed"), "{e}");
+        let e = check(&made_by(0, None), &good).unwrap_err();
+        assert!(e.contains("we hold none"), "{e}");
+        // the seal covers the identity: moved to another epoch, refused
+        let moved = RingIdentity { epoch: 1, ..good };
+        let e = check_seal(
+            &ShmConfig {
+                epoch: Epoch(1),
+                ..ours.clone()
+            },
+            &moved,
+        )
+        .unwrap_err();
+        assert!(e.contains("seal is not"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -47,6 +47,16 @@
 //! `ring.rs` for how indices, headers and lengths are checked, and
 //! `testing` for the hook that tests it with a live ring.
 //!
+//! Ring files are created `0600`, so only the job's user opens them. With
+//! a job secret ([`ShmConfig::secret`]) the creator seals each ring's
+//! identity (cluster id, version, epoch, both ranks, size) with an
+//! HMAC-SHA256 over a fresh nonce, keyed by the secret, and the sender
+//! checks it before it attaches: a stale ring, or one made by a process of
+//! another job (another secret), is refused as a bad credential. It does
+//! not keep out another process of the same user, which could read the
+//! workers' environment (the secret) and memory anyway; nor does it
+//! authenticate the frames that follow.
+//!
 //! # Testing hooks
 //!
 //! `KUNGFU_TEST_SHM_STOP=ACTION:STAGE:RANK` ([`TEST_STOP_VAR`]), read
@@ -100,6 +110,10 @@ pub struct ShmConfig {
     pub rank: Rank,
     /// The number of ranks in the cluster.
     pub size: usize,
+    /// The job's secret: each ring's identity is sealed with it by its
+    /// creator and checked by its sender, and the sender's seal by the
+    /// creator (see "Trust" above); `None`: rings are not sealed.
+    pub secret: Option<crate::auth::JobSecret>,
     /// The ranks reached through shared memory (this host's, this rank
     /// included); `None`: all of them.
     pub local: Option<PeerSet>,
@@ -131,6 +145,7 @@ impl ShmConfig {
             rank: self.rank,
             size: self.size,
             peers_digest: 0,
+            secret: self.secret.clone(),
         }
     }
 
@@ -149,6 +164,7 @@ impl ShmConfig {
             epoch,
             rank,
             size,
+            secret: None,
             local: None,
             matcher: None,
             pool: None,

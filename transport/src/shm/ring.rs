@@ -46,7 +46,12 @@ use std::time::Duration;
 use memmap2::MmapMut;
 
 /// v2: the cluster version (u64 at `OFF_VERSION`) joined the identity.
-const MAGIC: u64 = u64::from_le_bytes(*b"KFSHMv2\0");
+/// v3: the seal (a nonce and a MAC keyed by the job secret, at
+/// `OFF_SEAL`).
+const MAGIC: u64 = u64::from_le_bytes(*b"KFSHMv3\0");
+/// Bytes of a ring's seal: a nonce, then the creator's MAC over the
+/// identity and the nonce (all zeros: unsealed, a job without a secret).
+pub(super) const SEAL_LEN: usize = 64;
 /// Bytes before the data region (control words on their own cache lines).
 pub(super) const CTL: usize = 4096;
 /// A ring's identity block, as its receiver wrote it at `init`.
@@ -60,6 +65,8 @@ pub(super) struct RingIdentity {
     /// The receiver that made it.
     pub(super) to: u32,
     pub(super) cap: u32,
+    /// The creator's seal (see `files::seal`).
+    pub(super) seal: [u8; SEAL_LEN],
 }
 
 const OFF_MAGIC: usize = 0;
@@ -82,6 +89,7 @@ const OFF_RECV_SLEEPING: usize = 196;
 const OFF_RECV_POLLING: usize = 200;
 const OFF_SPACE_SEQ: usize = 256;
 const OFF_SEND_SLEEPING: usize = 260;
+const OFF_SEAL: usize = 512;
 pub(super) const SENDER_CLOSED: u32 = 1;
 pub(super) const RECEIVER_CLOSED: u32 = 2;
 
@@ -269,7 +277,20 @@ impl Ring {
 
     /// Receiver, at creation: writes the ring's identity, the magic last
     /// (an opener that sees it sees the rest).
-    pub(super) fn init(&self, cluster: u64, version: u64, epoch: u32, from: u32, to: u32) {
+    pub(super) fn init(&self, id: &RingIdentity) {
+        let RingIdentity {
+            cluster,
+            version,
+            epoch,
+            from,
+            to,
+            cap: _,
+            seal,
+        } = *id;
+        for (i, word) in seal.chunks_exact(8).enumerate() {
+            let w = u64::from_le_bytes(word.try_into().expect("8 bytes"));
+            self.u64_at(OFF_SEAL + 8 * i).store(w, Ordering::Relaxed);
+        }
         self.u64_at(OFF_CLUSTER).store(cluster, Ordering::Relaxed);
         self.u64_at(OFF_VERSION).store(version, Ordering::Relaxed);
         self.u32_at(OFF_EPOCH).store(epoch, Ordering::Relaxed);
@@ -295,6 +316,10 @@ impl Ring {
             from: self.u32_at(OFF_FROM).load(Ordering::Relaxed),
             to: self.u32_at(OFF_TO).load(Ordering::Relaxed),
             cap: self.u32_at(OFF_CAP).load(Ordering::Relaxed),
+            seal: std::array::from_fn(|i| {
+                let w = self.u64_at(OFF_SEAL + 8 * (i / 8)).load(Ordering::Relaxed);
+                w.to_le_bytes()[i % 8]
+            }),
         })
     }
 

@@ -52,21 +52,23 @@ pub(super) async fn read_loop(
             Err(e) => {
                 // The stream cannot be resynchronised after a bad header.
                 matcher.fail_peer(peer, format!("protocol violation: {e}"));
-                return;
+                return close_both(&rd);
             }
         };
         let len = header.len as usize; // checked against max_frame by decode
                                        // A posted receive: the payload goes straight into the op's memory.
         if let Some(mut mem) = matcher.claim(peer, &header) {
-            if let Err(e) = rd.read_exact(mem.as_mut_slice()).await {
-                return matcher.fail_peer(peer, cut_frame(e));
+            if let Err(e) = read_payload(&mut rd, mem.as_mut_slice(), &matcher, peer).await {
+                matcher.fail_peer(peer, cut_frame(e));
+                return close_both(&rd);
             }
             matcher.landed(peer, header, mem);
             continue;
         }
         let mut buf = frames.take(len);
-        if let Err(e) = rd.read_exact(buf.as_mut()).await {
-            return matcher.fail_peer(peer, cut_frame(e));
+        if let Err(e) = read_payload(&mut rd, buf.as_mut(), &matcher, peer).await {
+            matcher.fail_peer(peer, cut_frame(e));
+            return close_both(&rd);
         }
         match matcher.deliver(peer, header, buf.freeze()).await {
             // Refused frames are counted by the matcher; the connection goes on.
@@ -74,6 +76,34 @@ pub(super) async fn read_loop(
             Err(_) => return,
         }
     }
+}
+
+/// Reads a payload; a long one in pieces, telling the matcher that the
+/// peer is alive after each (a frame of many megabytes on a slow link
+/// must not look like silence to the liveness watchdog).
+async fn read_payload(
+    rd: &mut BufReader<OwnedReadHalf>,
+    buf: &mut [u8],
+    matcher: &Matcher,
+    peer: Rank,
+) -> std::io::Result<()> {
+    const PIECE: usize = 1 << 20;
+    if buf.len() <= PIECE {
+        return rd.read_exact(buf).await.map(drop);
+    }
+    for piece in buf.chunks_mut(PIECE) {
+        rd.read_exact(piece).await?;
+        matcher.heard(peer);
+    }
+    Ok(())
+}
+
+/// Closes a connection whose stream broke (a bad header, a frame cut
+/// short) both ways, so that the peer learns at once (its reader sees the
+/// end) instead of waiting for frames until its ops time out.
+fn close_both(rd: &BufReader<OwnedReadHalf>) {
+    let s: &tokio::net::TcpStream = rd.get_ref().as_ref();
+    let _ = socket2::SockRef::from(s).shutdown(std::net::Shutdown::Both);
 }
 
 /// Why a connection that ended in the middle of a frame is lost.

@@ -3,7 +3,8 @@
 //! Rank `i` dials every rank below it and accepts every rank above it,
 //! each connection opened with the shared handshake ([`crate::handshake`]:
 //! cluster id, cluster version, epoch, both ranks, the digest of the peer
-//! list; a mismatch is refused on both sides, saying what differs). A
+//! list, and with [`TcpConfig::secret`] a mutual proof of the job secret;
+//! a mismatch is refused on both sides, saying what differs). A
 //! refused connection does not stop the acceptor from waiting for the right
 //! peer until the connect deadline, so a stray process cannot break a job.
 //!
@@ -44,6 +45,9 @@ pub struct TcpConfig {
     pub epoch: Epoch,
     pub rank: Rank,
     pub peers: PeerList,
+    /// The job's secret: every peer must prove it holds it (see
+    /// [`crate::handshake`]); `None`: links are not authenticated.
+    pub secret: Option<crate::auth::JobSecret>,
     /// How long [`TcpTransport::connect`] waits for every peer.
     pub connect_timeout: Duration,
     /// The largest frame payload accepted; a larger one is a protocol error.
@@ -74,6 +78,7 @@ impl TcpConfig {
             self.epoch,
             self.rank,
             &self.peers,
+            self.secret.as_ref(),
         )
     }
 
@@ -85,6 +90,7 @@ impl TcpConfig {
             self.epoch,
             self.rank,
             &self.peers,
+            self.secret.as_ref(),
         )
         .expect("the rank is checked at connect")
     }
@@ -104,6 +110,7 @@ impl TcpConfig {
             epoch,
             rank,
             peers,
+            secret: None,
             connect_timeout: Duration::from_secs(30),
             max_frame: 64 << 20,
             mailbox_bytes: 256 << 20,
@@ -264,7 +271,7 @@ async fn accept_higher(
         let cfg = cfg.clone();
         async move { answer(&cfg, s).await }
     };
-    connect::accept(&wanted, &local, deadline, None, incoming, answer).await
+    connect::accept(&wanted, &local, deadline, Some(cfg.rank), incoming, answer).await
 }
 
 /// Answers a dialer's hello on `s` (the shared handshake): its rank, if

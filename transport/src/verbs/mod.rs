@@ -111,7 +111,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use kungfu_topology::{PeerList, Rank};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Mutex as AsyncMutex;
 
@@ -145,6 +145,9 @@ pub struct VerbsConfig {
     pub epoch: Epoch,
     pub rank: Rank,
     pub peers: PeerList,
+    /// The job's secret: every peer must prove it holds it (see
+    /// [`crate::handshake`]); `None`: links are not authenticated.
+    pub secret: Option<crate::auth::JobSecret>,
     /// The RDMA device (`mlx5_0`, `rxe0`); `None`: the first.
     pub device: Option<String>,
     /// The GID index of port 1; `None`: a RoCE v2 GID (IPv4-mapped first),
@@ -184,6 +187,7 @@ impl VerbsConfig {
             epoch,
             rank,
             peers,
+            secret: None,
             device,
             gid_index: None,
             connect_timeout: Duration::from_secs(30),
@@ -203,6 +207,7 @@ impl VerbsConfig {
             self.epoch,
             self.rank,
             &self.peers,
+            self.secret.as_ref(),
         )
         .expect("the rank is checked at connect")
     }
@@ -263,7 +268,7 @@ pub struct VerbsWire {
     device: String,
     /// The write halves of the control links, for the goodbyes (dropped
     /// on shutdown: the peers see the link end).
-    links: Vec<AsyncMutex<Option<OwnedWriteHalf>>>,
+    links: connect::ControlLinks,
     progress: Tasks,
     watchers: Tasks,
 }
@@ -330,6 +335,7 @@ impl VerbsWire {
             config.epoch,
             config.rank,
             &config.peers,
+            config.secret.as_ref(),
         )?;
         config.check().map_err(|reason| TransportError::Handshake {
             peer: None,
@@ -524,7 +530,7 @@ async fn accept_higher(
             Ok((from, (s, remote)))
         }
     };
-    connect::accept(&wanted, &local, deadline, None, incoming, answer).await
+    connect::accept(&wanted, &local, deadline, Some(cfg.rank), incoming, answer).await
 }
 
 /// Watches the control link of `peer`: its goodbye (then waits until its
@@ -614,14 +620,7 @@ impl Wire for VerbsWire {
         while self.core.sends_in_flight() > 0 && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        for (r, link) in self.links.iter().enumerate() {
-            let mut bye = [0u8; 12];
-            bye[..4].copy_from_slice(b"BYE!");
-            bye[4..].copy_from_slice(&self.core.sent[r].load(Ordering::Relaxed).to_le_bytes());
-            if let Some(w) = link.lock().await.as_mut() {
-                let _ = tokio::time::timeout_at(deadline, w.write_all(&bye)).await;
-            }
-        }
+        connect::say_goodbyes(&self.links, &self.core.sent, deadline).await;
         // what the peers sent, until each said goodbye too
         self.watchers.join_until(deadline).await;
         self.shutdown();
@@ -631,11 +630,7 @@ impl Wire for VerbsWire {
         self.core.shutdown();
         self.progress.abort();
         self.watchers.abort();
-        for link in &self.links {
-            if let Ok(mut w) = link.try_lock() {
-                w.take();
-            }
-        }
+        connect::drop_links(&self.links);
     }
 }
 

@@ -5,7 +5,7 @@ use kungfu_topology::Rank;
 
 use super::{push_stray, Inner, Matcher, RecvKey};
 use crate::region::MemMut;
-use crate::{Header, TransportError};
+use crate::{Header, Instant, TransportError};
 
 impl Matcher {
     /// Posts a receive: the frame `key` names lands in `mem` (see the
@@ -103,6 +103,9 @@ impl Matcher {
         let mut inner = self.lock();
         if inner.closed || header.tag.epoch < inner.epoch {
             return;
+        }
+        if let Some(t) = inner.heard.get_mut(&from) {
+            *t = Instant::now();
         }
         if inner.retired.contains(&header.tag) {
             push_stray(&mut inner, from, header);

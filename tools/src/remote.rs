@@ -1,0 +1,157 @@
+//! Starting the workers of another machine: `kungfu-run` runs itself there
+//! through `ssh`, with `--self HOST` so that it starts only that host's
+//! workers.
+//!
+//! Everything but the job secret goes on the remote command line. The
+//! secret does not: a command line is visible to every user of both
+//! machines (`ps`), and ssh forwards environment variables only where the
+//! server's `AcceptEnv` allows. It goes through ssh's standard input
+//! instead, one line that the remote launcher reads (`--secret-stdin`)
+//! before it starts anything.
+
+use std::path::Path;
+
+use crate::launch::{Bind, LaunchOptions};
+
+/// The flag that makes `kungfu-run` read the job secret from its standard
+/// input (one line).
+pub const SECRET_STDIN: &str = "--secret-stdin";
+
+/// The command line of the launcher on `host`, `exe` the path of
+/// `kungfu-run` (the same on every host), as one shell-quoted string for
+/// `ssh`.
+pub fn remote_command(opts: &LaunchOptions, host: &str, cluster_id: u64, exe: &Path) -> String {
+    let hosts: Vec<String> = opts
+        .hosts
+        .iter()
+        .map(|h| format!("{}:{}", h.host, h.slots))
+        .collect();
+    let mut remote = vec![
+        exe.display().to_string(),
+        "--self".into(),
+        host.into(),
+        SECRET_STDIN.into(),
+        "--cluster-id".into(),
+        format!("{cluster_id:x}"),
+        "-np".into(),
+        opts.np.to_string(),
+        "-H".into(),
+        hosts.join(","),
+        "--port-base".into(),
+        opts.port_base.to_string(),
+        "--transport".into(),
+        opts.transport.name().into(),
+    ];
+    if let Some(f) = &opts.quic {
+        for (flag, path) in [
+            ("--quic-ca", &f.ca),
+            ("--quic-cert", &f.cert),
+            ("--quic-key", &f.key),
+        ] {
+            remote.extend([flag.into(), path.display().to_string()]);
+        }
+    }
+    if let Some(st) = &opts.strategy {
+        remote.extend(["--strategy".into(), st.clone()]);
+    }
+    let bind = match opts.bind {
+        Bind::Auto => "auto",
+        Bind::Core => "core",
+        Bind::None => "none",
+    };
+    remote.extend(["--bind-to".into(), bind.into()]);
+    for (k, v) in &opts.env {
+        remote.extend(["-x".into(), format!("{k}={v}")]);
+    }
+    remote.push("--".into());
+    remote.extend(opts.program.iter().cloned());
+    let line: Vec<String> = remote.iter().map(|a| shell_quote(a)).collect();
+    line.join(" ")
+}
+
+/// `s` quoted for a POSIX shell (as is when it is plain).
+pub fn shell_quote(s: &str) -> String {
+    if !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_./:=,@+".contains(&b))
+    {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+/// Reads the job secret that `--secret-stdin` says comes on standard
+/// input: its first line, without the line end.
+pub fn read_secret(input: &mut impl std::io::BufRead) -> anyhow::Result<String> {
+    let mut line = String::new();
+    input.read_line(&mut line)?;
+    let secret = line.trim_end_matches(['\n', '\r']).to_string();
+    anyhow::ensure!(
+        !secret.is_empty(),
+        "{SECRET_STDIN}: no job secret on standard input"
+    );
+    Ok(secret)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::HostSlots;
+    use kungfu_transport::any::TransportKind;
+    use std::time::Duration;
+
+    #[test]
+    fn quoting() {
+        assert_eq!(shell_quote("abc-1.2/x"), "abc-1.2/x");
+        assert_eq!(shell_quote("a b"), "'a b'");
+        assert_eq!(shell_quote("it's"), "'it'\\''s'");
+        assert_eq!(shell_quote(""), "''");
+    }
+
+    /// The remote command line asks for the secret on standard input and
+    /// never holds it, even when the user passed it with `-x`... which
+    /// the help text warns against, so it is only the launcher's own.
+    #[test]
+    fn the_secret_is_not_on_the_command_line() {
+        let opts = LaunchOptions {
+            np: 4,
+            hosts: vec![
+                HostSlots {
+                    host: "a".into(),
+                    slots: 2,
+                },
+                HostSlots {
+                    host: "b".into(),
+                    slots: 2,
+                },
+            ],
+            strategy: None,
+            transport: TransportKind::Tcp,
+            quic: None,
+            timeout: None,
+            port_base: 38000,
+            self_host: None,
+            cluster_id: None,
+            secret: Some("0123456789abcdef".into()),
+            grace: Duration::from_secs(2),
+            env: vec![("X".into(), "1 2".into())],
+            bind: Bind::Auto,
+            watch: false,
+            on_failure: crate::launch::OnFailure::Stop,
+            max_np: 4,
+            detach_timeout: Duration::from_secs(60),
+            program: vec!["prog".into(), "arg".into()],
+        };
+        let line = remote_command(&opts, "b", 0xabc, Path::new("/bin/kungfu-run"));
+        assert_eq!(
+            line,
+            "/bin/kungfu-run --self b --secret-stdin --cluster-id abc -np 4 -H a:2,b:2 \
+             --port-base 38000 --transport tcp --bind-to auto -x 'X=1 2' -- prog arg"
+        );
+        assert!(!line.contains("0123456789abcdef"));
+        let mut input = std::io::Cursor::new(b"0123456789abcdef\nrest".to_vec());
+        assert_eq!(read_secret(&mut input).unwrap(), "0123456789abcdef");
+        assert!(read_secret(&mut std::io::Cursor::new(b"\n".to_vec())).is_err());
+    }
+}

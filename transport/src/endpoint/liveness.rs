@@ -1,0 +1,172 @@
+//! Liveness: heartbeats on every link and a watchdog that declares a
+//! silent peer lost, so that a worker that is frozen (SIGSTOP), whose host
+//! is gone or whose network is cut is noticed within a bounded time, even
+//! when no op waits for it. A socket does not notice these: a stopped
+//! process's kernel still acknowledges, and a cut cable sends nothing.
+//!
+//! Every [`Liveness::interval`] the endpoint sends each peer a
+//! [`FrameKind::Heartbeat`] frame (empty; skipped while the previous one to
+//! that peer is still on its way, as a full link to a frozen peer would
+//! hold it) and checks when each peer was last heard from: any frame, a
+//! heartbeat, or bytes of a long frame (a wire that reads one in pieces
+//! says so, [`Matcher::heard`]). A peer silent for [`Liveness::timeout`]
+//! is lost ([`Matcher::fail_peer`]): the ops that need it fail with
+//! [`TransportError::PeerLost`] naming it, as if its connection had
+//! broken.
+//!
+//! [`Matcher::heard`]: super::Matcher::heard
+//! [`Matcher::fail_peer`]: super::Matcher::fail_peer
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use bytes::Bytes;
+use kungfu_topology::Rank;
+
+use super::Endpoint;
+use crate::wire::Wire;
+use crate::{FrameKind, Header, Instant, OpId, OpTag};
+
+/// How often to send heartbeats, and how long a silence means a peer is
+/// lost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Liveness {
+    pub interval: Duration,
+    pub timeout: Duration,
+}
+
+impl Liveness {
+    /// A peer silent for `timeout` is lost; heartbeats go every sixth of
+    /// it (at least every millisecond), so a few may be late or lost
+    /// before a live peer looks silent.
+    pub fn with_timeout(timeout: Duration) -> Liveness {
+        Liveness {
+            interval: (timeout / 6).max(Duration::from_millis(1)),
+            timeout,
+        }
+    }
+}
+
+impl Default for Liveness {
+    /// 1.5 s of silence: a dead peer is named within about 2 s.
+    fn default() -> Liveness {
+        Liveness::with_timeout(Duration::from_millis(1500))
+    }
+}
+
+/// The header of a heartbeat (its tag names no op).
+fn heartbeat(epoch: crate::Epoch) -> Header {
+    Header {
+        kind: FrameKind::Heartbeat,
+        tag: OpTag {
+            epoch,
+            op: OpId(0),
+            seq: 0,
+        },
+        chunk: 0,
+        step: 0,
+        digest: 0,
+        len: 0,
+    }
+}
+
+impl<W: Wire> Endpoint<W> {
+    /// Starts heartbeats to every peer this endpoint reaches and the
+    /// watchdog over them (see the module docs); they stop when the
+    /// endpoint closes, shuts down or is dropped. Calling it again
+    /// replaces the earlier watch.
+    pub fn watch_peers(self: &Arc<Self>, l: Liveness) {
+        let peers: Vec<Rank> = (0..self.size as u32)
+            .map(Rank)
+            .filter(|&r| self.wire_to(r).is_some())
+            .collect();
+        self.matcher.watch(peers.iter().copied());
+        let weak = Arc::downgrade(self);
+        let task = tokio::spawn(watch(weak, peers, l));
+        let old = self
+            .watcher
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .replace(task);
+        if let Some(old) = old {
+            old.abort();
+        }
+    }
+
+    /// Stops the heartbeats and the watchdog.
+    pub(super) fn stop_watching(&self) {
+        let task = self
+            .watcher
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(task) = task {
+            task.abort();
+        }
+    }
+}
+
+async fn watch<W: Wire>(e: Weak<Endpoint<W>>, peers: Vec<Rank>, l: Liveness) {
+    let on_the_way: Arc<Vec<AtomicBool>> =
+        Arc::new(peers.iter().map(|_| AtomicBool::new(false)).collect());
+    let mut tick = tokio::time::interval(l.interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last = Instant::now();
+    loop {
+        tick.tick().await;
+        let Some(e) = e.upgrade() else { return };
+        if e.matcher.is_closed() {
+            return;
+        }
+        let now = Instant::now();
+        if now.duration_since(last) >= l.timeout {
+            // This process did not run for a whole timeout (it was
+            // stopped, SIGSTOP, or starved): every peer looks silent, but
+            // it is this one that was away. Peers get a fresh timeout;
+            // those that declared this one lost meanwhile have dropped
+            // it, and are named lost after that. (Declaring them lost at
+            // once would let a worker that was frozen race the survivors
+            // to a recovery without them.)
+            eprintln!(
+                "kungfu: rank {}: this process did not run for {:.1} s (stopped or starved); \
+                 its peers get a fresh {:?} to be heard",
+                e.me.0,
+                now.duration_since(last).as_secs_f64(),
+                l.timeout
+            );
+            e.matcher.heard_all();
+        }
+        last = now;
+        let Some(before) = now.checked_sub(l.timeout) else {
+            continue;
+        };
+        for (peer, since) in e.matcher.silent(before) {
+            e.matcher.fail_peer(
+                peer,
+                format!(
+                    "silent for {:.1} s (no frame, no heartbeat): frozen or dead, or its host \
+                     or the network to it is gone",
+                    now.duration_since(since).as_secs_f64()
+                ),
+            );
+        }
+        let epoch = e.matcher.epoch();
+        for (i, &peer) in peers.iter().enumerate() {
+            if e.matcher.lost_reason(peer).is_some() || on_the_way[i].swap(true, Ordering::AcqRel) {
+                continue;
+            }
+            let (e, on_the_way) = (e.clone(), on_the_way.clone());
+            let limit = l.timeout;
+            tokio::spawn(async move {
+                if let Some(w) = e.wire_to(peer) {
+                    // A failure (a lost peer, a closed endpoint) is the
+                    // readers' and the watchdog's to report.
+                    let sent = w.send(peer, heartbeat(epoch), Bytes::new());
+                    let _ = tokio::time::timeout(limit, sent).await;
+                }
+                on_the_way[i].store(false, Ordering::Release);
+            });
+        }
+    }
+}
