@@ -34,7 +34,6 @@ use kungfu_transport::auth::JobSecret;
 
 pub use crate::options::{Bind, LaunchOptions, OnFailure};
 
-
 /// The CPUs this process may run on, in order.
 fn allowed_cpus() -> Vec<usize> {
     use nix::sched::{sched_getaffinity, CpuSet};
