@@ -516,6 +516,20 @@ kf_status kf_sync_state(uint64_t *step,
 // --on-failure shrink|replace`, or `-w`); without one, `KF_ERR_BOOTSTRAP`.
 kf_status kf_recover(void);
 
+// The stall report: one line (ending in `\n`) per op that some worker
+// has waited on for `KUNGFU_STALL_TIMEOUT_MS`, naming the ranks that have
+// not posted it, as every worker also logs it (`op "grad" (#3) waited
+// 10.3 s: rank 2 has not posted it (posted by 0, 1, 3)`); empty when
+// nothing stalls. Writes at most `cap - 1` bytes of it to `buf` and a
+// NUL after them (nothing when `cap` is 0), and its whole length (NUL
+// not counted) to `*len`: call again with a larger buffer when `*len >=
+// cap`.
+//
+// # Safety
+// `buf` has room for `cap` bytes (it may be NULL when `cap` is 0); `len`
+// points to an int32.
+kf_status kf_stall_report(char *buf, int32_t cap, int32_t *len);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

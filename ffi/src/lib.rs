@@ -39,7 +39,7 @@ pub use handles::{kf_release, kf_test, kf_wait};
 mod adapt;
 pub use adapt::*;
 mod recover;
-pub use recover::kf_recover;
+pub use recover::{kf_recover, kf_stall_report};
 mod group;
 mod request;
 

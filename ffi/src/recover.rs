@@ -1,7 +1,10 @@
-//! The C ABI of shrink and continue: `kf_recover`.
+//! The C ABI of fault tolerance: shrink and continue (`kf_recover`) and
+//! the stall report (`kf_stall_report`).
+
+use std::ffi::c_char;
 
 use crate::adapt::with_worker;
-use crate::{guard, kf_status, Fail, KF_ERR_BOOTSTRAP, KF_ERR_MEMBERSHIP_CHANGED};
+use crate::{ctx, guard, invalid, kf_status, Fail, KF_ERR_BOOTSTRAP, KF_ERR_MEMBERSHIP_CHANGED};
 
 /// After an op failed with `KF_ERR_PEER_LOST` (`kf_last_error()` names the
 /// lost rank and where it ran): the survivors agree on who is left and go
@@ -25,5 +28,47 @@ pub extern "C" fn kf_recover() -> kf_status {
                 Fail(code, e.to_string())
             })
         })
+    })
+}
+
+/// The stall report: one line (ending in `\n`) per op that some worker
+/// has waited on for `KUNGFU_STALL_TIMEOUT_MS`, naming the ranks that have
+/// not posted it, as every worker also logs it (`op "grad" (#3) waited
+/// 10.3 s: rank 2 has not posted it (posted by 0, 1, 3)`); empty when
+/// nothing stalls. Writes at most `cap - 1` bytes of it to `buf` and a
+/// NUL after them (nothing when `cap` is 0), and its whole length (NUL
+/// not counted) to `*len`: call again with a larger buffer when `*len >=
+/// cap`.
+///
+/// # Safety
+/// `buf` has room for `cap` bytes (it may be NULL when `cap` is 0); `len`
+/// points to an int32.
+#[no_mangle]
+pub unsafe extern "C" fn kf_stall_report(buf: *mut c_char, cap: i32, len: *mut i32) -> kf_status {
+    guard(|| {
+        if len.is_null() || (buf.is_null() && cap > 0) || cap < 0 {
+            return Err(invalid(
+                "len is NULL, or buf is NULL with cap > 0, or cap < 0",
+            ));
+        }
+        let text: String = ctx()?
+            .session
+            .stall_report()
+            .iter()
+            .map(|s| format!("{s}\n"))
+            .collect();
+        let b = text.as_bytes();
+        if cap > 0 {
+            let n = b.len().min(cap as usize - 1);
+            // SAFETY: the caller's buffer has room for `cap` bytes, and
+            // n + 1 <= cap.
+            unsafe {
+                std::ptr::copy_nonoverlapping(b.as_ptr().cast::<c_char>(), buf, n);
+                buf.add(n).write(0);
+            }
+        }
+        // SAFETY: the caller's int.
+        unsafe { len.write_unaligned(b.len().min(i32::MAX as usize) as i32) };
+        Ok(())
     })
 }

@@ -273,6 +273,13 @@ fn the_api_before_kf_init_fails_cleanly() {
         );
         assert_eq!(s, KF_ERR_NOT_INITIALIZED);
         assert!(last_error().contains("kf_init"), "{}", last_error());
+        let (mut buf, mut len) = ([1 as c_char; 8], -1);
+        let s = kf_stall_report(buf.as_mut_ptr(), 8, &mut len);
+        assert_eq!((s, len, buf[0]), (KF_ERR_NOT_INITIALIZED, -1, 1));
+        let s = kf_stall_report(buf.as_mut_ptr(), 8, std::ptr::null_mut());
+        assert_eq!(s, KF_ERR_INVALID_ARGUMENT);
+        let s = kf_stall_report(std::ptr::null_mut(), 1, &mut len);
+        assert_eq!(s, KF_ERR_INVALID_ARGUMENT);
         // argument errors come first
         let s = kf_allreduce(
             p(&x),

@@ -169,6 +169,34 @@ fn a_wait_whose_timeout_passes_is_pending() {
     );
 }
 
+/// Rank 1 posts an op late: meanwhile both ranks' stall reports name it
+/// (rank 0 waits on it, rank 1 hears so on rank 0's heartbeats).
+#[test]
+fn the_stall_report_names_the_rank_that_has_not_posted() {
+    let out = scenario(2, "stall", None);
+    let mut want = Vec::new();
+    for r in 0..2 {
+        want.extend([
+            saw(
+                r,
+                "stall",
+                "kf_stall_report while rank 1 has not posted",
+                "KF_OK",
+            ),
+            saw(r, "stall", "kf_stall_report once the op is done", "KF_OK"),
+            done(r, "stall"),
+        ]);
+    }
+    want.push(saw(
+        0,
+        "stall",
+        "the late op once rank 1 posted it",
+        "KF_OK",
+    ));
+    want.push(saw(1, "stall", "the late op", "KF_OK"));
+    assert_lines(&out, &want);
+}
+
 /// Rank 1 cuts a 64 KiB op into 4 KiB chunks, rank 0 into one: rank 0,
 /// the centre of the star, receives frames its plan cannot take.
 #[test]

@@ -40,7 +40,7 @@ pub(crate) async fn connect(
     let transport = link
         .transport(env.transport, listener, Epoch(0), deadline)
         .await?;
-    Ok(Session::new(
+    let session = Session::new(
         transport,
         peers.clone(),
         SessionConfig {
@@ -50,7 +50,9 @@ pub(crate) async fn connect(
             op_timeout: env.op_timeout,
             ..SessionConfig::default()
         },
-    )?)
+    )?;
+    session.watch_stalls(env.stall_timeout);
+    Ok(session)
 }
 
 /// What a worker connects a transport with.

@@ -136,6 +136,11 @@ pub struct WorkerEnv {
     /// (`KUNGFU_PEER_TIMEOUT_MS`, 1500; 0: no heartbeats, only broken
     /// connections tell). See `kungfu_transport::endpoint::Liveness`.
     pub peer_timeout: Duration,
+    /// An op that some rank has waited on this long is in the stall
+    /// report, which every worker logs (`KUNGFU_STALL_TIMEOUT_MS`, 10000;
+    /// 0: no report is published or logged). See
+    /// `kungfu_collectives::Session::watch_stalls`.
+    pub stall_timeout: Duration,
     pub chunk_bytes: usize,
     /// The budget of the process's buffer pool: idle buffers kept for
     /// reuse, in bytes at most (`KUNGFU_BUFFER_POOL_BYTES`; 256 MiB; see
@@ -401,6 +406,7 @@ impl WorkerEnv {
             connect_timeout: ms("KUNGFU_CONNECT_TIMEOUT_MS", 60_000)?,
             op_timeout: ms("KUNGFU_OP_TIMEOUT_MS", 60_000)?,
             peer_timeout: ms("KUNGFU_PEER_TIMEOUT_MS", 1_500)?,
+            stall_timeout: ms("KUNGFU_STALL_TIMEOUT_MS", 10_000)?,
             chunk_bytes,
             buffer_pool_bytes,
         })

@@ -87,7 +87,8 @@ pub enum FrameKind {
     Abort = 2,
     /// The sender is alive (sent on idle links, see
     /// [`crate::endpoint::Liveness`]); taken by the matcher, never by an op.
-    /// Its tag and payload mean nothing.
+    /// Its tag means nothing; its payload is the sender's beacon
+    /// ([`crate::endpoint::Matcher::beacons`]), opaque to the transport.
     Heartbeat = 3,
 }
 

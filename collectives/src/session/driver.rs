@@ -34,6 +34,7 @@ impl<T: Transport> Session<T> {
                 inner
                     .inflight
                     .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                lock(&inner.pending).insert(op.m.tag(), (name, std::time::Instant::now()));
                 // the op runs to its end on the transport it started on
                 let t = inner.transport();
                 self.inner.runtime.spawn(async move {
@@ -55,6 +56,7 @@ impl<T: Transport> Session<T> {
                         }
                     }
                     let tag = op.m.tag();
+                    lock(&inner.pending).remove(&tag);
                     t.retire(tag);
                     lock(&inner.tombstones).insert(tag, op.m.digest(), *op.m.spec());
                     lock(&inner.names).end(tag.op);

@@ -12,6 +12,7 @@ mod opmem;
 mod output;
 mod plans;
 mod running;
+mod stall;
 mod stats;
 mod swap;
 
@@ -36,6 +37,7 @@ use swap::{Deferred, Tombstones};
 pub use swap::{Agreement, SwapGate, SwapTo};
 
 pub use output::{Callback, OpHandle, OpOutput};
+pub use stall::{Stall, DEFAULT_STALL_TIMEOUT};
 pub use stats::{OpStats, PeerStats};
 
 use output::Memory;
@@ -107,6 +109,11 @@ struct Inner<T> {
     /// While a swap is under way, the ops the caller starts wait here, in
     /// order, to start at the new epoch.
     gate: Mutex<SwapGate<Deferred>>,
+    /// Ops started and not completed, by tag: their names and when they
+    /// started (the stall report's).
+    pending: Mutex<HashMap<OpTag, (Arc<str>, std::time::Instant)>>,
+    /// How long an op waits before the stall report lists it.
+    stall_after: Mutex<Duration>,
 }
 
 impl<T> Inner<T> {
@@ -185,6 +192,8 @@ impl<T: Transport> Session<T> {
             inflight: std::sync::atomic::AtomicUsize::new(0),
             drained: tokio::sync::Notify::new(),
             gate: Mutex::new(SwapGate::default()),
+            pending: Mutex::new(HashMap::new()),
+            stall_after: Mutex::new(DEFAULT_STALL_TIMEOUT),
         });
         inner.runtime.spawn(watch_strays(Arc::downgrade(&inner)));
         Ok(Session { inner })

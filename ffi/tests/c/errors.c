@@ -13,6 +13,8 @@
  *   finalize        kf_finalize with ops in flight (their callbacks run)
  *   bootstrap       rank 0's environment is bad (kf_init fails); rank 1
  *                   cannot reach rank 0 (its runtime does not start)
+ *   stall           rank 1 posts an op late: both ranks' kf_stall_report
+ *                   names it meanwhile, and is empty once the op is done
  *
  * Each rank prints what it saw, "rank R: SCENARIO: WHAT -> STATUS" (the
  * status by its name in kungfu.h), and "rank R: SCENARIO: done" at the end;
@@ -252,6 +254,52 @@ static void pending(void) {
     if (v[0] != (float)kf_size()) FAIL("pending/late: %g", v[0]);
 }
 
+/* Polls kf_stall_report (for 10 s at most) until its text contains
+ * `want` (or, with want NULL, is empty); reports the last status. */
+static void stall_until(const char *what, const char *want) {
+    char text[4096];
+    int32_t len = -1;
+    kf_status s = KF_OK;
+    for (int i = 0; i < 1000; i++) {
+        s = kf_stall_report(text, sizeof text, &len);
+        if (s != KF_OK || (want ? strstr(text, want) != NULL : len == 0)) break;
+        struct timespec ten_ms = {0, 10 * 1000 * 1000};
+        nanosleep(&ten_ms, NULL);
+    }
+    if (s == KF_OK && (want ? strstr(text, want) == NULL : len != 0))
+        FAIL("%s: never; last report: %s", what, text);
+    report(what, s);
+    if (want) {
+        /* a short buffer: cut, NUL-terminated, with the whole length */
+        char cut[8];
+        int32_t whole = -1;
+        CHECK(kf_stall_report(cut, sizeof cut, &whole));
+        if (whole < (int32_t)sizeof cut || strlen(cut) != sizeof cut - 1)
+            FAIL("short buffer: len %d, text %s", whole, cut);
+    }
+}
+
+static void stall(void) {
+    barrier();
+    int v[2] = {1, 1};
+    const char *named = "rank 1 has not posted it (posted by 0)";
+    if (rank_ == 0) {
+        kf_handle h = 0;
+        CHECK(kf_allreduce(v, v, 2, KF_INT32, KF_SUM, "stall/late", NULL, NULL, &h));
+        stall_until("kf_stall_report while rank 1 has not posted", named);
+        sum_ok("stall/signal");
+        report("the late op once rank 1 posted it", finish(h));
+    } else {
+        stall_until("kf_stall_report while rank 1 has not posted", named);
+        sum_ok("stall/signal");
+        kf_handle h = 0;
+        CHECK(kf_allreduce(v, v, 2, KF_INT32, KF_SUM, "stall/late", NULL, NULL, &h));
+        report("the late op", finish(h));
+    }
+    if (v[0] != 2 || v[1] != 2) FAIL("stall/late: %d %d", v[0], v[1]);
+    stall_until("kf_stall_report once the op is done", NULL);
+}
+
 static void transport(void) {
     barrier();
     /* 64 KiB: one chunk on rank 0, sixteen of 4 KiB on rank 1 */
@@ -360,6 +408,7 @@ int main(int argc, char **argv) {
     int r = launcher_rank();
     /* per-rank settings, read by kf_init */
     if (!strcmp(scenario_, "timeout")) set_env("KUNGFU_OP_TIMEOUT_MS", r == 0 ? "2000" : "60000");
+    if (!strcmp(scenario_, "stall")) set_env("KUNGFU_STALL_TIMEOUT_MS", "300");
     if (!strcmp(scenario_, "transport")) {
         set_env("KUNGFU_STRATEGY", "STAR");
         if (r == 1) set_env("KUNGFU_CHUNK_BYTES", "4096");
@@ -382,6 +431,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(scenario_, "transport")) transport();
     else if (!strcmp(scenario_, "fork")) fork_scenario();
     else if (!strcmp(scenario_, "finalize")) finalize_scenario();
+    else if (!strcmp(scenario_, "stall")) stall();
     else FAIL("unknown scenario");
 
     if (strcmp(scenario_, "finalize") != 0 || rank_ != 0) CHECK(kf_finalize());

@@ -206,3 +206,33 @@ fn the_job_timeout_bounds_a_hung_worker() {
     // wait ten minutes: only the order of magnitude matters
     assert!(started.elapsed() < Duration::from_secs(60));
 }
+
+#[test]
+fn the_stall_report_names_the_worker_that_did_not_post() {
+    let mut c = Command::new(RUN);
+    c.args([
+        "--timeout",
+        "6s",
+        "-np",
+        "3",
+        SELFTEST,
+        "--steps",
+        "1000",
+        "--hang",
+        "1:3",
+    ])
+    .env("KUNGFU_STALL_TIMEOUT_MS", "1000")
+    .env("KUNGFU_OP_TIMEOUT_MS", "600000");
+    let out = run_bounded(c, Duration::from_secs(90));
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(124), "{t}");
+    // every worker, the hung one too (its runtime still runs), names it
+    for r in 0..3 {
+        let said = t.lines().any(|l| {
+            l.starts_with(&format!("[{r}]"))
+                && l.contains("stall: op \"")
+                && l.contains("rank 1 has not posted it (posted by 0, 2)")
+        });
+        assert!(said, "rank {r} did not report rank 1:\n{t}");
+    }
+}

@@ -14,17 +14,20 @@
 //! [`TransportError::PeerLost`] naming it, as if its connection had
 //! broken.
 //!
+//! Heartbeats carry this endpoint's beacon ([`Matcher::set_beacon`]), the
+//! few bytes the layer above has peers know (the stall report).
+//!
 //! Peers reached over libfabric are not watched (see
 //! [`Endpoint::watch_peers`]).
 //!
 //! [`Matcher::heard`]: super::Matcher::heard
 //! [`Matcher::fail_peer`]: super::Matcher::fail_peer
+//! [`Matcher::set_beacon`]: super::Matcher::set_beacon
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use bytes::Bytes;
 use kungfu_topology::Rank;
 
 use super::Endpoint;
@@ -58,8 +61,9 @@ impl Default for Liveness {
     }
 }
 
-/// The header of a heartbeat (its tag names no op).
-fn heartbeat(epoch: crate::Epoch) -> Header {
+/// The header of a heartbeat carrying `len` bytes of beacon (its tag
+/// names no op).
+pub(super) fn heartbeat(epoch: crate::Epoch, len: usize) -> Header {
     Header {
         kind: FrameKind::Heartbeat,
         tag: OpTag {
@@ -70,7 +74,7 @@ fn heartbeat(epoch: crate::Epoch) -> Header {
         chunk: 0,
         step: 0,
         digest: 0,
-        len: 0,
+        len: len as u64,
     }
 }
 
@@ -160,17 +164,18 @@ async fn watch<W: Wire>(e: Weak<Endpoint<W>>, peers: Vec<Rank>, l: Liveness) {
             );
         }
         let epoch = e.matcher.epoch();
+        let beacon = e.matcher.beacon();
         for (i, &peer) in peers.iter().enumerate() {
             if e.matcher.lost_reason(peer).is_some() || on_the_way[i].swap(true, Ordering::AcqRel) {
                 continue;
             }
-            let (e, on_the_way) = (e.clone(), on_the_way.clone());
+            let (e, on_the_way, beacon) = (e.clone(), on_the_way.clone(), beacon.clone());
             let limit = l.timeout;
             tokio::spawn(async move {
                 if let Some(w) = e.wire_to(peer) {
                     // A failure (a lost peer, a closed endpoint) is the
                     // readers' and the watchdog's to report.
-                    let sent = w.send(peer, heartbeat(epoch), Bytes::new());
+                    let sent = w.send(peer, heartbeat(epoch, beacon.len()), beacon);
                     let _ = tokio::time::timeout(limit, sent).await;
                 }
                 on_the_way[i].store(false, Ordering::Release);

@@ -34,9 +34,11 @@ use tokio::sync::Notify;
 
 use crate::region::MemMut;
 
+mod beacons;
 mod posted;
 
 use crate::{Epoch, Frame, FrameKind, Header, Instant, OpTag, PeerSet, TransportError};
+pub use beacons::MAX_BEACON;
 use posted::{claim_in, take_posted};
 
 /// How many retired op instances are remembered (their late frames become
@@ -134,6 +136,7 @@ pub struct Matcher {
     posts: Notify,
     space: Notify,
     budget: usize,
+    beacons: beacons::Beacons,
 }
 
 impl Matcher {
@@ -164,6 +167,7 @@ impl Matcher {
             posts: Notify::new(),
             space: Notify::new(),
             budget,
+            beacons: beacons::Beacons::default(),
         }
     }
 
@@ -288,6 +292,8 @@ impl Matcher {
             inner.heard.insert(from, Instant::now());
         }
         if header.kind == FrameKind::Heartbeat {
+            drop(inner);
+            self.beacons.received(from, payload);
             return Ok(None);
         }
         if header.tag.epoch < inner.epoch {
