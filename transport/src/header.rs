@@ -90,6 +90,10 @@ pub enum FrameKind {
     /// Its tag means nothing; its payload is the sender's beacon
     /// ([`crate::endpoint::Matcher::beacons`]), opaque to the transport.
     Heartbeat = 3,
+    /// The sender lost a peer (the payload names it and why, see
+    /// [`crate::endpoint::Matcher::hearsay`]); taken by the matcher, never
+    /// by an op. Its tag means nothing.
+    Lost = 4,
 }
 
 /// The identity of one op instance on the wire: the transport matches
@@ -170,6 +174,7 @@ impl Header {
             1 => FrameKind::Data,
             2 => FrameKind::Abort,
             3 => FrameKind::Heartbeat,
+            4 => FrameKind::Lost,
             k => return Err(HeaderError::Kind(k)),
         };
         let flags = u16_at(4);
@@ -296,7 +301,8 @@ mod tests {
                 prop_oneof![
                     Just(FrameKind::Data),
                     Just(FrameKind::Abort),
-                    Just(FrameKind::Heartbeat)
+                    Just(FrameKind::Heartbeat),
+                    Just(FrameKind::Lost)
                 ],
                 (any::<u32>(), any::<u64>(), any::<u32>()),
                 any::<u32>(),
@@ -329,7 +335,7 @@ mod tests {
                 Some(HeaderError::Magic([b[0], b[1]]))
             } else if b[2] != 1 {
                 Some(HeaderError::Version(b[2]))
-            } else if !(1..=3).contains(&b[3]) {
+            } else if !(1..=4).contains(&b[3]) {
                 Some(HeaderError::Kind(b[3]))
             } else if b[4] != 0 || b[5] != 0 {
                 Some(HeaderError::Flags(u16::from_le_bytes([b[4], b[5]])))

@@ -345,9 +345,26 @@ impl OpMachine {
         };
         let o = self.outstanding.swap_remove(i);
         self.inflight -= o.len;
-        if let Err(e) = result {
-            self.fail(self.transport_error(e));
-            return;
+        match result {
+            // The op cannot complete without this frame, but the peer may
+            // be gone because of another rank's loss, whose abort is then
+            // on its way (or already queued behind the send's failure):
+            // fail after the grace, naming the first rank lost, unless
+            // that abort comes first with the cause.
+            Err(e @ TransportError::PeerLost { .. }) => {
+                if let TransportError::PeerLost { peer, .. } = &e {
+                    self.lost.insert(*peer);
+                }
+                self.first_lost.get_or_insert(e);
+                self.lost_dependency = true;
+                self.deadline = self.deadline.min(now + self.grace());
+                return;
+            }
+            Err(e) => {
+                self.fail(self.transport_error(e));
+                return;
+            }
+            Ok(()) => {}
         }
         if !o.released {
             let r = self.plan.handle_sent(id, work);
@@ -386,7 +403,7 @@ impl OpMachine {
                 self.planned(from, r);
             }
             // the transport's own, never matched to an op
-            FrameKind::Heartbeat => {}
+            FrameKind::Heartbeat | FrameKind::Lost => {}
         }
     }
 

@@ -444,6 +444,16 @@ fn a_failed_send_fails_the_op_and_late_reports_are_ignored() {
     };
     m.handle_sent(t0, a, Err(lost(1)), &mut work);
     m.handle_sent(t0, b, Ok(()), &mut work);
+    // the op waits out the grace (an abort with the cause may be on its
+    // way), then fails naming the lost rank
+    assert!(m.poll_event(&mut work).is_none());
+    m.handle_timeout(t0 + LOST_GRACE / 2);
+    assert!(m.poll_event(&mut work).is_none());
+    m.handle_timeout(t0 + LOST_GRACE);
+    assert!(matches!(
+        failed(&mut m, &mut work),
+        CollectiveError::PeerLost { peer: Rank(1), .. }
+    ));
     m.handle_frame(
         t0,
         Rank(1),
@@ -451,11 +461,31 @@ fn a_failed_send_fails_the_op_and_late_reports_are_ignored() {
         f32s(&[2.0; 4]).into(),
         &mut work,
     );
-    assert!(matches!(
-        failed(&mut m, &mut work),
-        CollectiveError::PeerLost { peer: Rank(1), .. }
-    ));
     assert_eq!(work, f32s(&[1.0; 4]), "a failed op applies nothing more");
+}
+
+/// The peer a send failed to gave up because another rank was lost: its
+/// abort, which may arrive after the send's failure, names the culprit.
+#[test]
+fn after_a_failed_send_an_abort_that_follows_names_the_cause() {
+    let t0 = Instant::now();
+    let mut work = f32s(&[1.0; 4]);
+    let mut m = machine(1, usize::MAX, t0);
+    let Some(Transmit::Data { id, .. }) = m.poll_transmit() else {
+        panic!()
+    };
+    m.handle_sent(t0, id, Err(lost(1)), &mut work);
+    assert!(m.poll_event(&mut work).is_none());
+    let abort = Abort::new(AbortReason::PeerLost, Rank(2), Rank(3), &spec());
+    let h = Header {
+        kind: FrameKind::Abort,
+        ..data(0, 0, DIGEST)
+    };
+    m.handle_frame(t0, Rank(2), &h, abort.encode(), &mut work);
+    match failed(&mut m, &mut work) {
+        CollectiveError::PeerLost { peer, .. } => assert_eq!(peer, Rank(3)),
+        e => panic!("{e}"),
+    }
 }
 
 #[test]

@@ -92,28 +92,32 @@ fn send_aborts<T: Transport>(inner: &Inner<T>, tag: OpTag, digest: u32, abort: &
         len: 0,
     };
     for r in (0..t.size() as u32).map(Rank).filter(|&r| r != me) {
-        send_abort(inner, t, r, header, payload.clone());
+        // strays: nobody waits for an error here
+        drop(send_abort(inner, t, r, header, payload.clone()));
     }
 }
 
 /// Sends one abort frame to `to`, unless it is known lost. Best effort:
 /// the local error stands either way; the send is bounded by the op
-/// timeout.
+/// timeout. The task ends once the frame is handed to the wire (or the
+/// send failed): an op awaits it, briefly, before it reports its error,
+/// so that a worker that exits on the error still tells its peers why
+/// (else they would blame it, not the rank it lost).
 pub(super) fn send_abort<T: Transport>(
     inner: &Inner<T>,
     t: &Arc<T>,
     to: Rank,
     header: Header,
     payload: Bytes,
-) {
+) -> Option<tokio::task::JoinHandle<()>> {
     if t.check_peers(&[to].into_iter().collect()).is_err() {
-        return;
+        return None;
     }
     let t = t.clone();
     let budget = inner.config.op_timeout;
-    inner.runtime.spawn(async move {
+    Some(inner.runtime.spawn(async move {
         let _ = tokio::time::timeout(budget, t.send(to, header, payload)).await;
-    });
+    }))
 }
 
 /// Reads strays (frames of finished ops) and tells every rank when one

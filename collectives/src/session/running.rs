@@ -103,6 +103,17 @@ impl Scratch {
     }
 }
 
+/// How long a failed op waits for its aborts to reach the wire before it
+/// reports the failure.
+const ABORT_FLUSH: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Waits for every task of `tasks`.
+async fn futures_join(tasks: Vec<tokio::task::JoinHandle<()>>) {
+    for t in tasks {
+        let _ = t.await;
+    }
+}
+
 /// The payload of a frame that landed in `scratch`, owned.
 fn landed_payload(scratch: Arc<Region>) -> Bytes {
     match scratch.read(0..scratch.len()) {
@@ -149,6 +160,7 @@ impl RunningOp {
         // (shared memory with a full ring): kept in the working buffer, not
         // copied, and tried again between receives.
         let mut pending: VecDeque<Pending> = VecDeque::new();
+        let mut aborts = Vec::new();
         let event = loop {
             let mut k = 0;
             while k < pending.len() {
@@ -213,7 +225,7 @@ impl RunningOp {
                         to,
                         header,
                         payload,
-                    } => send_abort(inner, t, to, header, payload),
+                    } => aborts.extend(send_abort(inner, t, to, header, payload)),
                 }
             }
             // A receive whose frame had come lands as it is posted, which
@@ -299,6 +311,13 @@ impl RunningOp {
                 }
             }
         };
+        if !aborts.is_empty() {
+            // The aborts reach the wire before the caller hears of the
+            // failure (see `send_abort`); a peer that does not take them
+            // soon is not waited for.
+            let bound = inner.config.op_timeout.min(ABORT_FLUSH);
+            let _ = tokio::time::timeout(bound, futures_join(aborts)).await;
+        }
         match event {
             OpEvent::Done => Ok(OpOutput {
                 out: self.work.output(self.m.output_range()),

@@ -125,11 +125,21 @@ async fn watch<W: Wire>(e: Weak<Endpoint<W>>, peers: Vec<Rank>, l: Liveness) {
     let mut tick = tokio::time::interval(l.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last = Instant::now();
+    let Some(matcher) = e.upgrade().map(|e| e.matcher.clone()) else {
+        return;
+    };
     loop {
-        tick.tick().await;
+        let noticed = tokio::select! {
+            _ = tick.tick() => false,
+            () = matcher.noticed() => true,
+        };
         let Some(e) = e.upgrade() else { return };
         if e.matcher.is_closed() {
             return;
+        }
+        tell_losses(&e, &peers, l.timeout);
+        if noticed {
+            continue;
         }
         let now = Instant::now();
         if now.duration_since(last) >= l.timeout {
@@ -154,7 +164,7 @@ async fn watch<W: Wire>(e: Weak<Endpoint<W>>, peers: Vec<Rank>, l: Liveness) {
             continue;
         };
         for (peer, since) in e.matcher.silent(before) {
-            e.matcher.fail_peer(
+            e.matcher.fail_silent(
                 peer,
                 format!(
                     "silent for {:.1} s (no frame, no heartbeat): frozen or dead, or its host \
@@ -179,6 +189,37 @@ async fn watch<W: Wire>(e: Weak<Endpoint<W>>, peers: Vec<Rank>, l: Liveness) {
                     let _ = tokio::time::timeout(limit, sent).await;
                 }
                 on_the_way[i].store(false, Ordering::Release);
+            });
+        }
+        tell_losses(&e, &peers, l.timeout);
+    }
+}
+
+/// Sends every peer not lost a notice of each loss found here since the
+/// last call ([`Matcher::take_notices`]), each send bounded by `limit`.
+///
+/// [`Matcher::take_notices`]: super::Matcher::take_notices
+fn tell_losses<W: Wire>(e: &Arc<Endpoint<W>>, peers: &[Rank], limit: std::time::Duration) {
+    let losses = e.matcher.take_notices();
+    if losses.is_empty() {
+        return;
+    }
+    let epoch = e.matcher.epoch();
+    for (lost, why) in losses {
+        let payload = super::matching::notices::encode(lost, &why);
+        let header = Header {
+            kind: FrameKind::Lost,
+            ..heartbeat(epoch, payload.len())
+        };
+        for &to in peers {
+            if to == lost || e.matcher.lost_reason(to).is_some() {
+                continue;
+            }
+            let (e, payload) = (e.clone(), payload.clone());
+            tokio::spawn(async move {
+                if let Some(w) = e.wire_to(to) {
+                    let _ = tokio::time::timeout(limit, w.send(to, header, payload)).await;
+                }
             });
         }
     }

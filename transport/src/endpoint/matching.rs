@@ -35,6 +35,7 @@ use tokio::sync::Notify;
 use crate::region::MemMut;
 
 mod beacons;
+pub(crate) mod notices;
 mod posted;
 
 use crate::{Epoch, Frame, FrameKind, Header, Instant, OpTag, PeerSet, TransportError};
@@ -137,6 +138,7 @@ pub struct Matcher {
     space: Notify,
     budget: usize,
     beacons: beacons::Beacons,
+    notices: notices::Notices,
 }
 
 impl Matcher {
@@ -168,6 +170,7 @@ impl Matcher {
             space: Notify::new(),
             budget,
             beacons: beacons::Beacons::default(),
+            notices: notices::Notices::default(),
         }
     }
 
@@ -291,10 +294,18 @@ impl Matcher {
         if !inner.heard.is_empty() {
             inner.heard.insert(from, Instant::now());
         }
-        if header.kind == FrameKind::Heartbeat {
-            drop(inner);
-            self.beacons.received(from, payload);
-            return Ok(None);
+        match header.kind {
+            FrameKind::Heartbeat => {
+                drop(inner);
+                self.beacons.received(from, payload);
+                return Ok(None);
+            }
+            FrameKind::Lost => {
+                drop(inner);
+                self.hearsay(from, &payload);
+                return Ok(None);
+            }
+            FrameKind::Data | FrameKind::Abort => {}
         }
         if header.tag.epoch < inner.epoch {
             let err = TransportError::StaleEpoch {
@@ -477,11 +488,19 @@ impl Matcher {
     /// Marks `peer` lost: receives that name it fail once nothing of theirs
     /// is queued. The first reason is kept.
     pub fn fail_peer(&self, peer: Rank, reason: impl Into<Arc<str>>) {
+        self.mark_lost(peer, reason.into(), false)
+    }
+
+    /// [`Matcher::fail_peer`]; `tell`: see [`Matcher::fail_silent`].
+    pub(super) fn mark_lost(&self, peer: Rank, reason: Arc<str>, tell: bool) {
         let mut inner = self.lock();
-        let reason = locate(&inner, peer, reason.into());
+        let reason = locate(&inner, peer, reason);
         if let std::collections::hash_map::Entry::Vacant(v) = inner.lost.entry(peer) {
-            v.insert(reason);
+            v.insert(reason.clone());
             inner.lost_order.push(peer);
+            if tell && !inner.closed {
+                self.notices.push(peer, reason);
+            }
         }
         wake_all(&mut inner);
     }

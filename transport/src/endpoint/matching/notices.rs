@@ -1,0 +1,174 @@
+//! Loss notices: when this endpoint finds a peer silent (frozen, or its
+//! host or network gone: see [`Matcher::fail_silent`]), it tells every
+//! other peer at once
+//! ([`FrameKind::Lost`]), ahead of anything it sends later. A peer that
+//! hears of it marks the rank lost too, "reported lost by" the sender, so
+//! that when the sender then fails and exits because of that loss, its
+//! peers name the culprit, not the sender: the first rank in their order
+//! of losses is the one lost first anywhere they heard of.
+//!
+//! The payload (untrusted; one that does not parse is dropped):
+//!
+//! ```text
+//! u32 rank lost (LE) | its reason, UTF-8, at most 1024 bytes
+//! ```
+//!
+//! [`FrameKind::Lost`]: crate::FrameKind::Lost
+
+use std::sync::{Arc, Mutex};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use kungfu_topology::Rank;
+use tokio::sync::Notify;
+
+use super::Matcher;
+
+/// The longest reason a notice carries (a longer one is cut).
+const MAX_REASON: usize = 1024;
+
+/// The losses this endpoint found by itself and has not told yet.
+#[derive(Default)]
+pub(super) struct Notices {
+    queue: Mutex<Vec<(Rank, Arc<str>)>>,
+    told: Notify,
+}
+
+impl Notices {
+    pub(super) fn push(&self, peer: Rank, reason: Arc<str>) {
+        self.queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((peer, reason));
+        self.told.notify_one();
+    }
+}
+
+/// A notice's payload.
+pub(crate) fn encode(peer: Rank, reason: &str) -> Bytes {
+    let mut cut = reason.len().min(MAX_REASON);
+    while !reason.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let mut b = BytesMut::with_capacity(4 + cut);
+    b.put_u32_le(peer.0);
+    b.put_slice(&reason.as_bytes()[..cut]);
+    b.freeze()
+}
+
+fn decode(b: &[u8]) -> Option<(Rank, &str)> {
+    let (r, why) = b.split_first_chunk::<4>()?;
+    if why.len() > MAX_REASON {
+        return None;
+    }
+    Some((Rank(u32::from_le_bytes(*r)), std::str::from_utf8(why).ok()?))
+}
+
+impl Matcher {
+    /// [`Matcher::fail_peer`] for a peer found silent (by the liveness
+    /// watchdog), which the other peers are then told of
+    /// ([`Matcher::take_notices`]): they may not have noticed yet. (A
+    /// broken connection is not told: every peer's breaks at once when a
+    /// process dies, and a graceful close must not fail receives of frames
+    /// still on their way elsewhere.)
+    pub fn fail_silent(&self, peer: Rank, reason: impl Into<Arc<str>>) {
+        self.mark_lost(peer, reason.into(), true)
+    }
+
+    /// The losses found here since the last call, to tell the peers.
+    pub fn take_notices(&self) -> Vec<(Rank, Arc<str>)> {
+        std::mem::take(&mut *self.notices.queue.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Completes when a loss is found here (see [`Matcher::take_notices`]).
+    pub async fn noticed(&self) {
+        self.notices.told.notified().await
+    }
+
+    /// `from` says it lost the rank its notice names: that rank is lost
+    /// here too (unless it is `from`, or a rank this endpoint does not
+    /// watch, such as itself: a peer that lost this worker is simply
+    /// lost to it, and says so by dropping it).
+    pub fn hearsay(&self, from: Rank, payload: &[u8]) {
+        let Some((peer, why)) = decode(payload) else {
+            return;
+        };
+        if peer == from || !self.lock().heard.contains_key(&peer) {
+            return;
+        }
+        self.mark_lost(
+            peer,
+            format!("reported lost by rank {}: {why}", from.0).into(),
+            false,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoint::liveness::heartbeat;
+    use crate::{Epoch, FrameKind, Header};
+
+    fn notice(len: usize) -> Header {
+        Header {
+            kind: FrameKind::Lost,
+            ..heartbeat(Epoch(0), len)
+        }
+    }
+
+    #[test]
+    fn a_loss_found_here_is_told_and_one_heard_of_is_not_retold() {
+        let m = Matcher::new(Epoch(0), 1 << 20);
+        m.watch([Rank(1), Rank(2), Rank(3)]);
+        m.fail_peer(Rank(1), "connection closed by peer");
+        assert!(
+            m.take_notices().is_empty(),
+            "a broken connection is not told"
+        );
+        m.fail_silent(Rank(2), "silent for 1.6 s");
+        let told = m.take_notices();
+        assert_eq!(told.len(), 1);
+        assert_eq!(told[0].0, Rank(2));
+        assert!(m.take_notices().is_empty());
+
+        let b = encode(Rank(3), "connection reset");
+        m.deliver_now(Rank(1), notice(b.len()), b).unwrap();
+        let why = m.lost_reason(Rank(3)).expect("lost by hearsay");
+        assert!(
+            why.starts_with("reported lost by rank 1: connection reset"),
+            "{why}"
+        );
+        assert!(m.take_notices().is_empty(), "hearsay is not retold");
+        assert_eq!(m.lost_in_order(), vec![Rank(1), Rank(2), Rank(3)]);
+    }
+
+    #[test]
+    fn bad_or_self_serving_notices_change_nothing() {
+        let m = Matcher::new(Epoch(0), 1 << 20);
+        m.watch([Rank(1), Rank(2)]);
+        for b in [
+            Bytes::from_static(b"\x01\x00"),
+            encode(Rank(1), "it reports itself"),
+            encode(Rank(0), "this worker: not watched"),
+            encode(Rank(7), "no such peer"),
+            {
+                let mut v = encode(Rank(2), "").to_vec();
+                v.extend([0xff, 0xfe]);
+                v.into()
+            },
+            {
+                let mut v = encode(Rank(2), "").to_vec();
+                v.extend(std::iter::repeat_n(b'x', MAX_REASON + 1));
+                v.into()
+            },
+        ] {
+            m.deliver_now(Rank(1), notice(b.len()), b).unwrap();
+        }
+        assert!(m.lost_in_order().is_empty());
+        let long = "é".repeat(MAX_REASON);
+        let (_, why) = decode(&encode(Rank(2), &long))
+            .map(|(r, w)| (r, w.to_string()))
+            .unwrap();
+        assert!(why.len() <= MAX_REASON && long.starts_with(&why));
+    }
+}
