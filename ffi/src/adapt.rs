@@ -375,8 +375,14 @@ pub(crate) fn with_worker<R>(
     r
 }
 
+/// A failed resize or state sync: a failed op of it keeps its own status
+/// (`KF_ERR_PEER_LOST` when a peer was lost, so that the caller can
+/// `kf_recover`); anything else is `KF_ERR_BOOTSTRAP`.
 fn elastic(e: kungfu_runtime::BootstrapError) -> Fail {
-    Fail(KF_ERR_BOOTSTRAP, e.to_string())
+    match e {
+        kungfu_runtime::BootstrapError::Op(e) => crate::fail_of(&e),
+        e => Fail(KF_ERR_BOOTSTRAP, crate::with_causes(&e)),
+    }
 }
 
 fn write_resized(r: Resized, changed: *mut i32, detached: *mut i32) {

@@ -186,7 +186,24 @@ fn status_of(e: &CollectiveError) -> kf_status {
 }
 
 fn fail_of(e: &CollectiveError) -> Fail {
-    Fail(status_of(e), e.to_string())
+    Fail(status_of(e), with_causes(e))
+}
+
+/// `e` and its causes, as one line: a lost peer's error names the rank,
+/// its cause why and where it ran (`op "grad" (epoch 0) needs rank 2: rank
+/// 2 is lost: ... (the worker at HOST:PORT)`). A cause already in the
+/// text is not said twice.
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let more = c.to_string();
+        if !text.contains(&more) {
+            text = format!("{text}: {more}");
+        }
+        cause = c.source();
+    }
+    text
 }
 
 /// Runs `f`, catching panics; a failure sets the thread's last error.

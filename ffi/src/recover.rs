@@ -25,7 +25,7 @@ pub extern "C" fn kf_recover() -> kf_status {
                     kungfu_runtime::BootstrapError::Excluded { .. } => KF_ERR_MEMBERSHIP_CHANGED,
                     _ => KF_ERR_BOOTSTRAP,
                 };
-                Fail(code, e.to_string())
+                Fail(code, crate::with_causes(&e))
             })
         })
     })

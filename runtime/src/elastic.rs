@@ -116,6 +116,7 @@ pub struct ServerRules {
 pub struct ConfigServer {
     addr: SocketAddr,
     rx: watch::Receiver<ClusterConfig>,
+    state: Arc<ServerState>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -140,18 +141,24 @@ impl ConfigServer {
             rules,
             write: Mutex::new(history),
         });
+        let served = state.clone();
         let task = tokio::spawn(async move {
             loop {
                 let Ok((s, _)) = listener.accept().await else {
                     continue;
                 };
-                let state = state.clone();
+                let state = served.clone();
                 tokio::spawn(async move {
                     let _ = tokio::time::timeout(REQUEST_TIMEOUT, serve_one(s, &state)).await;
                 });
             }
         });
-        Ok(ConfigServer { addr, rx, task })
+        Ok(ConfigServer {
+            addr,
+            rx,
+            state,
+            task,
+        })
     }
 
     /// The URL workers get (`KUNGFU_CONFIG_SERVER`).
@@ -159,9 +166,23 @@ impl ConfigServer {
         format!("http://{}/cluster", self.addr)
     }
 
-    /// The current config, and each new one as it is put.
+    /// The current config, and each new one as it is put (the latest
+    /// only: see [`ConfigServer::since`]).
     pub fn subscribe(&self) -> watch::Receiver<ClusterConfig> {
         self.rx.clone()
+    }
+
+    /// Every config it keeps (the last 64) after `version`, oldest first:
+    /// a watcher that was told only of the latest learns of each version
+    /// between (a launcher must start the workers a version adds even when
+    /// a later one came before it looked: workers may connect it).
+    pub fn since(&self, version: u32) -> Vec<ClusterConfig> {
+        let history = self.state.write.lock().unwrap_or_else(|e| e.into_inner());
+        history
+            .iter()
+            .filter(|c| c.version > version)
+            .cloned()
+            .collect()
     }
 }
 

@@ -66,6 +66,12 @@ pub enum BootstrapError {
     Session(#[from] CollectiveError),
     #[error("resizing: {0}")]
     Elastic(String),
+    /// A collective of a resize or of [`Worker::sync_state`] failed, as
+    /// any op may: after [`CollectiveError::PeerLost`] the session is as
+    /// usable as after a failed op of the application's, and
+    /// [`Worker::recover`] goes on without the lost worker.
+    #[error("resizing: {0}")]
+    Op(#[source] CollectiveError),
     /// The cluster went on at `version` without this worker (a recovery
     /// declared it lost): it should exit. Its session is closed.
     #[error("left out of the cluster at version {version}: {reason}")]
@@ -360,7 +366,13 @@ impl Worker {
         }
         let url = self.config_url()?.to_string();
         let deadline = Instant::now() + self.env.connect_timeout;
-        // rank 0 reads; its text (or its error) goes to everyone
+        // Rank 0 reads; its text (or its error) goes to everyone, as the
+        // maximum of an allreduce to which the others give zeros rather
+        // than as a broadcast: every worker then needs every other, so a
+        // worker lost anywhere fails this on all of them. Under a
+        // broadcast, a worker whose path from rank 0 avoids the lost one
+        // went on waiting here for a rank 0 that was recovering (the
+        // launcher's chaos test caught it).
         let mut text = Vec::new();
         if self.rank() == 0 {
             let got = match failed {
@@ -374,7 +386,7 @@ impl Worker {
         }
         let s = &self.session;
         let len = s
-            .broadcast("kf/resize/len", &[text.len() as u64], Rank(0))
+            .allreduce("kf/resize/len", &[text.len() as u64], ReduceOp::Max)
             .await
             .map_err(op_failed)?[0];
         let len = usize::try_from(len)
@@ -383,7 +395,7 @@ impl Worker {
             .ok_or_else(|| BootstrapError::Elastic(format!("config of {len} bytes")))?;
         text.resize(len, 0);
         let text = s
-            .broadcast("kf/resize/config", &text, Rank(0))
+            .allreduce("kf/resize/config", &text, ReduceOp::Max)
             .await
             .map_err(op_failed)?;
         let text = String::from_utf8_lossy(&text);
@@ -544,7 +556,7 @@ impl Worker {
 }
 
 fn op_failed(e: CollectiveError) -> BootstrapError {
-    BootstrapError::Elastic(e.to_string())
+    BootstrapError::Op(e)
 }
 
 #[cfg(test)]

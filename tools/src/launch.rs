@@ -483,6 +483,8 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
         (None, Pending::default())
     };
     let mut config = server.as_ref().map(|s| s.subscribe());
+    // the last config version the loop below handled
+    let mut seen = config.as_ref().map_or(0, |c| c.borrow().version);
     let url = server.as_ref().map(|s| s.url());
     // Before `job`, so that it is dropped after it: the workers are gone
     // first (reaped when the loop below ends; on an early error, sent
@@ -570,6 +572,15 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                     );
                     survived.failed.get_or_insert(code);
                     survived.to_replace += usize::from(opts.on_failure == OnFailure::Replace);
+                    // The survivors may have shrunk before this worker
+                    // exited (a frozen one exits only once it runs again
+                    // and learns it was left out): grow back now, as no
+                    // later config change may come to do it.
+                    let shrunk = config.as_ref().is_some_and(|c| c.borrow().peers.len() < opts.np);
+                    if survived.to_replace > 0 && shrunk {
+                        survived.to_replace = 0;
+                        replace_lost(url.clone(), secret.clone(), opts.np);
+                    }
                 } else if code != 0 {
                     let msg = format!("{} {what}", job.procs[idx].label);
                     if exit_code.is_none() {
@@ -582,58 +593,61 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                 }
             }
             Ok(()) = async { config.as_mut().expect("guarded").changed().await }, if config.is_some() && exit_code.is_none() => {
-                let c = config.as_mut().expect("guarded").borrow_and_update().clone();
-                eprintln!("kungfu-run: cluster version {}: {} workers", c.version, c.peers.len());
-                if survived.to_replace > 0 && c.peers.len() < opts.np {
-                    // the survivors shrank: grow back with new workers
-                    survived.to_replace = 0;
-                    let (url, secret) = (url.clone().unwrap_or_default(), secret.clone());
-                    let body = format!("size {}", opts.np);
-                    tokio::spawn(async move {
-                        let deadline = Instant::now() + Duration::from_secs(30);
-                        match kungfu::elastic::put_config(&url, &body, Some(&secret), deadline).await {
-                            Ok(c) => eprintln!("kungfu-run: replacing the lost: version {} of {} workers", c.version, c.peers.len()),
-                            Err(e) => eprintln!("kungfu-run: could not start replacements: {e}"),
+                let latest = config.as_mut().expect("guarded").borrow_and_update().clone();
+                // Every version since the last one handled, not only the
+                // latest: a version that added workers and was replaced
+                // before this looked may still be the one the workers
+                // connect (the resize model found that hang).
+                let mut versions = server.as_ref().map_or_else(Vec::new, |s| s.since(seen));
+                if versions.last().map(|c| c.version) != Some(latest.version) {
+                    versions.push(latest);
+                }
+                for c in versions {
+                    seen = c.version;
+                    eprintln!("kungfu-run: cluster version {}: {} workers", c.version, c.peers.len());
+                    if survived.to_replace > 0 && c.peers.len() < opts.np {
+                        // the survivors shrank: grow back with new workers
+                        survived.to_replace = 0;
+                        replace_lost(url.clone(), secret.clone(), opts.np);
+                    }
+                    let members: HashSet<String> =
+                        c.peers.peers().iter().map(|p| p.to_string()).collect();
+                    for p in job.procs.iter_mut().filter(|p| p.alive && p.removed.is_none()) {
+                        if p.addr.as_ref().is_some_and(|a| !members.contains(a)) {
+                            p.removed = Some((Instant::now() + opts.detach_timeout, Signal::SIGTERM));
                         }
-                    });
-                }
-                let members: HashSet<String> =
-                    c.peers.peers().iter().map(|p| p.to_string()).collect();
-                for p in job.procs.iter_mut().filter(|p| p.alive && p.removed.is_none()) {
-                    if p.addr.as_ref().is_some_and(|a| !members.contains(a)) {
-                        p.removed = Some((Instant::now() + opts.detach_timeout, Signal::SIGTERM));
                     }
-                }
-                for (rank, p) in c.peers.peers().iter().enumerate() {
-                    let addr = p.to_string();
-                    if job.running(&addr) {
-                        continue;
-                    }
-                    let r = Rank(rank as u32);
-                    let w = WorkerSpec {
-                        rank,
-                        size: c.peers.len(),
-                        local_rank: c.peers.local_rank(r),
-                        local_size: c.peers.local_size(r),
-                        peers: &c.peers,
-                        version: c.version,
-                    };
-                    let started = listener_for(&pending, p)
-                        .and_then(|l| worker_cmd(&opts, &allowed, &w, &keys, url.as_deref(), Some(l)))
-                        .and_then(|mut cmd| {
-                            if let Some(t) = &tls {
-                                t.apply(&mut cmd, rank)?;
+                    for (rank, p) in c.peers.peers().iter().enumerate() {
+                        let addr = p.to_string();
+                        if job.running(&addr) {
+                            continue;
+                        }
+                        let r = Rank(rank as u32);
+                        let w = WorkerSpec {
+                            rank,
+                            size: c.peers.len(),
+                            local_rank: c.peers.local_rank(r),
+                            local_size: c.peers.local_size(r),
+                            peers: &c.peers,
+                            version: c.version,
+                        };
+                        let started = listener_for(&pending, p)
+                            .and_then(|l| worker_cmd(&opts, &allowed, &w, &keys, url.as_deref(), Some(l)))
+                            .and_then(|mut cmd| {
+                                if let Some(t) = &tls {
+                                    t.apply(&mut cmd, rank)?;
+                                }
+                                Ok(cmd)
+                            })
+                            .and_then(|cmd| job.spawn(cmd, format!("worker {addr}"), format!("[{rank:>width$}] "), Some(addr), None));
+                        match started {
+                            Ok(()) => remaining += 1,
+                            Err(e) => {
+                                eprintln!("kungfu-run: {e:#}; stopping the workers");
+                                exit_code = Some(1);
+                                signal_all(&job.procs, Signal::SIGTERM);
+                                next_phase = Some((Instant::now() + TERM_TO_KILL, Signal::SIGKILL));
                             }
-                            Ok(cmd)
-                        })
-                        .and_then(|cmd| job.spawn(cmd, format!("worker {addr}"), format!("[{rank:>width$}] "), Some(addr), None));
-                    match started {
-                        Ok(()) => remaining += 1,
-                        Err(e) => {
-                            eprintln!("kungfu-run: {e:#}; stopping the workers");
-                            exit_code = Some(1);
-                            signal_all(&job.procs, Signal::SIGTERM);
-                            next_phase = Some((Instant::now() + TERM_TO_KILL, Signal::SIGKILL));
                         }
                     }
                 }
@@ -703,6 +717,24 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
         Some(code) if job.procs.iter().all(|p| !p.succeeded) => code,
         _ => 0,
     }))
+}
+
+/// `--on-failure replace`: asks the config server for `np` workers again
+/// (the launcher starts the new ones when the config changes).
+fn replace_lost(url: Option<String>, secret: JobSecret, np: usize) {
+    let url = url.unwrap_or_default();
+    tokio::spawn(async move {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let body = format!("size {np}");
+        match kungfu::elastic::put_config(&url, &body, Some(&secret), deadline).await {
+            Ok(c) => eprintln!(
+                "kungfu-run: replacing the lost: version {} of {} workers",
+                c.version,
+                c.peers.len()
+            ),
+            Err(e) => eprintln!("kungfu-run: could not start replacements: {e}"),
+        }
+    });
 }
 
 /// What `--on-failure shrink|replace` keeps track of.

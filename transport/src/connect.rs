@@ -1,7 +1,8 @@
 //! Connecting the ranks of a job, whatever the wire (TCP, QUIC): rank `i`
 //! dials every rank below it, retrying until the deadline, and accepts
-//! every rank above it. A refused handshake is final for the dialer, but
-//! never stops the acceptor from waiting for the right peer until the
+//! every rank above it. A refused handshake is final for the dialer,
+//! unless the peer is at an older cluster version (it may yet move to
+//! ours); it never stops the acceptor from waiting for the right peer until the
 //! deadline, so a stray process (or one without the job's certificate or
 //! secret) cannot break a job; every refusal is logged on standard error.
 
@@ -42,7 +43,8 @@ where
         }
         match tokio::time::timeout_at(deadline, attempt()).await {
             Ok(Ok(c)) => return Ok(c),
-            // A refusal is final: retrying will not change the peer's mind.
+            // A refusal is final: retrying will not change the peer's mind
+            // (the handshake says which are not: `retry`).
             Ok(Err((false, reason))) => return Err(fail(reason)),
             Ok(Err((true, e))) => last_err = e,
             Err(_) => last_err = "timed out".into(),

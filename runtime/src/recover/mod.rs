@@ -14,6 +14,7 @@ use std::time::{Duration, SystemTime};
 
 use bytes::{Buf, BufMut, Bytes};
 use kungfu_collectives::names::op_id;
+use kungfu_collectives::CollectiveError;
 use kungfu_topology::{Peer, PeerList, Rank};
 use kungfu_transport::any::AnyTransport;
 use kungfu_transport::{FrameKind, Header, OpTag, PeerSet, Transport};
@@ -255,8 +256,43 @@ impl Worker {
             s = self.connect_version(&env, cfg, deadline) => s.map_err(Joined::Failed)?,
             lost = lost_member => return Err(Joined::Lost(lost)),
         };
-        // The old connections are done with: every member is here.
-        self.session.close(Duration::from_millis(500)).await;
+        // Every member is here as this worker sees it. The old connections
+        // stay open until every member sees so too: closed at once, they
+        // made this worker look lost to a member still connecting, which
+        // then gave up the version that the others had joined (the
+        // launcher's chaos test caught it). Not when the config came from
+        // a resize and has new workers: they start as in a scale-out, and
+        // would never meet the barrier.
+        let recovering = cfg
+            .peers
+            .peers()
+            .iter()
+            .all(|p| old_peers.rank_of(p).is_some());
+        let joined = match recovering {
+            true => tokio::time::timeout_at(deadline, session.barrier("kf/recover/joined")).await,
+            false => Ok(Ok(())),
+        };
+        match joined {
+            Ok(Ok(())) => {}
+            Ok(Err(CollectiveError::PeerLost { peer, .. })) => {
+                let old_rank = cfg.peers.peer(peer).and_then(|p| old_peers.rank_of(p));
+                session.close(Duration::ZERO).await;
+                return Err(Joined::Lost(old_rank.into_iter().collect()));
+            }
+            Ok(Err(e)) => return Err(Joined::Failed(BootstrapError::Op(e))),
+            Err(_) => {
+                return Err(Joined::Failed(BootstrapError::Elastic(format!(
+                    "recover: the members of version {} did not all connect it in time",
+                    cfg.version
+                ))))
+            }
+        }
+        // The old connections are done with: every member is here, and
+        // past the barrier none watches them. No linger: a lost peer's link
+        // (a frozen one's) never closes, and waiting for it held every
+        // recovery from a freeze for the whole linger (500 ms, measured by
+        // the chaos test).
+        self.session.close(Duration::ZERO).await;
         self.adopt(session, env, cfg.clone()).await;
         Ok(())
     }

@@ -14,6 +14,7 @@ use kungfu_topology::Strategy;
 
 mod auth;
 mod bench;
+mod chaos;
 mod cli;
 mod elastic;
 mod failures;

@@ -40,6 +40,7 @@ mod posted;
 
 use crate::{Epoch, Frame, FrameKind, Header, Instant, OpTag, PeerSet, TransportError};
 pub use beacons::MAX_BEACON;
+pub use notices::CLOSED_BY_PEER;
 use posted::{claim_in, take_posted};
 
 /// How many retired op instances are remembered (their late frames become
@@ -483,26 +484,6 @@ impl Matcher {
     /// known and not said yet.
     pub fn locate(&self, peer: Rank, reason: Arc<str>) -> Arc<str> {
         locate(&self.lock(), peer, reason)
-    }
-
-    /// Marks `peer` lost: receives that name it fail once nothing of theirs
-    /// is queued. The first reason is kept.
-    pub fn fail_peer(&self, peer: Rank, reason: impl Into<Arc<str>>) {
-        self.mark_lost(peer, reason.into(), false)
-    }
-
-    /// [`Matcher::fail_peer`]; `tell`: see [`Matcher::fail_silent`].
-    pub(super) fn mark_lost(&self, peer: Rank, reason: Arc<str>, tell: bool) {
-        let mut inner = self.lock();
-        let reason = locate(&inner, peer, reason);
-        if let std::collections::hash_map::Entry::Vacant(v) = inner.lost.entry(peer) {
-            v.insert(reason.clone());
-            inner.lost_order.push(peer);
-            if tell && !inner.closed {
-                self.notices.push(peer, reason);
-            }
-        }
-        wake_all(&mut inner);
     }
 
     /// Whether the endpoint closed (or shut down).

@@ -53,7 +53,7 @@ mod tests;
 
 pub use self::generic::{Endpoint, EndpointConfig};
 pub use self::liveness::Liveness;
-pub use self::matching::{Arrival, Matcher, RecvKey, MAX_BEACON};
+pub use self::matching::{Arrival, Matcher, RecvKey, CLOSED_BY_PEER, MAX_BEACON};
 
 /// What one poll of a backend's inbound queues did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

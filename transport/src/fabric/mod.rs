@@ -40,7 +40,7 @@ use tokio::sync::Mutex as AsyncMutex;
 use self::core::{Core, Hold};
 use self::ofi::Ofi;
 use crate::connect::{self, Incoming};
-use crate::endpoint::{Endpoint, EndpointConfig, Matcher, Pump, RecvKey};
+use crate::endpoint::{Endpoint, EndpointConfig, Matcher, Pump, RecvKey, CLOSED_BY_PEER};
 use crate::handshake::Identity;
 use crate::pool::BufferPool;
 use crate::region::{Mem, MemMut, Region};
@@ -425,12 +425,10 @@ async fn watch(mut rd: OwnedReadHalf, peer: Rank, core: Arc<Core>) {
             while core.received[peer.idx()].load(Ordering::Relaxed) < sent {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
-            "connection closed by peer".to_string()
+            CLOSED_BY_PEER.to_string()
         }
         Ok(_) => "protocol violation: bad goodbye on the control link".to_string(),
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-            "connection closed by peer".to_string()
-        }
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => CLOSED_BY_PEER.to_string(),
         Err(e) => format!("control link: {e}"),
     };
     core.matcher.fail_peer(peer, why);

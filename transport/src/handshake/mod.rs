@@ -510,7 +510,16 @@ where
         .map_err(from_step)?;
     let ack = Ack::decode(&b).ok_or_else(|| refused("malformed answer to hello".into()))?;
     if ack.status != Status::Ok {
-        return Err(refused(refusal_text(&ack, me)));
+        // A peer at an older cluster version has not moved to ours yet:
+        // worth another attempt until the deadline (a replacement that
+        // `kungfu-run --on-failure replace` starts as soon as a recovery
+        // is decided dials survivors still connecting the version before).
+        // Every other refusal is final.
+        let behind = ack.status == Status::Version && ack.version < me.version;
+        return Err(DialError {
+            retry: behind,
+            reason: refusal_text(&ack, me),
+        });
     }
     let Some(secret) = &me.secret else {
         return match ack.secret {

@@ -17,7 +17,7 @@ use quinn::{Connection, ConnectionError, ReadExactError, RecvStream, SendStream}
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinSet;
 
-use crate::endpoint::Matcher;
+use crate::endpoint::{Matcher, CLOSED_BY_PEER};
 use crate::pool::BufferPool;
 use crate::{Header, TransportError, HEADER_LEN};
 
@@ -150,7 +150,7 @@ pub(super) async fn read_conn(
             },
         }
     }
-    let why = lost.unwrap_or_else(|| "connection closed by peer".to_string());
+    let why = lost.unwrap_or_else(|| CLOSED_BY_PEER.to_string());
     matcher.fail_peer(peer, why);
 }
 
@@ -158,7 +158,7 @@ pub(super) async fn read_conn(
 pub(super) fn connection_lost(e: &ConnectionError) -> String {
     match e {
         ConnectionError::ApplicationClosed(_) | ConnectionError::LocallyClosed => {
-            "connection closed by peer".to_string()
+            CLOSED_BY_PEER.to_string()
         }
         other => format!("connection lost: {other}"),
     }

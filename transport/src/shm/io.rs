@@ -12,7 +12,7 @@ use tokio::sync::oneshot;
 
 use super::ring::{Ring, SENDER_CLOSED};
 use super::ShmWire;
-use crate::endpoint::{Matcher, Pump};
+use crate::endpoint::{Matcher, Pump, CLOSED_BY_PEER};
 use crate::pool::BufferPool;
 use crate::wire::Apply;
 use crate::{OpTag, PeerSet, TransportError, HEADER_LEN};
@@ -111,7 +111,7 @@ pub(super) fn read_loop(
         let closed = ring.closed() & SENDER_CLOSED != 0;
         if !ring.has_data() {
             if closed {
-                return matcher.fail_peer(peer, "connection closed by peer");
+                return matcher.fail_peer(peer, CLOSED_BY_PEER);
             }
             if let Err(why) = ring.wait_data(stop, eager) {
                 return matcher.fail_peer(peer, why);
@@ -137,10 +137,7 @@ pub(super) fn read_loop(
             match taking.read_frame(max_frame, stop, |len| policy.frames.take(len)) {
                 Ok(frame) => frame,
                 Err(e) => {
-                    return matcher.fail_peer(
-                        peer,
-                        e.unwrap_or_else(|| "connection closed by peer".into()),
-                    )
+                    return matcher.fail_peer(peer, e.unwrap_or_else(|| CLOSED_BY_PEER.into()))
                 }
             }
         };

@@ -8,7 +8,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::endpoint::Matcher;
+use crate::endpoint::{Matcher, CLOSED_BY_PEER};
 use crate::pool::BufferPool;
 use crate::{Header, TransportError, HEADER_LEN};
 
@@ -40,7 +40,7 @@ pub(super) async fn read_loop(
         let mut hb = [0u8; HEADER_LEN];
         if let Err(e) = rd.read_exact(&mut hb).await {
             let why = if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                "connection closed by peer".to_string()
+                CLOSED_BY_PEER.to_string()
             } else {
                 format!("read: {e}")
             };
@@ -106,6 +106,19 @@ fn close_both(rd: &BufReader<OwnedReadHalf>) {
     let _ = socket2::SockRef::from(s).shutdown(std::net::Shutdown::Both);
 }
 
+/// Drops this connection on purpose (fault injection, SIGUSR1 under
+/// `KUNGFU_FAULTS`): shut down both ways, so that both ends see it end.
+fn cut(wr: &BufWriter<OwnedWriteHalf>, peer: Rank, matcher: &Matcher) -> TransportError {
+    super::faults::log(&format!("cut the connection to {peer}"));
+    // Lost first, then shut down: the reader of this end, which sees the
+    // end of the stream too, must not make it a clean close (which the
+    // other peers are not told of).
+    let lost = matcher.lose_writer(peer, "the connection was cut (fault injection)");
+    let s: &tokio::net::TcpStream = wr.get_ref().as_ref();
+    let _ = socket2::SockRef::from(s).shutdown(std::net::Shutdown::Both);
+    lost
+}
+
 /// Why a connection that ended in the middle of a frame is lost.
 fn cut_frame(e: std::io::Error) -> String {
     if e.kind() == std::io::ErrorKind::UnexpectedEof {
@@ -126,6 +139,12 @@ pub(super) async fn write_loop(
     let mut batch: Vec<oneshot::Sender<Result<(), TransportError>>> = Vec::new();
     let mut finish: Option<oneshot::Sender<()>> = None;
     while let Some(first) = rx.recv().await {
+        if let Some(f) = super::faults::faults() {
+            f.hold().await;
+            if lost.is_none() && f.take_cut() {
+                lost = Some(cut(&wr, peer, &matcher));
+            }
+        }
         let mut next = Some(first);
         while let Some(msg) = next.take() {
             let msg = match msg {

@@ -12,6 +12,9 @@
 //! [`Matcher`]; it stops reading while the matcher is full) and a writer task
 //! fed by a queue, so a cancelled send never leaves half a frame on the
 //! wire, and frames queued together leave in one write.
+//!
+//! For chaos tests, `KUNGFU_FAULTS` makes the writers drop a connection or
+//! hold their frames on a signal (see `faults.rs`; off when unset).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -31,7 +34,10 @@ use self::io::{read_loop, write_loop, Outgoing, WriterMsg};
 use crate::connect::{self, Incoming};
 use crate::handshake::Identity;
 
+mod faults;
 mod io;
+
+pub use self::faults::FAULTS_VAR;
 
 /// Settings of a TCP endpoint.
 #[derive(Clone)]
@@ -171,6 +177,8 @@ impl TcpWire {
     ) -> Result<(TcpWire, Arc<Matcher>, Arc<BufferPool>, EndpointConfig), TransportError> {
         let n = config.peers.len();
         config.identity_checked()?;
+        // with KUNGFU_FAULTS, hear the signals before any peer knows us
+        let _ = faults::faults();
         let deadline = Instant::now() + config.connect_timeout;
         let cfg = Arc::new(config);
         let (dialed, accepted) = tokio::join!(

@@ -119,7 +119,7 @@ use self::core::{Core, Hold, Layout};
 use self::proto::QpInfo;
 use self::seam::Verbs;
 use crate::connect::{self, Incoming};
-use crate::endpoint::{Endpoint, EndpointConfig, Matcher, Pump, RecvKey};
+use crate::endpoint::{Endpoint, EndpointConfig, Matcher, Pump, RecvKey, CLOSED_BY_PEER};
 use crate::handshake::Identity;
 use crate::pool::BufferPool;
 use crate::region::{Mem, MemMut, Region};
@@ -545,14 +545,14 @@ async fn watch(mut rd: OwnedReadHalf, peer: Rank, core: Arc<Core>) {
             while core.received[peer.idx()].load(Ordering::Relaxed) < sent {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
-            ("connection closed by peer".to_string(), false)
+            (CLOSED_BY_PEER.to_string(), false)
         }
         Ok(_) => (
             "protocol violation: bad goodbye on the control link".to_string(),
             true,
         ),
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-            ("connection closed by peer".to_string(), true)
+            (CLOSED_BY_PEER.to_string(), true)
         }
         Err(e) => (format!("control link: {e}"), true),
     };

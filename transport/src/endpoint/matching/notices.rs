@@ -1,6 +1,8 @@
-//! Loss notices: when this endpoint finds a peer silent (frozen, or its
-//! host or network gone: see [`Matcher::fail_silent`]), it tells every
-//! other peer at once
+//! Loss notices: when this endpoint loses a peer by itself, other than by
+//! a clean end of its connection ([`CLOSED_BY_PEER`]): found silent
+//! (frozen, or its host or network gone: [`Matcher::fail_silent`]), a
+//! connection reset or cut, a protocol violation; it tells every other
+//! peer at once
 //! ([`FrameKind::Lost`]), ahead of anything it sends later. A peer that
 //! hears of it marks the rank lost too, "reported lost by" the sender, so
 //! that when the sender then fails and exits because of that loss, its
@@ -21,10 +23,18 @@ use bytes::{BufMut, Bytes, BytesMut};
 use kungfu_topology::Rank;
 use tokio::sync::Notify;
 
-use super::Matcher;
+use super::{locate, wake_all, Matcher};
 
 /// The longest reason a notice carries (a longer one is cut).
 const MAX_REASON: usize = 1024;
+
+/// Why a peer whose connection ended cleanly (at a frame boundary) is
+/// lost. Such a loss is not told: it is how a graceful close looks too,
+/// after which the peer's frames to others may still be on their way
+/// (and when a process dies, every peer's connection to it ends at once).
+/// A connection cut without a reset ends this way too; its other end,
+/// which cut it, tells.
+pub const CLOSED_BY_PEER: &str = "connection closed by peer";
 
 /// The losses this endpoint found by itself and has not told yet.
 #[derive(Default)]
@@ -64,12 +74,33 @@ fn decode(b: &[u8]) -> Option<(Rank, &str)> {
 }
 
 impl Matcher {
+    /// Marks `peer` lost: receives that name it fail once nothing of theirs
+    /// is queued. The first reason is kept. Unless the reason is
+    /// [`CLOSED_BY_PEER`], the other peers are told (see
+    /// [`Matcher::fail_silent`]).
+    pub fn fail_peer(&self, peer: Rank, reason: impl Into<Arc<str>>) {
+        let reason = reason.into();
+        let tell = *reason != *CLOSED_BY_PEER;
+        self.mark_lost(peer, reason, tell)
+    }
+
+    /// [`Matcher::fail_peer`]; `tell`: see [`Matcher::fail_silent`].
+    fn mark_lost(&self, peer: Rank, reason: Arc<str>, tell: bool) {
+        let mut inner = self.lock();
+        let reason = locate(&inner, peer, reason);
+        if let std::collections::hash_map::Entry::Vacant(v) = inner.lost.entry(peer) {
+            v.insert(reason.clone());
+            inner.lost_order.push(peer);
+            if tell && !inner.closed {
+                self.notices.push(peer, reason);
+            }
+        }
+        wake_all(&mut inner);
+    }
+
     /// [`Matcher::fail_peer`] for a peer found silent (by the liveness
     /// watchdog), which the other peers are then told of
-    /// ([`Matcher::take_notices`]): they may not have noticed yet. (A
-    /// broken connection is not told: every peer's breaks at once when a
-    /// process dies, and a graceful close must not fail receives of frames
-    /// still on their way elsewhere.)
+    /// ([`Matcher::take_notices`]): they may not have noticed yet.
     pub fn fail_silent(&self, peer: Rank, reason: impl Into<Arc<str>>) {
         self.mark_lost(peer, reason.into(), true)
     }
@@ -87,13 +118,17 @@ impl Matcher {
     /// `from` says it lost the rank its notice names: that rank is lost
     /// here too (unless it is `from`, or a rank this endpoint does not
     /// watch, such as itself: a peer that lost this worker is simply
-    /// lost to it, and says so by dropping it).
+    /// lost to it, and says so by dropping it; or unless `from` is lost
+    /// here: a worker left out, back from a freeze, is not believed).
     pub fn hearsay(&self, from: Rank, payload: &[u8]) {
         let Some((peer, why)) = decode(payload) else {
             return;
         };
-        if peer == from || !self.lock().heard.contains_key(&peer) {
-            return;
+        {
+            let inner = self.lock();
+            if peer == from || !inner.heard.contains_key(&peer) || inner.lost.contains_key(&from) {
+                return;
+            }
         }
         self.mark_lost(
             peer,
@@ -119,27 +154,28 @@ mod tests {
     #[test]
     fn a_loss_found_here_is_told_and_one_heard_of_is_not_retold() {
         let m = Matcher::new(Epoch(0), 1 << 20);
-        m.watch([Rank(1), Rank(2), Rank(3)]);
-        m.fail_peer(Rank(1), "connection closed by peer");
-        assert!(
-            m.take_notices().is_empty(),
-            "a broken connection is not told"
-        );
+        m.watch((1..6).map(Rank));
+        m.fail_peer(Rank(1), CLOSED_BY_PEER);
+        assert!(m.take_notices().is_empty(), "a clean end is not told");
         m.fail_silent(Rank(2), "silent for 1.6 s");
-        let told = m.take_notices();
-        assert_eq!(told.len(), 1);
-        assert_eq!(told[0].0, Rank(2));
+        m.fail_peer(Rank(3), "read: connection reset by peer");
+        let told: Vec<Rank> = m.take_notices().into_iter().map(|(r, _)| r).collect();
+        assert_eq!(told, vec![Rank(2), Rank(3)]);
         assert!(m.take_notices().is_empty());
 
-        let b = encode(Rank(3), "connection reset");
-        m.deliver_now(Rank(1), notice(b.len()), b).unwrap();
-        let why = m.lost_reason(Rank(3)).expect("lost by hearsay");
+        let b = encode(Rank(5), "connection reset");
+        m.deliver_now(Rank(4), notice(b.len()), b).unwrap();
+        let why = m.lost_reason(Rank(5)).expect("lost by hearsay");
         assert!(
-            why.starts_with("reported lost by rank 1: connection reset"),
+            why.starts_with("reported lost by rank 4: connection reset"),
             "{why}"
         );
         assert!(m.take_notices().is_empty(), "hearsay is not retold");
-        assert_eq!(m.lost_in_order(), vec![Rank(1), Rank(2), Rank(3)]);
+        assert_eq!(m.lost_in_order(), [1, 2, 3, 5].map(Rank));
+        // a lost peer is not believed
+        let b = encode(Rank(4), "it says");
+        m.deliver_now(Rank(1), notice(b.len()), b).unwrap();
+        assert_eq!(m.lost_reason(Rank(4)), None);
     }
 
     #[test]
