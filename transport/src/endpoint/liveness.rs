@@ -17,9 +17,6 @@
 //! Heartbeats carry this endpoint's beacon ([`Matcher::set_beacon`]), the
 //! few bytes the layer above has peers know (the stall report).
 //!
-//! Peers reached over libfabric are not watched (see
-//! [`Endpoint::watch_peers`]).
-//!
 //! [`Matcher::heard`]: super::Matcher::heard
 //! [`Matcher::fail_peer`]: super::Matcher::fail_peer
 //! [`Matcher::set_beacon`]: super::Matcher::set_beacon
@@ -84,14 +81,11 @@ impl<W: Wire> Endpoint<W> {
     /// endpoint closes, shuts down or is dropped. Calling it again
     /// replaces the earlier watch.
     pub fn watch_peers(self: &Arc<Self>, l: Liveness) {
-        // Not over libfabric: heartbeats there take the receiver's eager
-        // slots, and under load a barrier's last sends were once seen to
-        // wait behind them for the op timeout (the launcher's
-        // fabric_transport test, fabric shm, np 4). A peer there is lost
-        // when its bootstrap link breaks, or by the op timeout.
+        // (The libfabric wire sends heartbeats on its TCP control links,
+        // not through the fabric: see `fabric`.)
         let peers: Vec<Rank> = (0..self.size as u32)
             .map(Rank)
-            .filter(|&r| self.wire_to(r).is_some_and(|w| w.caps().name != "fabric"))
+            .filter(|&r| self.wire_to(r).is_some())
             .collect();
         self.matcher.watch(peers.iter().copied());
         let weak = Arc::downgrade(self);

@@ -17,6 +17,12 @@
 //! lost (libfabric itself may not notice a silent peer), and on close each
 //! side writes its goodbye there: `BYE!` and how many frames it sent this
 //! peer, which the peer waits for before it calls the link closed.
+//! Heartbeats and loss notices ([`FrameKind::Heartbeat`],
+//! [`FrameKind::Lost`]) go on the control links too, not through the
+//! fabric: `FRM!`, the frame's header and its payload (at most
+//! [`MAX_BEACON`] bytes). Through the fabric they would take the
+//! receiver's eager slots, which the ops' frames need (under load a
+//! barrier's last sends once waited behind them).
 //!
 //! **Registration.** Where the provider needs local buffers registered
 //! (`FI_MR_LOCAL`, e.g. verbs), the wire declares
@@ -40,12 +46,16 @@ use tokio::sync::Mutex as AsyncMutex;
 use self::core::{Core, Hold};
 use self::ofi::Ofi;
 use crate::connect::{self, Incoming};
-use crate::endpoint::{Endpoint, EndpointConfig, Matcher, Pump, RecvKey, CLOSED_BY_PEER};
+use crate::endpoint::{
+    Endpoint, EndpointConfig, Matcher, Pump, RecvKey, CLOSED_BY_PEER, MAX_BEACON,
+};
 use crate::handshake::Identity;
 use crate::pool::BufferPool;
 use crate::region::{Mem, MemMut, Region};
 use crate::wire::{Apply, Caps, Tasks, Wire};
-use crate::{ClusterVersion, Epoch, Header, Instant, OpTag, PeerSet, TransportError};
+use crate::{
+    ClusterVersion, Epoch, FrameKind, Header, Instant, OpTag, PeerSet, TransportError, HEADER_LEN,
+};
 
 mod core;
 mod ofi;
@@ -413,11 +423,68 @@ async fn accept_higher(
     connect::accept(&wanted, &local, deadline, Some(cfg.rank), incoming, answer).await
 }
 
+/// The largest payload of a frame on a control link.
+const MAX_CONTROL_FRAME: usize = MAX_BEACON;
+
+/// Whether `header` travels on the control link rather than the fabric.
+fn on_control_link(header: &Header) -> bool {
+    matches!(header.kind, FrameKind::Heartbeat | FrameKind::Lost)
+}
+
+/// Reads the control frames of `peer` (heartbeats, loss notices: see the
+/// module docs) into the matcher until the link ends; returns the first
+/// four bytes of what is not one, or the read's error.
+async fn control_frames(
+    rd: &mut OwnedReadHalf,
+    peer: Rank,
+    matcher: &Matcher,
+) -> Result<[u8; 4], String> {
+    loop {
+        let mut magic = [0u8; 4];
+        rd.read_exact(&mut magic)
+            .await
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::UnexpectedEof => CLOSED_BY_PEER.to_string(),
+                _ => format!("control link: {e}"),
+            })?;
+        if magic != *b"FRM!" {
+            return Ok(magic);
+        }
+        let mut hb = [0u8; HEADER_LEN];
+        rd.read_exact(&mut hb)
+            .await
+            .map_err(|e| format!("control link: {e}"))?;
+        let header = Header::decode(&hb, MAX_CONTROL_FRAME)
+            .map_err(|e| format!("protocol violation on the control link: {e}"))?;
+        if !on_control_link(&header) {
+            return Err(format!(
+                "protocol violation on the control link: a {:?} frame",
+                header.kind
+            ));
+        }
+        let mut payload = vec![0u8; header.len as usize]; // at most MAX_CONTROL_FRAME
+        rd.read_exact(&mut payload)
+            .await
+            .map_err(|e| format!("control link: {e}"))?;
+        // heartbeats and notices never wait for room
+        let _ = matcher.deliver_now(peer, header, payload.into());
+    }
+}
+
 /// Watches the control link of `peer`: its goodbye (then waits until its
-/// frames all arrived), or its end, is the end of the peer.
+/// frames all arrived), or its end, is the end of the peer; heartbeats and
+/// loss notices on the way go to the matcher.
 async fn watch(mut rd: OwnedReadHalf, peer: Rank, core: Arc<Core>) {
+    let magic = control_frames(&mut rd, peer, &core.matcher).await;
     let mut b = [0u8; 12];
-    let why = match rd.read_exact(&mut b).await {
+    let read = match magic {
+        Ok(m) => {
+            b[..4].copy_from_slice(&m);
+            rd.read_exact(&mut b[4..]).await.map(drop)
+        }
+        Err(why) => return core.matcher.fail_peer(peer, why),
+    };
+    let why = match read {
         Ok(_) if b[..4] == *b"BYE!" => {
             let sent = u64::from_le_bytes(b[4..].try_into().expect("8 bytes"));
             // its frames may still be in flight: wait for them (the close
@@ -480,6 +547,9 @@ impl Wire for FabricWire {
     }
 
     async fn send(&self, to: Rank, header: Header, payload: Bytes) -> Result<(), TransportError> {
+        if on_control_link(&header) {
+            return self.send_control(to, header, &payload).await;
+        }
         self.core.send(to, header, Hold::Bytes(payload)).await
     }
 
@@ -506,6 +576,43 @@ impl Wire for FabricWire {
         self.watchers.abort();
         // the links end: the peers see this rank gone
         connect::drop_links(&self.links);
+    }
+}
+
+impl FabricWire {
+    /// Writes a heartbeat or a loss notice on `to`'s control link.
+    async fn send_control(
+        &self,
+        to: Rank,
+        mut header: Header,
+        payload: &[u8],
+    ) -> Result<(), TransportError> {
+        let lost = |why: String| TransportError::PeerLost {
+            peer: to,
+            reason: why.into(),
+        };
+        if payload.len() > MAX_CONTROL_FRAME {
+            return Err(TransportError::FrameTooLarge {
+                len: payload.len(),
+                max: MAX_CONTROL_FRAME,
+            });
+        }
+        header.len = payload.len() as u64;
+        let mut msg = Vec::with_capacity(4 + HEADER_LEN + payload.len());
+        msg.extend_from_slice(b"FRM!");
+        msg.extend_from_slice(&header.encode());
+        msg.extend_from_slice(payload);
+        let link = self.links.get(to.idx()).ok_or(TransportError::NoSuchPeer {
+            peer: to,
+            size: self.size,
+        })?;
+        let mut w = link.lock().await;
+        let w = w
+            .as_mut()
+            .ok_or_else(|| lost("its control link is closed".into()))?;
+        w.write_all(&msg)
+            .await
+            .map_err(|e| lost(format!("control link: {e}")))
     }
 }
 
