@@ -130,13 +130,14 @@ fn decode(b: &[u8]) -> Option<Vec<Entry>> {
     if b.is_empty() {
         return Some(Vec::new());
     }
-    let mut r = b.strip_prefix(MAGIC)?;
-    let take = |r: &mut &[u8], n: usize| -> Option<Vec<u8>> {
+    /// The next `n` bytes of `r`, borrowed.
+    fn take<'a>(r: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
         let (head, rest) = r.split_at_checked(n)?;
         *r = rest;
-        Some(head.to_vec())
-    };
-    let u = |v: Vec<u8>| v.iter().rev().fold(0u64, |a, &x| (a << 8) | u64::from(x));
+        Some(head)
+    }
+    let mut r = b.strip_prefix(MAGIC)?;
+    let u = |v: &[u8]| v.iter().rev().fold(0u64, |a, &x| (a << 8) | u64::from(x));
     if take(&mut r, 1)?[0] != VERSION {
         return None;
     }
@@ -154,7 +155,7 @@ fn decode(b: &[u8]) -> Option<Vec<Entry>> {
         if len > MAX_NAME {
             return None;
         }
-        let name = String::from_utf8(take(&mut r, len)?).ok()?;
+        let name = std::str::from_utf8(take(&mut r, len)?).ok()?;
         v.push(Entry {
             tag: OpTag { epoch, op, seq },
             waited,
@@ -190,13 +191,15 @@ struct Seen {
     posted: BTreeSet<Rank>,
 }
 
-/// The stall report of `inner`'s session (see the module docs).
-fn report<T: Transport>(inner: &Inner<T>) -> Vec<Stall> {
+/// The stall report of `inner`'s session (see the module docs), with
+/// `mine`, this worker's ops waited on for half the stall time
+/// ([`waiting`]).
+fn report<T: Transport>(inner: &Inner<T>, mine: Vec<Entry>) -> Vec<Stall> {
     let after = *lock(&inner.stall_after);
     let t = inner.transport();
     let (me, n) = (t.rank(), t.size());
     // What each rank posted: this one's pending ops, its peers' beacons.
-    let mut heard: Vec<(Rank, Vec<Entry>)> = vec![(me, waiting(inner, after / 2))];
+    let mut heard: Vec<(Rank, Vec<Entry>)> = vec![(me, mine)];
     let beacons = t.matcher().beacons();
     let reporting: BTreeSet<Rank> = beacons.iter().map(|(r, _)| *r).collect();
     for (r, b) in beacons {
@@ -263,7 +266,8 @@ impl<T: Transport> Session<T> {
     /// Without a watch, peers publish nothing, so only this worker's own
     /// ops are listed, with the others unknown.
     pub fn stall_report(&self) -> Vec<Stall> {
-        report(&self.inner)
+        let after = *lock(&self.inner.stall_after);
+        report(&self.inner, waiting(&self.inner, after / 2))
     }
 
     /// From now on, publishes the ops this worker has waited on for half
@@ -291,11 +295,12 @@ impl<T: Transport> Session<T> {
                 if t.matcher().is_closed() {
                     return;
                 }
-                let beacon = encode(&waiting(&inner, after / 2));
+                let mine = waiting(&inner, after / 2);
+                let beacon = encode(&mine);
                 // at most 32 entries of 278 bytes: always within the limit
                 debug_assert!(beacon.len() <= MAX_BEACON);
                 t.matcher().set_beacon(beacon);
-                let stalls = report(&inner);
+                let stalls = report(&inner, mine);
                 logged.retain(|tag, _| stalls.iter().any(|s| s.tag == *tag));
                 for s in stalls {
                     if logged.get(&s.tag) != Some(&s.missing) {
