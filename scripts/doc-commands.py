@@ -6,7 +6,8 @@ Each ```sh block runs in `bash -euo pipefail`, from the repository root, in
 the order of the page, with HOME set to a scratch directory of that page (a
 reader follows one page in one account: `make install PREFIX=$HOME/.local`
 in one block is there for the next, and nothing of the machine's is
-touched; cargo and rustup keep their homes), under a time limit. The whole
+touched; cargo and rustup keep their homes, and the torch venv of
+scripts/torch-venv.sh its place), under a time limit. The whole
 process group is killed on time-out.
 
 Other fenced blocks are checked, not run, through directives written as
@@ -124,6 +125,11 @@ def run(block, timeout, home):
     env = dict(os.environ)
     env.setdefault("CARGO_HOME", str(Path.home() / ".cargo"))
     env.setdefault("RUSTUP_HOME", str(Path.home() / ".rustup"))
+    # the torch venv (scripts/torch-venv.sh) is a machine's cache too, like
+    # cargo's: 5 GB not made again per page
+    env.setdefault("KUNGFU_TORCH_VENV", str(Path.home() / ".cache" / "kungfu-torch-venv"))
+    # and so is the compiled torch extension
+    env.setdefault("KUNGFU_TORCH_BUILD_DIR", str(Path.home() / ".cache" / "kungfu" / "torch-ext"))
     env["HOME"] = str(home)
     proc = subprocess.Popen(
         ["bash", "-euo", "pipefail", "-c", script],

@@ -109,6 +109,13 @@ impl Completion {
         }
     }
 
+    /// Withdraws the handle of a call that failed before its op started:
+    /// no callback, and the handle is unknown again.
+    pub(crate) fn withdraw(mut self) {
+        self.finished = true;
+        with_handles(|h| h.live.remove(&self.handle));
+    }
+
     pub(crate) fn finish(mut self, r: Result<(), Fail>) {
         self.complete(r);
     }

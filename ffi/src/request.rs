@@ -131,12 +131,22 @@ pub(crate) fn start_op(
         let kind = kind(size_now()?)?;
         let ctx = ctx()?;
         let spec = OpSpec { kind, dtype, count };
+        // A call that fails makes no handle and runs no callback: what can
+        // fail is checked before the handle exists, or the handle is
+        // withdrawn (a caller that frees its callback's context on an
+        // error status must not see the callback run too).
+        spec.validate(ctx.session.size()).map_err(invalid)?;
         let done = Completion::new(cb, user, out);
-        let Some(done) = start_in_place(&ctx, &name, spec, send, recv, done)? else {
+        let Some(done) = start_in_place(&ctx, &name, spec, send, recv, done) else {
             return Ok(());
         };
-        let req = request(&ctx, name, spec, send, recv)?;
-        submit(&ctx, req, done);
+        match request(&ctx, name, spec, send, recv) {
+            Ok(req) => submit(&ctx, req, done),
+            Err(e) => {
+                done.withdraw();
+                return Err(e);
+            }
+        }
         Ok(())
     })
 }
@@ -145,7 +155,7 @@ pub(crate) fn start_op(
 /// can: its output is all of its working buffer, no group is open on this
 /// thread, and `send` is `recv` with the input laid out as the working
 /// buffer, or does not overlap it. Otherwise gives `done` back, for the
-/// copying path.
+/// copying path (which also reports a bad buffer). `spec` is validated.
 fn start_in_place(
     ctx: &Ctx,
     name: &str,
@@ -153,16 +163,15 @@ fn start_in_place(
     send: *const c_void,
     recv: *mut c_void,
     done: Completion,
-) -> Res<Option<Completion>> {
+) -> Option<Completion> {
     let n = ctx.session.size();
     let me = ctx.session.rank();
-    spec.validate(n).map_err(invalid)?;
     let len = spec.work_len(n).expect("validated");
     let Some(recv) = NonNull::new(recv.cast::<u8>()) else {
-        return Ok(Some(done));
+        return Some(done);
     };
     if len == 0 || group::is_open() || spec.output_range(me, n) != Some(0..len) {
-        return Ok(Some(done));
+        return Some(done);
     }
     let in_len = spec.input_len(n).expect("validated");
     let needs_input = !matches!(spec.kind, OpKind::Broadcast { root } if root != me);
@@ -173,15 +182,12 @@ fn start_in_place(
         // The input is the working buffer already; not so for a gather,
         // whose input goes to this rank's block.
         if in_len != len || matches!(spec.kind, OpKind::Allgather | OpKind::Gather { .. }) {
-            return Ok(Some(done));
+            return Some(done);
         }
         false
-    } else if s < r + len && r < s.saturating_add(in_len) {
-        return Ok(Some(done));
+    } else if send.is_null() || (s < r + len && r < s.saturating_add(in_len)) {
+        return Some(done);
     } else {
-        if send.is_null() {
-            return Err(invalid("send buffer is NULL"));
-        }
         true
     };
     let result: Arc<Mutex<Option<Res<()>>>> = Arc::default();
@@ -216,5 +222,5 @@ fn start_in_place(
     });
     ctx.session
         .submit_in_with_callback(name, spec, region, callback);
-    Ok(None)
+    None
 }

@@ -238,7 +238,18 @@ fn worker_cmd(
         .env("KUNGFU_CLUSTER_VERSION", w.version.to_string())
         .env("KUNGFU_CLUSTER_ID", format!("{:x}", job.cluster_id))
         // the environment, not the command line, which every user can read
-        .env(SECRET_VAR, &job.secret);
+        .env(SECRET_VAR, &job.secret)
+        // what torch.distributed's env:// init reads, so that a script
+        // calls `init_process_group("kungfu")` (or any backend) as under
+        // torchrun; KUNGFU_* stay the library's own
+        .env("RANK", w.rank.to_string())
+        .env("WORLD_SIZE", w.size.to_string())
+        .env("LOCAL_RANK", w.local_rank.to_string())
+        .env("LOCAL_WORLD_SIZE", w.local_size.to_string())
+        .env("MASTER_PORT", job.torch_port.to_string());
+    if let Some(first) = w.peers.peers().first() {
+        cmd.env("MASTER_ADDR", &first.host);
+    }
     if let Some(url) = config_url {
         cmd.env("KUNGFU_CONFIG_SERVER", url);
     }
@@ -256,6 +267,15 @@ struct JobKeys {
     cluster_id: u64,
     /// The job secret, as the workers get it (`KUNGFU_JOB_SECRET`).
     secret: String,
+    /// `MASTER_PORT`, for torch.distributed's store on rank 0's host.
+    torch_port: u16,
+}
+
+/// A port that was free here a moment ago, for `MASTER_PORT` (rank 0's
+/// torch store binds it; `-x MASTER_PORT=...` chooses another).
+fn free_port() -> anyhow::Result<u16> {
+    let l = std::net::TcpListener::bind(("0.0.0.0", 0)).context("finding a free port")?;
+    Ok(l.local_addr()?.port())
 }
 
 /// The job's secret: `given`, else `KUNGFU_JOB_SECRET` from the
@@ -462,6 +482,7 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
     let keys = JobKeys {
         cluster_id,
         secret: job_secret(opts.secret.as_deref())?,
+        torch_port: free_port()?,
     };
     let secret = JobSecret::new(keys.secret.as_bytes())?;
     // the config server: for -w, and for the survivors' recovery

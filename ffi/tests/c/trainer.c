@@ -75,6 +75,13 @@ static void on_done(kf_handle h, kf_status s, void *user) {
     __atomic_add_fetch(&callback_calls, 1, __ATOMIC_SEQ_CST);
 }
 
+/* Counts the calls of a callback that a failed call must not make. */
+static void on_counted(kf_handle h, kf_status s, void *user) {
+    (void)h;
+    (void)s;
+    __atomic_add_fetch((int *)user, 1, __ATOMIC_SEQ_CST);
+}
+
 /* What the callback of an op without a handle saw, and an event for it
  * (nothing else says when such an op completed). */
 static struct {
@@ -317,6 +324,23 @@ int main(void) {
     EXPECT(kf_test(987654321, NULL), KF_ERR_INVALID_ARGUMENT);
     EXPECT(kf_set_strategy((kf_strategy)77), KF_ERR_INVALID_ARGUMENT);
     EXPECT(kf_consensus(&x, 4, "c", NULL, NULL, NULL, &h), KF_ERR_INVALID_ARGUMENT);
+    /* a call that fails runs no callback and leaves no handle (a caller
+     * frees its callback's context on the error status) */
+    {
+        int calls = 0;
+        kf_handle bad = 0;
+        EXPECT(kf_allreduce(&x, NULL, 1, KF_FLOAT32, KF_SUM, "no-recv-cb", on_counted, &calls, &bad),
+               KF_ERR_INVALID_ARGUMENT);
+        EXPECT(kf_broadcast(&x, &y, 1, KF_FLOAT32, size, "bad-root-cb", on_counted, &calls, &bad),
+               KF_ERR_INVALID_ARGUMENT);
+        EXPECT(kf_wait(bad, 0), KF_ERR_INVALID_ARGUMENT); /* no such handle */
+        EXPECT(kf_gather(NULL, &y, 1, KF_FLOAT32, 0, "no-send-cb", on_counted, &calls, &bad),
+               KF_ERR_INVALID_ARGUMENT);
+        struct timespec pause = {0, 50 * 1000 * 1000};
+        nanosleep(&pause, NULL);
+        if (__atomic_load_n(&calls, __ATOMIC_SEQ_CST) != 0)
+            FAIL("failed calls ran %d callback(s)", calls);
+    }
     if (strcmp(kf_status_string(9999), "unknown status") != 0) FAIL("status string");
     if (strcmp(kf_status_string(KF_OK), "ok") != 0) FAIL("status string");
 

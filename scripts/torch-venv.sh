@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Prints the path of a virtual environment with the pinned torch (CPU use)
+# and the Python tests' packages, making it only if it is missing or holds
+# another torch: `${KUNGFU_TORCH_VENV:-~/.cache/kungfu-torch-venv}`, kept
+# between runs (torch is about 5 GB). Progress goes to stderr.
+#
+#   scripts/torch-venv.sh             make or reuse it; print its path
+#   scripts/torch-venv.sh --install   also `pip install ./python` into it
+#                                     (builds libkungfu and bundles it)
+#                                     and build the torch extension
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TORCH_VERSION=2.15.0
+venv="${KUNGFU_TORCH_VENV:-$HOME/.cache/kungfu-torch-venv}"
+py="$venv/bin/python"
+have=$("$py" -c 'import torch, pytest, numpy; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
+if [ "$have" != "$TORCH_VERSION" ]; then
+  if ! python3 -c 'import ensurepip, venv' 2>/dev/null; then
+    ver=$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+    scripts/apt-need.sh "python$ver-venv" >&2
+  fi
+  echo "== making $venv with torch==$TORCH_VERSION (once; about 5 GB)" >&2
+  python3 -m venv "$venv"
+  "$py" -m pip install -q --upgrade pip >&2
+  "$py" -m pip install -q "torch==$TORCH_VERSION" pytest numpy >&2
+fi
+if [ "${1:-}" = --install ]; then
+  echo "== pip install ./python (into $venv)" >&2
+  "$py" -m pip install -q ./python >&2
+  echo "== the torch extension (python -m kungfu.torch.build)" >&2
+  (cd / && "$py" -m kungfu.torch.build) >&2
+fi
+echo "$venv"
