@@ -249,13 +249,33 @@ class Completions {
       e = error_ptr(prefix() + op->what + " failed: " + x.what());
     }
     op->work->complete(e);
-    delete op;
+    bury(op);
   }
 
  public:
   static void fail(Op* op, const std::string& msg) {
     op->work->complete(error_ptr(msg));
-    delete op;
+    bury(op);
+  }
+
+  // A completed op's references (its Work, the caller's tensors) are
+  // dropped on a thread of the caller's, at its next op (`drain`), never
+  // here: the last reference to a tensor that Python has seen takes the
+  // GIL to drop its PyObject, and a thread that takes the GIL while the
+  // interpreter exits is ended by it, through the noexcept destructor it
+  // was in (std::terminate).
+  static void bury(Op* op) {
+    std::lock_guard<std::mutex> g(get().dead_mu_);
+    get().dead_.push_back(op);
+  }
+
+  static void drain() {
+    std::vector<Op*> dead;
+    {
+      std::lock_guard<std::mutex> g(get().dead_mu_);
+      dead.swap(get().dead_);
+    }
+    for (Op* op : dead) delete op;
   }
 
   // Issues the op's next step; a failure completes the op with it. An
@@ -281,6 +301,8 @@ class Completions {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Item> q_;
+  std::mutex dead_mu_;
+  std::vector<Op*> dead_;
 };
 
 extern "C" void on_done(kf_handle h, kf_status s, void* user) {
@@ -291,7 +313,7 @@ extern "C" void on_done(kf_handle h, kf_status s, void* user) {
 // library refuses raises here) and returns its Work.
 c10::intrusive_ptr<c10d::Work> start(Op* op) {
   auto work = op->work;
-  Completions::get();  // the thread exists before any callback
+  Completions::drain();  // also makes the thread before any callback
   Step& first = op->steps[op->next++];
   kf_handle h = 0;
   kf_status s = first(op, &h);
@@ -394,10 +416,26 @@ c10::intrusive_ptr<c10d::Work> reduce(const at::Tensor& t, kf_op kop, int root,
   return start(op);
 }
 
+// Makes `op` finish by copying `flat` (the library's output), block by
+// block, into `parts` (a list form of the op), which become its result.
+void scatter_into(Op* op, const at::Tensor& flat, std::vector<at::Tensor> parts) {
+  if (parts.empty()) return;
+  op->work->outputs_ = parts;
+  auto prev = op->finish;
+  op->finish = [prev, flat, parts]() {
+    if (prev) prev();
+    int64_t each = flat.numel() / static_cast<int64_t>(parts.size());
+    for (size_t i = 0; i < parts.size(); i++) {
+      parts[i].copy_(flat.narrow(0, i * each, each).view(parts[i].sizes()));
+    }
+  };
+}
+
 // `out` holds size * numel(in) elements, rank by rank.
 c10::intrusive_ptr<c10d::Work> allgather(const at::Tensor& in,
                                          const at::Tensor& out,
-                                         const std::string& name) {
+                                         const std::string& name,
+                                         std::vector<at::Tensor> parts = {}) {
   auto what = quoted("allgather", name);
   check_tensor(in, what);
   check_tensor(out, what);
@@ -415,13 +453,15 @@ c10::intrusive_ptr<c10d::Work> allgather(const at::Tensor& in,
     return kf_allgather(ptr(src), ptr(dst), src.numel(), dt, name.c_str(),
                         on_done, o, h);
   });
+  scatter_into(op, dst, parts);
   return start(op);
 }
 
 // `out` (root only) holds size * numel(in) elements, rank by rank.
 c10::intrusive_ptr<c10d::Work> gather(const at::Tensor& in,
                                       const at::Tensor& out, int root,
-                                      const std::string& name) {
+                                      const std::string& name,
+                                      std::vector<at::Tensor> parts = {}) {
   auto what = quoted("gather", name);
   check_tensor(in, what);
   kf_dtype dt = dtype_of(in, what);
@@ -443,6 +483,7 @@ c10::intrusive_ptr<c10d::Work> gather(const at::Tensor& in,
     return kf_gather(ptr(src), here ? ptr(dst) : nullptr, src.numel(), dt, root,
                      name.c_str(), on_done, o, h);
   });
+  if (here) scatter_into(op, dst, parts);
   return start(op);
 }
 
@@ -504,7 +545,8 @@ int64_t row_len(const at::Tensor& t) {
 
 // Block r of `in` (in_splits[r] rows) goes to rank r; block r of `out`
 // (out_splits[r] rows) comes from rank r. Uneven splits go as equal
-// blocks of the largest split anywhere (an allreduce finds it first).
+// blocks of the largest split anywhere (an allgather of every rank's splits
+// finds it first, and checks that the ranks agree on them).
 c10::intrusive_ptr<c10d::Work> alltoall(const at::Tensor& in,
                                         const at::Tensor& out,
                                         std::vector<int64_t> in_splits,
@@ -517,13 +559,15 @@ c10::intrusive_ptr<c10d::Work> alltoall(const at::Tensor& in,
               ": output and input differ in type");
   kf_dtype dt = dtype_of(in, what);
   int n = kf_size();
+  bool even = in_splits.empty() && out_splits.empty();
+  // before the op exists, which a raise here would leak
+  TORCH_CHECK(!even || (in.numel() == out.numel() && in.numel() % n == 0), prefix(), what,
+              ": input and output must hold the same number of elements, a "
+              "multiple of the cluster size ", n);
   Op* op = new_op(kf_rank(), c10d::OpType::ALLTOALL_BASE, "kungfu:all_to_all", what, {out});
   at::Tensor src = input_of(in);
   at::Tensor dst = output_of(op, out);
-  if (in_splits.empty() && out_splits.empty()) {
-    TORCH_CHECK(src.numel() == dst.numel() && src.numel() % n == 0, prefix(), what,
-                ": input and output must hold the same number of elements, a "
-                "multiple of the cluster size ", n);
+  if (even) {
     op->keep = {src, dst};
     op->steps.push_back([=](Op* o, kf_handle* h) {
       return kf_alltoall(ptr(src), ptr(dst), src.numel() / n, dt, name.c_str(),
@@ -543,20 +587,45 @@ c10::intrusive_ptr<c10d::Work> alltoall(const at::Tensor& in,
     delete op;
     throw;
   }
-  int64_t local = 0;
-  for (int64_t s : ins) local = std::max(local, s);
-  for (int64_t s : outs) local = std::max(local, s);
-  at::Tensor most = at::full({1}, local, at::kLong);
+  // Every rank's splits ([in_0..in_{n-1}, out_0..out_{n-1}]) go to every
+  // rank first: each checks the whole exchange (rank s sends in_s[d] rows
+  // to rank d, which expects out_d[s]) the same way, so that splits the
+  // ranks disagree on fail on every rank alike rather than lose or invent
+  // rows; and each finds the largest split, the padded block.
+  at::Tensor mine = at::empty({2 * n}, at::kLong);
+  for (int r = 0; r < n; r++) {
+    mine.data_ptr<int64_t>()[r] = ins[r];
+    mine.data_ptr<int64_t>()[n + r] = outs[r];
+  }
+  at::Tensor every = at::empty({2 * n * n}, at::kLong);
+  auto most = std::make_shared<int64_t>(0);
   // The padded buffers, made once the largest split is known.
   auto pad = std::make_shared<std::pair<at::Tensor, at::Tensor>>();
-  op->keep = {src, dst, most};
-  std::string name_max = name + "/max";
+  op->keep = {src, dst, mine, every};
+  std::string name_splits = name + "/splits";
   op->steps.push_back([=](Op* o, kf_handle* h) {
-    return kf_allreduce(ptr(most), ptr(most), 1, KF_INT64, KF_MAX,
-                        name_max.c_str(), on_done, o, h);
+    return kf_allgather(ptr(mine), ptr(every), 2 * n, KF_INT64,
+                        name_splits.c_str(), on_done, o, h);
   });
   op->steps.push_back([=](Op* o, kf_handle* h) {
-    int64_t block = most.item<int64_t>() * inner;
+    const int64_t* e = every.data_ptr<int64_t>();
+    int64_t largest = 0;
+    for (int s = 0; s < n; s++) {
+      for (int d = 0; d < n; d++) {
+        int64_t sends = e[s * 2 * n + d], expects = e[d * 2 * n + n + s];
+        if (sends != expects) {
+          std::ostringstream m;
+          m << "the ranks' splits disagree: rank " << s << " sends " << sends
+            << " rows to rank " << d << ", which expects " << expects
+            << " from it (input_split_sizes of a rank must match the "
+               "output_split_sizes of the others)";
+          throw std::runtime_error(m.str());
+        }
+        largest = std::max(largest, sends);
+      }
+    }
+    *most = largest;
+    int64_t block = largest * inner;
     at::Tensor send = at::zeros({block * n}, src.options());
     at::Tensor recv = at::empty({block * n}, src.options());
     at::Tensor flat_in = src.reshape({-1});
@@ -572,7 +641,7 @@ c10::intrusive_ptr<c10d::Work> alltoall(const at::Tensor& in,
   });
   auto prev = op->finish;  // the copy into a non-contiguous `out`
   op->finish = [=]() {
-    int64_t block = most.item<int64_t>() * inner;
+    int64_t block = *most * inner;
     at::Tensor flat_out = dst.reshape({-1});
     int64_t at_row = 0;
     for (int r = 0; r < n; r++) {
@@ -709,8 +778,7 @@ class KungfuBackend : public c10d::Backend {
                   "all_gather: every output tensor must match the input's size");
     }
     at::Tensor flat = at::empty({in.numel() * size_}, in.options());
-    auto work = kungfu_torch::allgather(in, flat, next("all_gather"));
-    return then_copy(work, flat, outputs[0], "all_gather");
+    return kungfu_torch::allgather(in, flat, next("all_gather"), outputs[0]);
   }
 
   c10::intrusive_ptr<c10d::Work> all_gather_single(
@@ -737,8 +805,7 @@ class KungfuBackend : public c10d::Backend {
     TORCH_CHECK(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_,
                 prefix(), "gather: the root needs one output list of ", size_, " tensors");
     at::Tensor flat = at::empty({in.numel() * size_}, in.options());
-    auto work = kungfu_torch::gather(in, flat, root, next("gather"));
-    return then_copy(work, flat, outputs[0], "gather");
+    return kungfu_torch::gather(in, flat, root, next("gather"), outputs[0]);
   }
 
   c10::intrusive_ptr<c10d::Work> reduce_scatter(
@@ -810,38 +877,40 @@ class KungfuBackend : public c10d::Backend {
     return s.str();
   }
 
-  // Copies `flat`, rank by rank, into `outs` once `work` succeeded, and
-  // completes the returned Work then.
-  c10::intrusive_ptr<c10d::Work> then_copy(c10::intrusive_ptr<c10d::Work> work,
-                                           at::Tensor flat,
-                                           std::vector<at::Tensor> outs,
-                                           const char* what) {
-    auto done = c10::make_intrusive<KfWork>(rank_, work->retrieveOpType(),
-                                            "kungfu:gather_list", outs);
-    auto fut = work->getFuture();
-    fut->addCallback([done, flat, outs, what](c10::ivalue::Future& f) mutable {
-      if (f.hasError()) {
-        done->complete(f.exception_ptr());
-        return;
-      }
-      try {
-        int64_t each = flat.numel() / static_cast<int64_t>(outs.size());
-        for (size_t i = 0; i < outs.size(); i++) {
-          outs[i].copy_(flat.narrow(0, i * each, each).view(outs[i].sizes()));
-        }
-        done->complete(nullptr);
-      } catch (const std::exception& x) {
-        done->complete(error_ptr(prefix() + what + " failed: " + x.what()));
-      }
-    });
-    return done;
-  }
-
   int id_;
   uint64_t seq_ = 0;
 };
 
 std::atomic<int> backends{0};
+
+// Starts the library's runtime now, with a barrier: torch creates a
+// group's backend on all of its ranks together. Otherwise it starts at the
+// first op, and if one rank refuses that op on its own (a bad argument,
+// raised before anything is sent), the others wait for it to connect until
+// the connect timeout, and the runtime has failed for good on every rank.
+// A runtime that cannot start fails here too, at init_process_group or
+// new_group, rather than at the first op.
+void start_runtime() {
+  kf_handle h = 0;
+  kf_status s = kf_barrier(nullptr, nullptr, &h);
+  std::string detail;
+  if (s == KF_OK) {
+    s = kf_wait(h, -1);
+    if (s != KF_OK) {
+      const char* e = kf_last_error();
+      detail = e ? e : "";
+    }
+    kf_release(h);
+  } else {
+    const char* e = kf_last_error();
+    detail = e ? e : "";
+  }
+  if (s != KF_OK) {
+    throw c10::DistBackendError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                                failure("starting the runtime (a barrier of the new group)",
+                                        s, detail));
+  }
+}
 
 c10::intrusive_ptr<c10d::Backend> create_backend(
     const c10::intrusive_ptr<c10d::Store>& /*store*/, int64_t rank,
@@ -853,6 +922,7 @@ c10::intrusive_ptr<c10d::Backend> create_backend(
               "), but torch asked for rank ", rank, " of ", size,
               ": process groups over a subset of the ranks are not supported, "
               "and RANK/WORLD_SIZE must agree with the launcher's");
+  start_runtime();
   return c10::make_intrusive<KungfuBackend>(static_cast<int>(rank),
                                             static_cast<int>(size), backends++);
 }
@@ -878,7 +948,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   auto nogil = py::call_guard<py::gil_scoped_release>();
   m.doc() = "KungFu-rs for torch: the \"kungfu\" c10d backend and named ops";
   m.def("create_backend", &kt::create_backend,
-        "The creator for torch.distributed.Backend.register_backend");
+        "The creator for torch.distributed.Backend.register_backend", nogil);
   m.def("init", &kt::init, nogil);
   // op: 0 SUM, 1 MIN, 2 MAX, 3 PRODUCT, 4 AVG (kungfu.h's numbers)
   m.def("allreduce",
@@ -886,7 +956,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           return kt::allreduce(in, out, kt::op_from_int(op, in, kt::quoted("allreduce", name)), name);
         });
   m.def("broadcast", &kt::broadcast);
-  m.def("allgather", &kt::allgather);
+  m.def("allgather", [](Tensor in, Tensor out, const std::string& name) {
+    return kt::allgather(in, out, name);
+  });
   m.def("allgather_v", &kt::allgather_v);
   m.def("alltoall", &kt::alltoall);
   m.def("reduce_scatter",
