@@ -2,6 +2,8 @@
 torch.distributed backend, on generated data (CPU):
 
     kungfu-run -np 4 python examples/torch/ddp_train.py [--backend gloo] [--steps N]
+    torchrun --standalone --nproc_per_node 4 examples/torch/ddp_train.py
+    mpirun -np 4 python examples/torch/ddp_train.py   # or srun
 
 Each rank trains on its own shard of a generated, learnable task (the class
 is which quadrant of a 16x16 image is a little brighter); DDP allreduces the
@@ -10,6 +12,7 @@ end every rank checks that its parameters equal rank 0's, bit for bit.
 """
 
 import argparse
+import os
 import time
 
 import torch
@@ -18,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kungfu.torch  # noqa: F401  (registers the "kungfu" backend)
+from kungfu.torch.process_group import init_process_group
 
 
 class Net(nn.Module):
@@ -49,7 +53,10 @@ def main():
     p.add_argument("--batch", type=int, default=32)
     args = p.parse_args()
 
-    dist.init_process_group(args.backend)
+    if args.backend == "kungfu" and "MASTER_ADDR" not in os.environ:
+        init_process_group()  # mpirun, srun: rank and size from the library
+    else:
+        dist.init_process_group(args.backend)  # env:// (kungfu-run, torchrun)
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same initial model everywhere
     model = nn.parallel.DistributedDataParallel(Net())

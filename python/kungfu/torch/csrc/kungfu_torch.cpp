@@ -153,6 +153,8 @@ class KfWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     return future_;
   }
+  // c10d's wait(), except on the completion thread (see Completions::pump)
+  bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override;
 
   // The Work first (wait() returns), then the Future (its callbacks run).
   void complete(std::exception_ptr e) {
@@ -214,6 +216,7 @@ class Completions {
   }
 
   void run() {
+    on_thread_ = true;
     for (;;) {
       Item it;
       {
@@ -222,22 +225,59 @@ class Completions {
         it = q_.front();
         q_.pop_front();
       }
-      std::string detail;
-      if (it.s != KF_OK) {
-        // The handle holds the op's error text; the callback ran just
-        // before the handle shows it, so this returns at once.
-        kf_wait(it.h, -1);
-        const char* e = kf_last_error();
-        detail = e ? e : "";
+      process(it);
+    }
+  }
+
+ public:
+  // Whether the caller is the completion thread: a Future's callback
+  // (torch runs them where the Future completes, here).
+  static bool on_thread() { return on_thread_; }
+
+  // Runs completions here until `done()` or `deadline`; false if the
+  // deadline came first. For a Work's wait() on the completion thread (a
+  // callback that runs a blocking collective, which gloo allows): blocking
+  // there would wait for this very thread, forever. Every Work completes on
+  // this thread, so `done()` changes only by what this loop runs.
+  bool pump(const std::function<bool()>& done,
+            std::chrono::steady_clock::time_point deadline) {
+    while (!done()) {
+      Item it;
+      {
+        std::unique_lock<std::mutex> g(mu_);
+        auto ready = [this] { return !q_.empty(); };
+        if (deadline == std::chrono::steady_clock::time_point::max()) {
+          cv_.wait(g, ready);
+        } else if (!cv_.wait_until(g, deadline, ready)) {
+          return done();
+        }
+        it = q_.front();
+        q_.pop_front();
       }
-      kf_release(it.h);
-      if (it.s != KF_OK) {
-        fail(it.op, failure(it.op->what, it.s, detail));
-      } else if (it.op->next < it.op->steps.size()) {
-        issue(it.op);
-      } else {
-        succeed(it.op);
-      }
+      process(it);
+    }
+    return true;
+  }
+
+ private:
+  static thread_local bool on_thread_;
+
+  void process(const Item& it) {
+    std::string detail;
+    if (it.s != KF_OK) {
+      // The handle holds the op's error text; the callback ran just
+      // before the handle shows it, so this returns at once.
+      kf_wait(it.h, -1);
+      const char* e = kf_last_error();
+      detail = e ? e : "";
+    }
+    kf_release(it.h);
+    if (it.s != KF_OK) {
+      fail(it.op, failure(it.op->what, it.s, detail));
+    } else if (it.op->next < it.op->steps.size()) {
+      issue(it.op);
+    } else {
+      succeed(it.op);
     }
   }
 
@@ -305,8 +345,23 @@ class Completions {
   std::vector<Op*> dead_;
 };
 
+thread_local bool Completions::on_thread_ = false;
+
 extern "C" void on_done(kf_handle h, kf_status s, void* user) {
   Completions::get().push(h, s, static_cast<Op*>(user));
+}
+
+bool KfWork::wait(std::chrono::milliseconds timeout) {
+  if (Completions::on_thread() && !isCompleted()) {
+    auto deadline = timeout == ::kNoTimeout
+                        ? std::chrono::steady_clock::time_point::max()
+                        : std::chrono::steady_clock::now() + timeout;
+    Completions::get().pump([this] { return isCompleted(); }, deadline);
+    // done (the base returns or raises the op's error at once), or
+    // timed out (the base raises that)
+    return c10d::Work::wait(isCompleted() ? ::kNoTimeout : std::chrono::milliseconds(1));
+  }
+  return c10d::Work::wait(timeout);
 }
 
 // Starts `op` (its first step on the caller's thread: an argument the

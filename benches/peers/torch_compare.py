@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""torch.distributed over the "kungfu" backend against gloo, in the same run.
+
+    PY=~/.cache/kungfu-torch-venv/bin/python
+    PYTHONPATH=python $PY benches/peers/torch_compare.py [--np 2 4] [--min 4] [--max 64M]
+        [--rounds 5] [--budget 0.15] [--ddp-steps 20] [--bind-to auto|none|core]
+        [--json FILE]
+
+For each process count it launches itself under `kungfu-run -np N`
+($KUNGFU_RUN, default target/release/kungfu-run; build it with
+`cargo build --release -p kungfu-tools --bin kungfu-run`), with
+`--worker FILE` (and `--bind-to`, kungfu-run's option: by default it pins
+each worker to one CPU when there are enough of them, which both backends
+then share with their own threads; `none` leaves placement to the kernel,
+as torchrun would). Each worker makes gloo the default group and a kungfu
+group over the same ranks, and times:
+
+- `dist.all_reduce` (f32, SUM, in place, synchronous) of each size from
+  --min to --max bytes, by powers of 4: per round and backend, a loop of
+  `iters` ops (the same on every rank: rank 0 picks it from a warm-up so
+  that a loop lasts about --budget seconds), timed from a gloo barrier, the
+  slowest rank's mean; the backends alternate, round by round, and the
+  table shows the median of --rounds rounds;
+- one DDP training step (forward, backward with DDP's bucketed
+  all_reduces, SGD step) of the test model (python/tests/workers/model.py,
+  batch 16, default buckets), the same way, in blocks of --ddp-steps steps;
+  and the same step without DDP (no communication), for scale.
+
+torch runs one thread per process (torch.set_num_threads(1)) under both
+backends. Rank 0's results go to FILE; the driver prints a markdown table
+per N (size, gloo us, kungfu us, kungfu/gloo) and how the numbers stand
+against the goals: all_reduce at most half of gloo's time at every size, a
+DDP step at least as fast as gloo's. --json writes every figure (each
+round's too). On a shared machine read the ratios and the spread, not
+single numbers.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+WORKERS = ROOT / "python" / "tests" / "workers"
+ALLREDUCE_GOAL = 0.5   # kungfu / gloo, at most
+DDP_GOAL = 1.0
+
+
+def parse_size(s: str) -> int:
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:].upper(), 1)
+    return int(s[:-1] if mult > 1 else s) * mult
+
+
+def human(n: int) -> str:
+    for unit, m in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= m and n % m == 0:
+            return f"{n // m} {unit}"
+    return f"{n} B"
+
+
+def sizes(lo: int, hi: int) -> list:
+    out, s = [], lo
+    while s <= hi:
+        out.append(s)
+        s *= 4
+    return out
+
+
+# ---- the worker (under kungfu-run) ----
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import kungfu.torch  # noqa: F401  registers "kungfu"
+    from model import batches, make_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    kg = dist.new_group(backend="kungfu")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    groups = {"gloo": None, "kungfu": kg}
+
+    def agreed(x: float) -> float:
+        """rank 0's value, on every rank"""
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.broadcast(t, src=0)
+        return float(t)
+
+    def slowest(x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    def timed_loop(fn, iters: int) -> float:
+        """seconds per call of fn, the slowest rank's mean over `iters`"""
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return slowest((time.perf_counter() - t0) / iters)
+
+    result = {"np": n, "allreduce": [], "ddp": {}}
+    for size in sizes(args.min, args.max):
+        x = torch.zeros(max(1, size // 4), dtype=torch.float32)
+        ops = {b: (lambda g=g: dist.all_reduce(x, group=g)) for b, g in groups.items()}
+        # warm-up (plans are built once per shape), then the loop length
+        est = {b: timed_loop(f, 3) for b, f in ops.items()}
+        iters = int(agreed(min(2000, max(3, args.budget / max(est.values())))))
+        rounds = {b: [] for b in ops}
+        for r in range(args.rounds):
+            order = list(ops) if r % 2 == 0 else list(ops)[::-1]
+            for b in order:
+                rounds[b].append(timed_loop(ops[b], iters) * 1e6)
+        result["allreduce"].append({
+            "bytes": x.numel() * 4, "iters": iters, "rounds": rounds,
+            "us": {b: statistics.median(v) for b, v in rounds.items()}})
+        if rank == 0:
+            print(f"all_reduce {human(x.numel() * 4):>8}: "
+                  + ", ".join(f"{b} {v:9.1f} us" for b, v in result["allreduce"][-1]["us"].items()),
+                  flush=True)
+
+    # DDP: one model per backend, the same start and data
+    steps = args.ddp_steps
+    data = batches(rank, steps)
+    models = {b: DDP(make_model(0), process_group=g) for b, g in groups.items()}
+    models["local"] = make_model(0)  # no DDP, no communication
+    opts = {b: torch.optim.SGD(m.parameters(), lr=0.1) for b, m in models.items()}
+
+    def train(b):
+        m, opt = models[b], opts[b]
+        for x, y in data:
+            opt.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            opt.step()
+
+    for b in models:  # warm-up (DDP rebuilds its buckets after the first step)
+        train(b)
+    blocks = {b: [] for b in models}
+    for r in range(args.rounds):
+        order = list(models) if r % 2 == 0 else list(models)[::-1]
+        for b in order:
+            blocks[b].append(timed_loop(lambda: train(b), 1) / steps * 1e6)
+    result["ddp"] = {"steps_per_block": steps, "rounds": blocks,
+                     "us": {b: statistics.median(v) for b, v in blocks.items()}}
+    if rank == 0:
+        print("ddp step: " + ", ".join(f"{b} {v:.1f} us" for b, v in result["ddp"]["us"].items()),
+              flush=True)
+        Path(args.worker).write_text(json.dumps(result, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---- the driver ----
+
+def launch(np: int, args, out: Path) -> dict:
+    launcher = Path(os.environ.get("KUNGFU_RUN") or ROOT / "target" / "release" / "kungfu-run")
+    if not launcher.is_file():
+        sys.exit(f"kungfu-run not found at {launcher}: cargo build --release -p kungfu-tools "
+                 "--bin kungfu-run, or set KUNGFU_RUN")
+    env = dict(os.environ)
+    path = [str(WORKERS)]
+    try:
+        import kungfu  # noqa: F401  the workers import the same one
+        path.append(str(Path(kungfu.__file__).resolve().parent.parent))
+    except ImportError:
+        path.append(str(ROOT / "python"))
+    path += [str(Path(p).resolve()) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [str(launcher), "-np", str(np), "--timeout", "30m", "--bind-to", args.bind_to,
+           "--", sys.executable,
+           str(Path(__file__).resolve()), "--worker", str(out),
+           "--min", str(args.min), "--max", str(args.max), "--rounds", str(args.rounds),
+           "--budget", str(args.budget), "--ddp-steps", str(args.ddp_steps)]
+    print(f"$ {' '.join(cmd)}", file=sys.stderr, flush=True)
+    r = subprocess.run(cmd, env=env, stdout=sys.stderr, stderr=subprocess.STDOUT,
+                       timeout=35 * 60, start_new_session=True)
+    if r.returncode != 0:
+        sys.exit(f"the np={np} job failed ({r.returncode})")
+    return json.loads(out.read_text())
+
+
+def table(res: dict) -> str:
+    lines = [f"### {res['np']} processes (kungfu-run --bind-to {res.get('bind_to', '?')})", "",
+             "| size | gloo us | kungfu us | ratio (kungfu/gloo) |",
+             "|---:|---:|---:|---:|"]
+    for row in res["allreduce"]:
+        g, k = row["us"]["gloo"], row["us"]["kungfu"]
+        flag = "" if k / g <= ALLREDUCE_GOAL else " !"
+        lines.append(f"| {human(row['bytes'])} | {g:.1f} | {k:.1f} | {k / g:.2f}{flag} |")
+    d = res["ddp"]["us"]
+    flag = "" if d["kungfu"] / d["gloo"] <= DDP_GOAL else " !"
+    lines.append(f"| DDP step | {d['gloo']:.1f} | {d['kungfu']:.1f} | {d['kungfu'] / d['gloo']:.2f}{flag} |")
+    lines.append(f"| (step without DDP) | {d['local']:.1f} | {d['local']:.1f} | |")
+    return "\n".join(lines)
+
+
+def verdict(res: dict) -> str:
+    missed = [f"{human(r['bytes'])} ({r['us']['kungfu'] / r['us']['gloo']:.2f}x gloo)"
+              for r in res["allreduce"] if r["us"]["kungfu"] / r["us"]["gloo"] > ALLREDUCE_GOAL]
+    d = res["ddp"]["us"]
+    out = [f"np={res['np']}: all_reduce <= {ALLREDUCE_GOAL}x gloo: "
+           + ("met at every size" if not missed else "missed at " + ", ".join(missed)),
+           f"np={res['np']}: DDP step <= {DDP_GOAL}x gloo: "
+           + ("met" if d["kungfu"] / d["gloo"] <= DDP_GOAL else "missed")
+           + f" ({d['kungfu'] / d['gloo']:.2f}x)"]
+    return "\n".join(out)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--np", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--min", type=parse_size, default=4)
+    p.add_argument("--max", type=parse_size, default=64 << 20)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--budget", type=float, default=0.15, help="seconds per timed loop (about)")
+    p.add_argument("--ddp-steps", type=int, default=20)
+    p.add_argument("--bind-to", default="auto", choices=["auto", "none", "core"],
+                   help="kungfu-run's CPU pinning of the workers")
+    p.add_argument("--json", help="write every figure here")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="torch-compare-") as tmp:
+        for np in args.np:
+            results.append({**launch(np, args, Path(tmp) / f"np{np}.json"), "bind_to": args.bind_to})
+    print("\n\n".join(table(r) for r in results))
+    print()
+    print("\n".join(verdict(r) for r in results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
