@@ -51,6 +51,9 @@ class BuildWithLibrary(build_py):
         (dest / "include").mkdir(parents=True, exist_ok=True)
         shutil.copy2(lib, dest / "libkungfu.so")
         shutil.copy2(header, dest / "include" / "kungfu.h")
+        # an in-tree build reuses build/: files of an earlier version left
+        # there would go into the wheel
+        shutil.rmtree(Path(self.build_lib) / "kungfu", ignore_errors=True)
         super().run()
 
 

@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use kungfu_topology::{Peer, PeerList};
 
+pub mod bind;
 pub mod certs;
 pub mod launch;
 pub mod options;

@@ -1,0 +1,249 @@
+// The c10d backend "kungfu" and the Python module (see ops.cpp).
+
+#include <pybind11/chrono.h>
+
+#include "kungfu_torch.h"
+
+namespace kungfu_torch {
+
+
+class KungfuBackend : public c10d::Backend {
+ public:
+  KungfuBackend(int rank, int size, int id)
+      : c10d::Backend(rank, size), id_(id) {}
+
+  const std::string getBackendName() const override { return "kungfu"; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(
+      std::vector<at::Tensor>& tensors,
+      const c10d::BroadcastOptions& opts) override {
+    auto& t = one(tensors, "broadcast");
+    return kungfu_torch::broadcast(t, t, opts.rootRank, next("broadcast"));
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceOptions& opts) override {
+    auto& t = one(tensors, "allreduce");
+    return kungfu_torch::allreduce(t, t, op_of(opts.reduceOp, t, "allreduce"),
+                                   next("allreduce"));
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce(
+      std::vector<at::Tensor>& tensors,
+      const c10d::ReduceOptions& opts) override {
+    auto& t = one(tensors, "reduce");
+    return kungfu_torch::reduce(t, op_of(opts.reduceOp, t, "reduce"),
+                                opts.rootRank, next("reduce"));
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& /*opts*/) override {
+    auto& in = one(inputs, "all_gather");
+    TORCH_CHECK(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_,
+                prefix(), "all_gather: one output list of ", size_, " tensors");
+    for (auto& o : outputs[0]) {
+      TORCH_CHECK(o.numel() == in.numel(), prefix(),
+                  "all_gather: every output tensor must match the input's size");
+    }
+    at::Tensor flat = at::empty({in.numel() * size_}, in.options());
+    return kungfu_torch::allgather(in, flat, next("all_gather"), outputs[0]);
+  }
+
+  c10::intrusive_ptr<c10d::Work> all_gather_single(
+      at::Tensor& out, at::Tensor& in,
+      const c10d::AllgatherOptions& /*opts*/) override {
+    return kungfu_torch::allgather(in, out, next("all_gather_into_tensor"));
+  }
+
+  c10::intrusive_ptr<c10d::Work> _allgather_base(
+      at::Tensor& out, at::Tensor& in,
+      const c10d::AllgatherOptions& opts) override {
+    return all_gather_single(out, in, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> gather(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::GatherOptions& opts) override {
+    auto& in = one(inputs, "gather");
+    int root = static_cast<int>(opts.rootRank);
+    if (rank_ != root) {
+      return kungfu_torch::gather(in, at::Tensor(), root, next("gather"));
+    }
+    TORCH_CHECK(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_,
+                prefix(), "gather: the root needs one output list of ", size_, " tensors");
+    at::Tensor flat = at::empty({in.numel() * size_}, in.options());
+    return kungfu_torch::gather(in, flat, root, next("gather"), outputs[0]);
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(
+      std::vector<at::Tensor>& outputs,
+      std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ReduceScatterOptions& opts) override {
+    auto& out = one(outputs, "reduce_scatter");
+    TORCH_CHECK(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_,
+                prefix(), "reduce_scatter: one input list of ", size_, " tensors");
+    std::vector<at::Tensor> flat;
+    for (auto& t : inputs[0]) {
+      check_tensor(t, "reduce_scatter");
+      TORCH_CHECK(t.numel() == out.numel(), prefix(),
+                  "reduce_scatter: every input tensor must match the output's size");
+      flat.push_back(t.reshape({-1}));
+    }
+    return kungfu_torch::reduce_scatter(at::cat(flat), out,
+                                        op_of(opts.reduceOp, out, "reduce_scatter"),
+                                        next("reduce_scatter"));
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_single(
+      at::Tensor& out, at::Tensor& in,
+      const c10d::ReduceScatterOptions& opts) override {
+    return kungfu_torch::reduce_scatter(in, out,
+                                        op_of(opts.reduceOp, in, "reduce_scatter_tensor"),
+                                        next("reduce_scatter_tensor"));
+  }
+
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& out, at::Tensor& in,
+      const c10d::ReduceScatterOptions& opts) override {
+    return reduce_scatter_single(out, in, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> all_to_all_single(
+      at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
+      std::vector<int64_t>& in_splits,
+      const c10d::AllToAllOptions& /*opts*/) override {
+    return kungfu_torch::alltoall(in, out, in_splits, out_splits,
+                                  next("all_to_all_single"));
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall_base(
+      at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
+      std::vector<int64_t>& in_splits,
+      const c10d::AllToAllOptions& opts) override {
+    return all_to_all_single(out, in, out_splits, in_splits, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> barrier(
+      const c10d::BarrierOptions& /*opts*/) override {
+    return kungfu_torch::barrier();
+  }
+
+ private:
+  at::Tensor& one(std::vector<at::Tensor>& ts, const char* what) {
+    TORCH_CHECK(ts.size() == 1, prefix(), what,
+                ": one tensor per call (the kungfu backend has one device per "
+                "process), not ", ts.size());
+    return ts[0];
+  }
+
+  // Ops of a process group are issued in the same order on every rank
+  // (c10d's contract), so a counter names them: "c10d/<group>/<seq>".
+  std::string next(const char* kind) {
+    std::ostringstream s;
+    s << "c10d/" << id_ << "/" << seq_++ << "/" << kind;
+    return s.str();
+  }
+
+  int id_;
+  uint64_t seq_ = 0;
+};
+
+std::atomic<int> backends{0};
+
+// Starts the library's runtime now, with a barrier: torch creates a
+// group's backend on all of its ranks together. Otherwise it starts at the
+// first op, and if one rank refuses that op on its own (a bad argument,
+// raised before anything is sent), the others wait for it to connect until
+// the connect timeout, and the runtime has failed for good on every rank.
+// A runtime that cannot start fails here too, at init_process_group or
+// new_group, rather than at the first op.
+void start_runtime() {
+  kf_handle h = 0;
+  kf_status s = kf_barrier(nullptr, nullptr, &h);
+  std::string detail;
+  if (s == KF_OK) {
+    s = kf_wait(h, -1);
+    if (s != KF_OK) {
+      const char* e = kf_last_error();
+      detail = e ? e : "";
+    }
+    kf_release(h);
+  } else {
+    const char* e = kf_last_error();
+    detail = e ? e : "";
+  }
+  if (s != KF_OK) {
+    throw c10::DistBackendError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                                failure("starting the runtime (a barrier of the new group)",
+                                        s, detail));
+  }
+}
+
+c10::intrusive_ptr<c10d::Backend> create_backend(
+    const c10::intrusive_ptr<c10d::Store>& /*store*/, int64_t rank,
+    int64_t size, const std::chrono::duration<float>& /*timeout*/) {
+  init();
+  TORCH_CHECK(rank == kf_rank() && size == kf_size(), prefix(),
+              "the kungfu backend spans the whole cluster of the library "
+              "(rank ", kf_rank(), " of ", kf_size(),
+              "), but torch asked for rank ", rank, " of ", size,
+              ": process groups over a subset of the ranks are not supported, "
+              "and RANK/WORLD_SIZE must agree with the launcher's");
+  start_runtime();
+  return c10::make_intrusive<KungfuBackend>(static_cast<int>(rank),
+                                            static_cast<int>(size), backends++);
+}
+
+kf_op op_from_int(int64_t op, const at::Tensor& t, const std::string& what) {
+  c10d::ReduceOp r;
+  switch (op) {
+    case 0: r = c10d::ReduceOp::SUM; break;
+    case 1: r = c10d::ReduceOp::MIN; break;
+    case 2: r = c10d::ReduceOp::MAX; break;
+    case 3: r = c10d::ReduceOp::PRODUCT; break;
+    case 4: r = c10d::ReduceOp::AVG; break;
+    default: TORCH_CHECK(false, prefix(), what, ": unknown reduction ", op);
+  }
+  return op_of(r, t, what);
+}
+
+}  // namespace kungfu_torch
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace kt = kungfu_torch;
+  using Tensor = const at::Tensor&;
+  auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.doc() = "KungFu-rs for torch: the \"kungfu\" c10d backend and named ops";
+  m.def("create_backend", &kt::create_backend,
+        "The creator for torch.distributed.Backend.register_backend", nogil);
+  m.def("init", &kt::init, nogil);
+  // op: 0 SUM, 1 MIN, 2 MAX, 3 PRODUCT, 4 AVG (kungfu.h's numbers)
+  m.def("allreduce",
+        [](Tensor in, Tensor out, int64_t op, const std::string& name) {
+          return kt::allreduce(in, out, kt::op_from_int(op, in, kt::quoted("allreduce", name)), name);
+        });
+  m.def("broadcast", &kt::broadcast);
+  m.def("allgather", [](Tensor in, Tensor out, const std::string& name) {
+    return kt::allgather(in, out, name);
+  });
+  m.def("allgather_v", &kt::allgather_v);
+  m.def("alltoall", &kt::alltoall);
+  m.def("reduce_scatter",
+        [](Tensor in, Tensor out, int64_t op, const std::string& name) {
+          return kt::reduce_scatter(in, out, kt::op_from_int(op, in, kt::quoted("reduce_scatter", name)), name);
+        });
+  m.def("barrier", &kt::barrier);
+  m.def("group_start", []() {
+    kf_status s = kf_group_start();
+    if (s != KF_OK) kt::raise("kf_group_start", s);
+  });
+  m.def("group_end", []() {
+    kf_status s = kf_group_end();
+    if (s != KF_OK) kt::raise("kf_group_end", s);
+  });
+}
+

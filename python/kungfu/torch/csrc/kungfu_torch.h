@@ -1,0 +1,427 @@
+// kungfu_torch.h: what ops.cpp and backend.cpp share (see ops.cpp).
+#pragma once
+
+#include <torch/extension.h>
+#include <pybind11/chrono.h>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kungfu.h"
+
+namespace kungfu_torch {
+
+// "kungfu: rank R: " before every message, so a log of many workers shows
+// which one raised.
+inline std::string prefix() {
+  std::ostringstream s;
+  s << "kungfu: rank " << kf_rank() << ": ";
+  return s.str();
+}
+
+// kungfu.h's name of a status, so a caller can tell a lost peer
+// ("[KF_ERR_PEER_LOST]") from the message alone.
+inline const char* status_name(kf_status s) {
+  switch (s) {
+    case KF_ERR_INVALID_ARGUMENT: return "KF_ERR_INVALID_ARGUMENT";
+    case KF_ERR_NOT_INITIALIZED: return "KF_ERR_NOT_INITIALIZED";
+    case KF_ERR_MISMATCH: return "KF_ERR_MISMATCH";
+    case KF_ERR_PEER_LOST: return "KF_ERR_PEER_LOST";
+    case KF_ERR_TIMEOUT: return "KF_ERR_TIMEOUT";
+    case KF_ERR_ABORTED: return "KF_ERR_ABORTED";
+    case KF_ERR_DUPLICATE_NAME: return "KF_ERR_DUPLICATE_NAME";
+    case KF_ERR_MEMBERSHIP_CHANGED: return "KF_ERR_MEMBERSHIP_CHANGED";
+    case KF_ERR_INTERNAL: return "KF_ERR_INTERNAL";
+    case KF_ERR_FINALIZED: return "KF_ERR_FINALIZED";
+    case KF_ERR_BOOTSTRAP: return "KF_ERR_BOOTSTRAP";
+    case KF_ERR_TRANSPORT: return "KF_ERR_TRANSPORT";
+    default: return "KF_ERR_UNKNOWN";
+  }
+}
+
+inline std::string failure(const std::string& what, kf_status s,
+                    const std::string& detail) {
+  std::ostringstream m;
+  m << prefix() << what << " failed: " << kf_status_string(s);
+  if (!detail.empty()) m << ": " << detail;
+  m << " [" << status_name(s) << "]";
+  return m.str();
+}
+
+inline std::exception_ptr error_ptr(const std::string& msg) {
+  return std::make_exception_ptr(
+      c10::DistBackendError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, msg));
+}
+
+[[noreturn]] inline void raise(const std::string& what, kf_status s) {
+  const char* e = kf_last_error();
+  throw c10::DistBackendError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                              failure(what, s, e ? e : ""));
+}
+
+// kf_init, raising on failure (idempotent in the library).
+inline void init() {
+  kf_status s = kf_init();
+  if (s != KF_OK) raise("kf_init", s);
+}
+
+inline kf_dtype dtype_of(const at::Tensor& t, const std::string& what) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return KF_FLOAT32;
+    case at::kDouble: return KF_FLOAT64;
+    case at::kHalf: return KF_FLOAT16;
+    case at::kBFloat16: return KF_BFLOAT16;
+    case at::kInt: return KF_INT32;
+    case at::kLong: return KF_INT64;
+    case at::kByte: return KF_UINT8;
+    case at::kChar: return KF_INT8;
+    case at::kShort: return KF_INT16;
+    case at::kBool: return KF_UINT8;
+    default:
+      TORCH_CHECK(false, prefix(), what, ": tensors of type ", t.scalar_type(),
+                  " are not supported (float32, float64, float16, bfloat16, "
+                  "uint8, int8, int16, int32, int64, bool are)");
+  }
+}
+
+inline kf_op op_of(const c10d::ReduceOp& op, const at::Tensor& t,
+            const std::string& what) {
+  bool reduces_bools = t.scalar_type() == at::kBool;
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM:
+      TORCH_CHECK(!reduces_bools, prefix(), what, ": SUM of bool tensors is not supported (use MAX for \"any\", MIN for \"all\")");
+      return KF_SUM;
+    case c10d::ReduceOp::AVG:
+      TORCH_CHECK(at::isFloatingType(t.scalar_type()), prefix(), what,
+                  ": AVG needs a floating-point tensor, not ", t.scalar_type());
+      return KF_AVG;
+    case c10d::ReduceOp::PRODUCT:
+      TORCH_CHECK(!reduces_bools, prefix(), what, ": PRODUCT of bool tensors is not supported (use MIN)");
+      return KF_PROD;
+    case c10d::ReduceOp::MIN: return KF_MIN;
+    case c10d::ReduceOp::MAX: return KF_MAX;
+    default:
+      TORCH_CHECK(false, prefix(), what,
+                  ": only SUM, AVG, PRODUCT, MIN and MAX are supported");
+  }
+}
+
+// A tensor the library may read: on the CPU, dense.
+inline void check_tensor(const at::Tensor& t, const std::string& what) {
+  TORCH_CHECK(t.defined(), prefix(), what, ": an undefined tensor");
+  TORCH_CHECK(t.device().is_cpu(), prefix(), what, ": a tensor on ",
+              t.device(),
+              " is not supported: the kungfu backend moves CPU tensors only "
+              "(move it with .cpu(), or use the nccl backend for CUDA)");
+  TORCH_CHECK(t.layout() == at::kStrided, prefix(), what,
+              ": only dense tensors are supported, not ", t.layout());
+}
+
+class KfWork : public c10d::Work {
+ public:
+  KfWork(int rank, c10d::OpType type, const char* title,
+         std::vector<at::Tensor> outputs)
+      : c10d::Work(rank, type, title),
+        outputs_(std::move(outputs)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(
+            c10::ListType::create(c10::TensorType::get()))) {}
+
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    return future_;
+  }
+  // c10d's wait(), except on the completion thread (see Completions::pump)
+  bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override;
+
+  // The Work first (wait() returns), then the Future (its callbacks run).
+  void complete(std::exception_ptr e) {
+    finish(e);
+    if (e) {
+      future_->setError(e);
+    } else {
+      future_->markCompleted(c10::IValue(outputs_));
+    }
+  }
+
+  std::vector<at::Tensor> outputs_;
+
+ private:
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+struct Op;
+// One kf_* call of an op, with `on_done` and the op as its callback.
+using Step = std::function<kf_status(Op*, kf_handle*)>;
+
+struct Op {
+  c10::intrusive_ptr<KfWork> work;
+  std::string what;                // e.g. allreduce "c10d/0/12"
+  std::vector<Step> steps;
+  size_t next = 0;
+  std::function<void()> finish;    // copies into the caller's tensors
+  std::vector<at::Tensor> keep;    // buffers the library writes or reads
+};
+
+extern "C" void on_done(kf_handle h, kf_status s, void* user);
+
+// The completion thread and its queue.
+class Completions {
+ public:
+  static Completions& get() {
+    // Never destroyed: callbacks may run while the process exits.
+    static Completions* c = new Completions();
+    return *c;
+  }
+
+  void push(kf_handle h, kf_status s, Op* op) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      q_.push_back({h, s, op});
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  struct Item {
+    kf_handle h;
+    kf_status s;
+    Op* op;
+  };
+
+  Completions() {
+    std::thread([this] { run(); }).detach();
+  }
+
+  void run() {
+    on_thread_ = true;
+    for (;;) {
+      Item it;
+      {
+        std::unique_lock<std::mutex> g(mu_);
+        cv_.wait(g, [this] { return !q_.empty(); });
+        it = q_.front();
+        q_.pop_front();
+      }
+      process(it);
+    }
+  }
+
+ public:
+  // Whether the caller is the completion thread: a Future's callback
+  // (torch runs them where the Future completes, here).
+  static bool on_thread() { return on_thread_; }
+
+  // Runs completions here until `done()` or `deadline`; false if the
+  // deadline came first. For a Work's wait() on the completion thread (a
+  // callback that runs a blocking collective, which gloo allows): blocking
+  // there would wait for this very thread, forever. Every Work completes on
+  // this thread, so `done()` changes only by what this loop runs.
+  bool pump(const std::function<bool()>& done,
+            std::chrono::steady_clock::time_point deadline) {
+    while (!done()) {
+      Item it;
+      {
+        std::unique_lock<std::mutex> g(mu_);
+        auto ready = [this] { return !q_.empty(); };
+        if (deadline == std::chrono::steady_clock::time_point::max()) {
+          cv_.wait(g, ready);
+        } else if (!cv_.wait_until(g, deadline, ready)) {
+          return done();
+        }
+        it = q_.front();
+        q_.pop_front();
+      }
+      process(it);
+    }
+    return true;
+  }
+
+ private:
+  static inline thread_local bool on_thread_ = false;
+
+  void process(const Item& it) {
+    std::string detail;
+    if (it.s != KF_OK) {
+      // The handle holds the op's error text; the callback ran just
+      // before the handle shows it, so this returns at once.
+      kf_wait(it.h, -1);
+      const char* e = kf_last_error();
+      detail = e ? e : "";
+    }
+    kf_release(it.h);
+    if (it.s != KF_OK) {
+      fail(it.op, failure(it.op->what, it.s, detail));
+    } else if (it.op->next < it.op->steps.size()) {
+      issue(it.op);
+    } else {
+      succeed(it.op);
+    }
+  }
+
+  static void succeed(Op* op) {
+    std::exception_ptr e;
+    try {
+      if (op->finish) op->finish();
+    } catch (const std::exception& x) {
+      e = error_ptr(prefix() + op->what + " failed: " + x.what());
+    }
+    op->work->complete(e);
+    bury(op);
+  }
+
+ public:
+  static void fail(Op* op, const std::string& msg) {
+    op->work->complete(error_ptr(msg));
+    bury(op);
+  }
+
+  // A completed op's references (its Work, the caller's tensors) are
+  // dropped on a thread of the caller's, at its next op (`drain`), never
+  // here: the last reference to a tensor that Python has seen takes the
+  // GIL to drop its PyObject, and a thread that takes the GIL while the
+  // interpreter exits is ended by it, through the noexcept destructor it
+  // was in (std::terminate).
+  static void bury(Op* op) {
+    std::lock_guard<std::mutex> g(get().dead_mu_);
+    get().dead_.push_back(op);
+  }
+
+  static void drain() {
+    std::vector<Op*> dead;
+    {
+      std::lock_guard<std::mutex> g(get().dead_mu_);
+      dead.swap(get().dead_);
+    }
+    for (Op* op : dead) delete op;
+  }
+
+  // Issues the op's next step; a failure completes the op with it. An
+  // exception of a step (a bad size found only now) does too.
+  static void issue(Op* op) {
+    Step& step = op->steps[op->next++];
+    kf_handle h = 0;
+    kf_status s;
+    std::string msg;
+    try {
+      s = step(op, &h);
+      if (s != KF_OK) {
+        const char* e = kf_last_error();
+        msg = failure(op->what, s, e ? e : "");
+      }
+    } catch (const std::exception& x) {
+      msg = prefix() + op->what + " failed: " + x.what();
+    }
+    if (!msg.empty()) fail(op, msg);
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Item> q_;
+  std::mutex dead_mu_;
+  std::vector<Op*> dead_;
+};
+
+
+
+inline bool KfWork::wait(std::chrono::milliseconds timeout) {
+  if (Completions::on_thread() && !isCompleted()) {
+    auto deadline = timeout == ::kNoTimeout
+                        ? std::chrono::steady_clock::time_point::max()
+                        : std::chrono::steady_clock::now() + timeout;
+    Completions::get().pump([this] { return isCompleted(); }, deadline);
+    // done (the base returns or raises the op's error at once), or
+    // timed out (the base raises that)
+    return c10d::Work::wait(isCompleted() ? ::kNoTimeout : std::chrono::milliseconds(1));
+  }
+  return c10d::Work::wait(timeout);
+}
+
+// Starts `op` (its first step on the caller's thread: an argument the
+// library refuses raises here) and returns its Work.
+inline c10::intrusive_ptr<c10d::Work> start(Op* op) {
+  auto work = op->work;
+  Completions::drain();  // also makes the thread before any callback
+  Step& first = op->steps[op->next++];
+  kf_handle h = 0;
+  kf_status s = first(op, &h);
+  if (s != KF_OK) {
+    std::string what = op->what;
+    delete op;
+    raise(what, s);
+  }
+  return work;
+}
+
+// A contiguous tensor the library reads: `t` itself, or a copy.
+inline at::Tensor input_of(const at::Tensor& t) {
+  return t.is_contiguous() ? t : t.contiguous();
+}
+
+// Where the library writes `t`'s elements: `t` itself, or a buffer copied
+// into `t` when the op finishes.
+inline at::Tensor output_of(Op* op, const at::Tensor& t) {
+  if (t.is_contiguous()) return t;
+  at::Tensor buf = t.contiguous();
+  auto prev = op->finish;
+  op->finish = [prev, t, buf]() mutable {
+    if (prev) prev();
+    t.copy_(buf);
+  };
+  return buf;
+}
+
+inline void* ptr(const at::Tensor& t) { return t.data_ptr(); }
+
+inline Op* new_op(int rank, c10d::OpType type, const char* title, std::string what,
+           std::vector<at::Tensor> outputs) {
+  Op* op = new Op();
+  op->work = c10::make_intrusive<KfWork>(rank, type, title, std::move(outputs));
+  op->what = std::move(what);
+  return op;
+}
+
+inline std::string quoted(const char* kind, const std::string& name) {
+  return std::string(kind) + " \"" + name + "\"";
+}
+
+
+// ---- the ops (ops.cpp), by name: shared by the backend and the Python API ----
+
+c10::intrusive_ptr<c10d::Work> allreduce(const at::Tensor& in, const at::Tensor& out, kf_op kop,
+                                         const std::string& name);
+c10::intrusive_ptr<c10d::Work> broadcast(const at::Tensor& in, const at::Tensor& out, int root,
+                                         const std::string& name);
+c10::intrusive_ptr<c10d::Work> reduce(const at::Tensor& t, kf_op kop, int root,
+                                      const std::string& name);
+// `out` holds size * numel(in) elements, rank by rank; `parts` (a list
+// form) get them block by block.
+c10::intrusive_ptr<c10d::Work> allgather(const at::Tensor& in, const at::Tensor& out,
+                                         const std::string& name,
+                                         std::vector<at::Tensor> parts = {});
+c10::intrusive_ptr<c10d::Work> gather(const at::Tensor& in, const at::Tensor& out, int root,
+                                      const std::string& name,
+                                      std::vector<at::Tensor> parts = {});
+c10::intrusive_ptr<c10d::Work> reduce_scatter(const at::Tensor& in, const at::Tensor& out,
+                                              kf_op kop, const std::string& name);
+c10::intrusive_ptr<c10d::Work> alltoall(const at::Tensor& in, const at::Tensor& out,
+                                        std::vector<int64_t> in_splits,
+                                        std::vector<int64_t> out_splits,
+                                        const std::string& name);
+c10::intrusive_ptr<c10d::Work> allgather_v(const at::Tensor& in, const std::string& name);
+c10::intrusive_ptr<c10d::Work> barrier();
+
+}  // namespace kungfu_torch
