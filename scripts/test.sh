@@ -2,8 +2,9 @@
 # The whole test suite, on a fresh Debian machine with Rust installed:
 # installs the system packages the tests need, then checks formatting,
 # lints and docs, runs every test, builds and smoke-runs the benches, and
-# runs the unsafe code that Miri can run under Miri, and every command
-# block of README.md and docs/ (scripts/doc-commands.py).
+# runs the unsafe code that Miri can run under Miri, the Python package's
+# torch tests (scripts/python-tests.sh), and every command block of
+# README.md and docs/ (scripts/doc-commands.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -52,6 +53,8 @@ echo "== benches (one quick pass each, so they never rot)"
 cargo test --workspace --benches --locked
 echo "== Miri: the shm ring and the C ABI layer (scripts/miri.sh --quick)"
 scripts/miri.sh --quick
+echo "== the Python package and its torch tests (scripts/python-tests.sh: a cached venv with torch, pip install ./python, pytest)"
+scripts/python-tests.sh
 echo "== the commands of README.md and docs/ (release builds, then each block)"
 python3 scripts/doc-commands.py
 echo "== disk used by the build"

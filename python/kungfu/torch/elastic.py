@@ -134,11 +134,22 @@ def _has_config_server() -> bool:
     return bool(os.environ.get("KUNGFU_CONFIG_SERVER"))
 
 
+def _cluster_changed() -> None:
+    """Every worker of the new cluster (a joiner too) starts the Horovod
+    API's per-process counters (unnamed ops, join's announcements) again,
+    so that they agree."""
+    from . import _common, _join
+
+    _common.reset_names()
+    _join.reset()
+
+
 def _follow(state, result) -> None:
     changed, detached = result
     if detached:
         raise Detached(f"kungfu: rank {kungfu.rank()}: this worker left the cluster")
     if changed:
+        _cluster_changed()
         state.sync()
         state.save()
 
@@ -175,6 +186,7 @@ def run(fn):
                     kungfu.recover()
                 except _capi.MembershipChangedError:
                     return None
+                _cluster_changed()
                 state.restore()
                 state.sync()
                 state.save()

@@ -38,12 +38,12 @@ def expected_weight(step):
 
 
 def same_everywhere(t, name):
-    lo, hi = t.clone(), t.clone()
-    kt._C.allreduce(lo, lo, 1, name + "/min").wait()
-    kt._C.allreduce(hi, hi, 2, name + "/max").wait()
+    lo = kt.allreduce(t, op=kt.Min, name=name + "/min")
+    hi = kt.allreduce(t, op=kt.Max, name=name + "/max")
     return torch.equal(lo, hi)
 
 
+kt.init()
 state = elastic.TorchState(model, opt, epoch=0)
 sizes = []
 
@@ -58,7 +58,7 @@ def train(state):
         opt.zero_grad()
         model.weight.grad = torch.ones(4, 8) + (me - (n - 1) / 2)
         g = model.weight.grad
-        kt._C.allreduce(g, g, 4, f"grad/{state.step}").wait()
+        kt.allreduce_(g, op=kt.Average, name=f"grad/{state.step}")
         opt.step()
         state.step += 1
         state.epoch = state.step // 5

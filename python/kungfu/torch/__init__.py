@@ -1,0 +1,38 @@
+"""KungFu-rs for PyTorch.
+
+`import kungfu.torch` registers the torch.distributed backend "kungfu"
+(`dist.init_process_group("kungfu")`), a c10d::Backend written in C++ over
+kungfu.h, and offers the API of `horovod.torch`.
+"""
+
+import torch.distributed as _dist
+
+from . import _ext
+
+_C = _ext.load()
+
+if "kungfu" not in _dist.Backend.backend_list:
+    _dist.Backend.register_backend("kungfu", _C.create_backend, devices=["cpu"])
+
+# The Horovod-compatible API: `import kungfu.torch as hvd` in place of
+# `import horovod.torch as hvd` (CPU tensors; no process sets, no Adasum).
+from .compression import Compression  # noqa: E402,F401
+from .mpi_ops import (  # noqa: E402,F401
+    Adasum, Average, HorovodInternalError, Max, Min, Product, ProcessSet, Sum,
+    add_process_set, allgather_async, allreduce_, allreduce_async, allreduce_async_,
+    alltoall_async, barrier, broadcast_, broadcast_async, broadcast_async_, ccl_built,
+    cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, global_process_set,
+    grouped_allgather_async, grouped_allreduce_, grouped_allreduce_async,
+    grouped_allreduce_async_, grouped_reducescatter_async, init, is_homogeneous,
+    is_initialized, join, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+    nccl_built, poll, rank, reducescatter_async, remove_process_set, rocm_built, shutdown, size,
+    sparse_allreduce_async, start_timeline, stop_timeline, synchronize,
+)
+from ._autograd import (  # noqa: E402,F401
+    allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
+    grouped_reducescatter, reducescatter,
+)
+from .functions import (  # noqa: E402,F401
+    allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters,
+)
+from .optimizer import DistributedOptimizer  # noqa: E402,F401

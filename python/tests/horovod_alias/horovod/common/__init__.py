@@ -1,0 +1,1 @@
+"""The bits of `horovod.common` that scripts import."""
