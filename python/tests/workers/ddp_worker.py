@@ -10,18 +10,15 @@ bit, gathered over the backend itself) and OUTDIR/<BACKEND>-rank<R>.pt (the
 final parameters, flattened).
 """
 
-import hashlib
-import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import kungfu.torch  # noqa: F401  registers "kungfu"
-from model import batches, flat_params, make_model
+from model import flat_params, make_model, save_result, train
 
 
 def main():
@@ -32,28 +29,17 @@ def main():
     model = make_model(seed=rank)
     ddp = DDP(model, bucket_cap_mb=bucket_mb)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for x, y in batches(rank, steps):
-        opt.zero_grad()
-        loss = F.cross_entropy(ddp(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train(ddp, opt, rank, steps)
     log = ddp._get_ddp_logging_data()
     flat = flat_params(model)
     every = torch.zeros(size * flat.numel(), dtype=flat.dtype)
     dist.all_gather_into_tensor(every, flat)
     every = every.view(size, -1)
     equal = all(torch.equal(every[0], every[r]) for r in range(size))
-    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
-    torch.save(flat, outdir / f"{backend}-rank{rank}.pt")
-    (outdir / f"{backend}-rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "size": size, "backend": backend, "losses": losses,
-        "params_sha256": digest, "params_equal_across_ranks": equal,
-        "numel": flat.numel(), "bucket_cap_mb": bucket_mb,
-        "bucket_sizes": str(log.get("bucket_sizes")),
-        "rebuilt_bucket_sizes": str(log.get("rebuilt_bucket_sizes")),
-    }))
+    digest = save_result(outdir, backend, rank, size, losses, flat, equal,
+                         numel=flat.numel(), bucket_cap_mb=bucket_mb,
+                         bucket_sizes=str(log.get("bucket_sizes")),
+                         rebuilt_bucket_sizes=str(log.get("rebuilt_bucket_sizes")))
     print(f"rank {rank}: {backend}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, params {digest[:16]}",
           flush=True)
     dist.barrier()

@@ -6,16 +6,13 @@ is the reference for):
 
 Writes OUTDIR/hvd-rank<R>.json and .pt as ddp_worker.py does."""
 
-import hashlib
-import json
 import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import kungfu.torch as hvd
-from model import batches, flat_params, make_model
+from model import flat_params, make_model, save_result, train
 
 
 def main():
@@ -29,22 +26,11 @@ def main():
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                    op=hvd.Average)
-    losses = []
-    for x, y in batches(rank, steps):
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train(model, opt, rank, steps)
     flat = flat_params(model)
     every = hvd.allgather(flat.unsqueeze(0), name="final-params")
     equal = all(torch.equal(every[0], every[r]) for r in range(size))
-    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
-    torch.save(flat, outdir / f"hvd-rank{rank}.pt")
-    (outdir / f"hvd-rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "size": size, "backend": "hvd", "losses": losses,
-        "params_sha256": digest, "params_equal_across_ranks": equal,
-    }))
+    digest = save_result(outdir, "hvd", rank, size, losses, flat, equal)
     print(f"rank {rank}: DistributedOptimizer: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
           f"params {digest[:16]}", flush=True)
     hvd.shutdown()

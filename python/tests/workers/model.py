@@ -4,6 +4,9 @@ generated 1x16x16 "images", labelled by a fixed random linear teacher on
 their 4x4-pooled pixels, so that the loss falls within a few steps. Everything is seeded: the same (seed, rank, step)
 gives the same batch on any machine."""
 
+import hashlib
+import json
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -46,3 +49,30 @@ def batches(rank: int, steps: int, batch: int = 16, seed: int = 0):
 
 def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def train(forward, opt, rank: int, steps: int) -> list:
+    """`steps` steps of `opt` on `rank`'s batches through `forward` (the
+    model, or its DDP wrapper); returns the losses."""
+    losses = []
+    for x, y in batches(rank, steps):
+        opt.zero_grad()
+        loss = F.cross_entropy(forward(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def save_result(outdir, tag: str, rank: int, size: int, losses: list, flat, equal: bool,
+                **extra) -> str:
+    """Writes OUTDIR/<tag>-rank<R>.json (losses, the parameters' SHA-256,
+    whether the ranks' parameters are equal, `extra`) and .pt (the
+    flattened parameters); returns the digest."""
+    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+    torch.save(flat, outdir / f"{tag}-rank{rank}.pt")
+    (outdir / f"{tag}-rank{rank}.json").write_text(json.dumps({
+        "rank": rank, "size": size, "backend": tag, "losses": losses,
+        "params_sha256": digest, "params_equal_across_ranks": equal, **extra,
+    }))
+    return digest
