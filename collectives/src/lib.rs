@@ -70,6 +70,7 @@ mod pool;
 pub mod reference;
 mod session;
 mod spec;
+pub mod timeline;
 
 pub use dtype::{
     kernel_isa, reduce_into, reduce_into_ordered, reduce_with_isa, runnable_isas, scale_down,

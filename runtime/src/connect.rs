@@ -40,12 +40,15 @@ pub(crate) async fn connect(
     let transport = link
         .transport(env.transport, listener, Epoch(0), deadline)
         .await?;
+    let timeline = timeline(env)?;
     let session = Session::new(
         transport,
         peers.clone(),
         SessionConfig {
+            timeline,
             strategy: env.strategy,
             chunk_bytes: env.chunk_bytes,
+            fast_max_bytes: env.fast_max_bytes,
             auto: env.auto,
             op_timeout: env.op_timeout,
             ..SessionConfig::default()
@@ -53,6 +56,33 @@ pub(crate) async fn connect(
     )?;
     session.watch_stalls(env.stall_timeout);
     Ok(session)
+}
+
+/// This process's timeline (`KUNGFU_TIMELINE`), made at its first
+/// connect and kept across resizes: one file per worker process, named by
+/// its rank then.
+fn timeline(
+    env: &WorkerEnv,
+) -> Result<Option<Arc<kungfu_collectives::timeline::Timeline>>, BootstrapError> {
+    use kungfu_collectives::timeline::{Timeline, TIMELINE_VAR};
+    static MADE: std::sync::Mutex<Option<Arc<Timeline>>> = std::sync::Mutex::new(None);
+    let Some(pattern) = env.timeline.as_deref() else {
+        return Ok(None);
+    };
+    let mut made = MADE.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(t) = made.as_ref() {
+        return Ok(Some(t.clone()));
+    }
+    let rank = kungfu_topology::Rank(env.rank as u32);
+    let t = Timeline::create(pattern, rank, env.size).map_err(|e| BootstrapError::Env {
+        var: TIMELINE_VAR.into(),
+        reason: format!(
+            "cannot write {}: {e}",
+            kungfu_collectives::timeline::path_for(pattern, rank).display()
+        ),
+    })?;
+    *made = Some(t.clone());
+    Ok(Some(t))
 }
 
 /// What a worker connects a transport with.

@@ -142,6 +142,15 @@ pub struct WorkerEnv {
     /// `kungfu_collectives::Session::watch_stalls`.
     pub stall_timeout: Duration,
     pub chunk_bytes: usize,
+    /// Ops of at most this many bytes per rank take the host fast path
+    /// when every rank is on this host (`KUNGFU_FAST_MAX_BYTES`; 65536, the
+    /// most a lane's slot holds; 0: off). See
+    /// `kungfu_collectives::SessionConfig::fast_max_bytes`.
+    pub fast_max_bytes: usize,
+    /// Write a Chrome trace of every op's phases here
+    /// (`KUNGFU_TIMELINE=FILE`; see `kungfu_collectives::timeline` for the
+    /// file of each rank); `None`: off.
+    pub timeline: Option<String>,
     /// The budget of the process's buffer pool: idle buffers kept for
     /// reuse, in bytes at most (`KUNGFU_BUFFER_POOL_BYTES`; 256 MiB; see
     /// `kungfu_transport::pool`).
@@ -363,6 +372,10 @@ impl WorkerEnv {
             large_bytes: bytes("KUNGFU_AUTO_LARGE_BYTES", def.large_bytes)?,
         };
         let buffer_pool_bytes = bytes("KUNGFU_BUFFER_POOL_BYTES", BufferPool::DEFAULT_BUDGET)?;
+        let fast_max_bytes = bytes(
+            "KUNGFU_FAST_MAX_BYTES",
+            kungfu_transport::shm::lane::SLOT_BYTES,
+        )?;
         let spin = get("KUNGFU_SPIN_US")
             .map(|v| parse("KUNGFU_SPIN_US", &v).map(Duration::from_micros))
             .transpose()?;
@@ -408,6 +421,8 @@ impl WorkerEnv {
             peer_timeout: ms("KUNGFU_PEER_TIMEOUT_MS", 1_500)?,
             stall_timeout: ms("KUNGFU_STALL_TIMEOUT_MS", 10_000)?,
             chunk_bytes,
+            fast_max_bytes,
+            timeline: get("KUNGFU_TIMELINE").filter(|v| !v.is_empty()),
             buffer_pool_bytes,
         })
     }

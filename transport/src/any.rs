@@ -184,6 +184,10 @@ impl Wire for AnyWire {
         each!(self, w => w.going_to_sleep())
     }
 
+    fn host_lanes(&self) -> Option<Arc<crate::shm::lane::HostLanes>> {
+        each!(self, w => w.host_lanes())
+    }
+
     async fn close(&self, linger: Duration) {
         each!(self, w => w.close(linger).await)
     }

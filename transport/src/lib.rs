@@ -393,6 +393,13 @@ pub trait Transport: Send + Sync + 'static {
     /// Stops the endpoint at once: pending and later operations fail with
     /// [`TransportError::Closed`], frames in flight may be lost. Idempotent.
     fn shutdown(&self);
+
+    /// Shared-memory lanes to every other rank, when every rank is on this
+    /// host and reached through shared memory: the collectives' host fast
+    /// path (see [`shm::lane`]). `None` otherwise.
+    fn host_lanes(&self) -> Option<Arc<shm::lane::HostLanes>> {
+        None
+    }
 }
 
 /// CPUs of this host that the job may use: the cgroup's cpuset if there is

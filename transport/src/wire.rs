@@ -208,6 +208,12 @@ pub trait Wire: Send + Sync + 'static {
     /// delivered: the wire's readers must not leave frames to it.
     fn going_to_sleep(&self) {}
 
+    /// The shared-memory lanes to the peers this wire reaches, for the
+    /// collectives' host fast path (`shm` only).
+    fn host_lanes(&self) -> Option<Arc<crate::shm::lane::HostLanes>> {
+        None
+    }
+
     /// Closes gracefully: frames already sent reach their peers, the peers
     /// are told, and the wire waits up to `linger` for them.
     fn close(&self, linger: Duration) -> impl Future<Output = ()> + Send + '_;

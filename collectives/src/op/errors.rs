@@ -12,7 +12,7 @@ use crate::CollectiveError;
 /// The abort an op error sends to the others, as (reason, offender); None
 /// for errors that concern no other rank (invalid arguments, shutdown, a
 /// failing local transport).
-pub(super) fn abort_reason(e: &CollectiveError, me: Rank) -> Option<(AbortReason, Rank)> {
+pub(crate) fn abort_reason(e: &CollectiveError, me: Rank) -> Option<(AbortReason, Rank)> {
     Some(match e {
         CollectiveError::Mismatch { ranks, .. } => {
             (AbortReason::Mismatch, ranks.get(1).copied().unwrap_or(me))

@@ -23,7 +23,7 @@
 //! it as an argument, so the machine can later run on memory it does not
 //! own (a caller's buffer, registered memory).
 
-mod errors;
+pub(crate) mod errors;
 #[cfg(test)]
 mod tests;
 

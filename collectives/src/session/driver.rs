@@ -9,11 +9,19 @@ use std::time::Duration;
 use kungfu_topology::Rank;
 use kungfu_transport::{FrameKind, Header, Instant, OpTag, Transport, TransportError};
 
+use std::sync::atomic::Ordering;
+
+use super::fast::{Drive, Fast};
+use super::opmem;
 use super::{lock, Callback, Inner, Memory, Session};
 use crate::abort::{Abort, AbortReason};
-use crate::OpSpec;
+use crate::names::check_name;
+use crate::{CollectiveError, OpSpec};
 
 impl<T: Transport> Session<T> {
+    /// Starts an op now (past the swap gate): on the host fast path if it
+    /// takes it (then returns what a waiting handle drives), else as a
+    /// task of its own.
     pub(super) fn start_now(
         &self,
         name: Arc<str>,
@@ -21,7 +29,11 @@ impl<T: Transport> Session<T> {
         mem: Memory,
         done: Callback,
         internal: bool,
-    ) {
+        waited: bool,
+    ) -> Option<Arc<dyn Drive>> {
+        if let Some(f) = self.fast_for(&spec) {
+            return self.start_fast(f, name, spec, mem, done, internal, waited);
+        }
         // The caller's memory outlives the error report: its release may be
         // how the caller learns that the op ended.
         let keep = match &mem {
@@ -31,9 +43,7 @@ impl<T: Transport> Session<T> {
         match self.prepare(name.clone(), spec, mem, internal) {
             Ok(mut op) => {
                 let inner = self.inner.clone();
-                inner
-                    .inflight
-                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                inner.inflight.fetch_add(1, Ordering::SeqCst);
                 lock(&inner.pending).insert(op.m.tag(), (name, std::time::Instant::now()));
                 // the op runs to its end on the transport it started on
                 let t = inner.transport();
@@ -41,10 +51,6 @@ impl<T: Transport> Session<T> {
                     let started = std::time::Instant::now();
                     let r = op.run(&inner, &t).await;
                     if r.is_ok() {
-                        lock(&inner.stats)
-                            .entry(op.m.strategy())
-                            .or_default()
-                            .add(op.m.spec().block_bytes().unwrap_or(0), started.elapsed());
                         let mut ps = lock(&inner.peer_stats);
                         for (p, a) in ps.iter_mut().zip(op.m.arrivals()) {
                             if a.frames > 0 {
@@ -56,18 +62,24 @@ impl<T: Transport> Session<T> {
                         }
                     }
                     let tag = op.m.tag();
-                    lock(&inner.pending).remove(&tag);
                     t.retire(tag);
                     lock(&inner.tombstones).insert(tag, op.m.digest(), *op.m.spec());
-                    lock(&inner.names).end(tag.op);
-                    done(r);
-                    if inner
-                        .inflight
-                        .fetch_sub(1, std::sync::atomic::Ordering::SeqCst)
-                        == 1
-                    {
-                        inner.drained.notify_waiters();
+                    let bytes = op.m.spec().block_bytes().unwrap_or(0);
+                    if let Some(tl) = &inner.config.timeline {
+                        trace_op(
+                            tl,
+                            op.m.name(),
+                            op.m.spec(),
+                            op.m.strategy(),
+                            "message",
+                            started,
+                            &r,
+                        );
                     }
+                    let ok = r
+                        .is_ok()
+                        .then(|| (op.m.strategy(), bytes, started.elapsed()));
+                    inner.end_op(tag, ok, done, r);
                 });
             }
             Err(e) => {
@@ -75,11 +87,163 @@ impl<T: Transport> Session<T> {
                 drop(keep);
             }
         }
+        None
+    }
+
+    /// Checks an op's name, spec and memory.
+    pub(super) fn check(
+        &self,
+        name: &Arc<str>,
+        spec: &OpSpec,
+        mem: &Memory,
+        internal: bool,
+    ) -> Result<(), CollectiveError> {
+        let n = self.size();
+        let invalid = |reason: String| CollectiveError::InvalidArgument {
+            name: name.clone(),
+            reason,
+        };
+        if !internal {
+            check_name(name).map_err(invalid)?;
+        }
+        spec.validate(n).map_err(invalid)?;
+        let (want, got, what) = match mem {
+            Memory::Input(input) => (spec.input_len(n), input.len(), "input"),
+            Memory::Region(r) => (spec.work_len(n), r.len(), "working"),
+        };
+        let want = want.expect("validated");
+        if got != want {
+            return Err(invalid(format!(
+                "{} needs {want} {what} bytes, got {got}",
+                spec.describe(),
+            )));
+        }
+        Ok(())
+    }
+
+    /// The op's working memory, laid out by [`OpSpec::init_work`].
+    pub(super) fn work_of(&self, spec: &OpSpec, mem: Memory) -> opmem::OpMem {
+        let (n, me) = (self.size(), self.rank());
+        match mem {
+            Memory::Input(input) => {
+                let mut work = self
+                    .inner
+                    .pool
+                    .take_vec(spec.work_len(n).expect("validated"));
+                spec.init_work_into(input, me, n, work.vec_mut());
+                opmem::OpMem::Plain(work)
+            }
+            Memory::Region(r) => opmem::OpMem::callers(r),
+        }
+    }
+
+    /// The fast path, if an op of `spec` takes it on the current transport.
+    fn fast_for(&self, spec: &OpSpec) -> Option<Arc<Fast<T>>> {
+        let t = self.inner.transport();
+        let mut cached = lock(&self.inner.fast);
+        let stale = cached
+            .as_ref()
+            .is_some_and(|f| f.as_ref().is_some_and(|f| !Arc::ptr_eq(f.transport(), &t)));
+        if cached.is_none() || stale {
+            *cached = Some(Fast::new(&t, self.inner.config.fast_max_bytes));
+        }
+        cached.clone().flatten().filter(|f| f.takes(spec))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn start_fast(
+        &self,
+        f: Arc<Fast<T>>,
+        name: Arc<str>,
+        spec: OpSpec,
+        mem: Memory,
+        done: Callback,
+        internal: bool,
+        waited: bool,
+    ) -> Option<Arc<dyn Drive>> {
+        let begun = self
+            .check(&name, &spec, &mem, internal)
+            .and_then(|()| lock(&self.inner.names).begin(&name));
+        let (op, seq) = match begun {
+            Ok(b) => b,
+            Err(e) => {
+                done(Err(e));
+                return None;
+            }
+        };
+        let tag = OpTag {
+            epoch: f.transport().epoch(),
+            op,
+            seq,
+        };
+        let work = self.work_of(&spec, mem);
+        let inner = self.inner.clone();
+        inner.inflight.fetch_add(1, Ordering::SeqCst);
+        lock(&inner.pending).insert(tag, (name.clone(), std::time::Instant::now()));
+        let op = f.op(inner, name, spec, tag, work, done);
+        f.start(op, waited);
+        waited.then_some(f as Arc<dyn Drive>)
+    }
+}
+
+/// The op's span on the timeline's `ops` row.
+pub(super) fn trace_op(
+    tl: &crate::timeline::Timeline,
+    name: &str,
+    spec: &OpSpec,
+    strategy: kungfu_topology::Strategy,
+    path: &str,
+    started: std::time::Instant,
+    r: &Result<super::OpOutput, crate::CollectiveError>,
+) {
+    let result = match r {
+        Ok(_) => "ok".to_string(),
+        Err(e) => e.to_string(),
+    };
+    let args = format!(
+        r#""op":"{}","bytes":{},"path":"{path}","strategy":"{}","result":{}"#,
+        spec.kind.name(),
+        spec.block_bytes().unwrap_or(0),
+        strategy.name(),
+        crate::timeline::Timeline::quoted(&result)
+    );
+    tl.span(
+        0,
+        name,
+        spec.kind.name(),
+        started,
+        std::time::Instant::now(),
+        &args,
+    );
+}
+
+impl<T: Transport> Inner<T> {
+    /// Book-keeping of an op that ended (`ok`: its strategy, bytes and
+    /// time), then its completion.
+    pub(super) fn end_op(
+        &self,
+        tag: OpTag,
+        ok: Option<(kungfu_topology::Strategy, usize, std::time::Duration)>,
+        done: Callback,
+        r: Result<super::OpOutput, crate::CollectiveError>,
+    ) {
+        if let Some((strategy, bytes, took)) = ok {
+            lock(&self.stats)
+                .entry(strategy)
+                .or_default()
+                .add(bytes, took);
+        }
+        lock(&self.pending).remove(&tag);
+        lock(&self.names).end(tag.op);
+        done(r);
+        if self.inflight.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.drained.notify_waiters();
+        }
     }
 }
 
 /// Sends `abort` for op `tag` to every other rank.
-fn send_aborts<T: Transport>(inner: &Inner<T>, tag: OpTag, digest: u32, abort: &Abort) {
+pub(super) fn send_aborts<T: Transport>(inner: &Inner<T>, tag: OpTag, digest: u32, abort: &Abort) {
     let t = &inner.transport();
     let me = t.rank();
     let payload = abort.encode();

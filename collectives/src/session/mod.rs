@@ -8,6 +8,7 @@
 //! op's last progress.
 
 mod driver;
+mod fast;
 mod opmem;
 mod output;
 mod plans;
@@ -66,10 +67,19 @@ pub struct SessionConfig {
     /// `KUNGFU_BUFFER_POOL_BYTES`, 256 MiB by default), so ops in the
     /// steady state allocate no buffer.
     pub max_inflight_bytes: usize,
+    /// Allreduce, broadcast and allgather of at most this many bytes per
+    /// rank take the host fast path when every rank is on this host and
+    /// reached through shared memory (`session/fast.rs`); capped at a
+    /// lane's slot (64 KiB, the default); 0: never. Every rank must use
+    /// the same value.
+    pub fast_max_bytes: usize,
+    /// Where ops record their phases ([`crate::timeline`]); `None`: off.
+    pub timeline: Option<Arc<crate::timeline::Timeline>>,
 }
 
 impl Default for SessionConfig {
-    /// `AUTO`, 1 MiB chunks, 60 s without progress, 64 MiB in flight.
+    /// `AUTO`, 1 MiB chunks, 60 s without progress, 64 MiB in flight,
+    /// the fast path up to 64 KiB.
     fn default() -> SessionConfig {
         SessionConfig {
             strategy: Strategy::Auto,
@@ -77,6 +87,8 @@ impl Default for SessionConfig {
             chunk_bytes: 1 << 20,
             op_timeout: Duration::from_secs(60),
             max_inflight_bytes: 64 << 20,
+            fast_max_bytes: kungfu_transport::shm::lane::SLOT_BYTES,
+            timeline: None,
         }
     }
 }
@@ -114,6 +126,9 @@ struct Inner<T> {
     pending: Mutex<HashMap<OpTag, (Arc<str>, std::time::Instant)>>,
     /// How long an op waits before the stall report lists it.
     stall_after: Mutex<Duration>,
+    /// The host fast path over the transport it was made for (made at the
+    /// first op that could take it; remade after a transport swap).
+    fast: Mutex<Option<Option<Arc<fast::Fast<T>>>>>,
 }
 
 impl<T> Inner<T> {
@@ -194,6 +209,7 @@ impl<T: Transport> Session<T> {
             gate: Mutex::new(SwapGate::default()),
             pending: Mutex::new(HashMap::new()),
             stall_after: Mutex::new(DEFAULT_STALL_TIMEOUT),
+            fast: Mutex::new(None),
         });
         inner.runtime.spawn(watch_strays(Arc::downgrade(&inner)));
         Ok(Session { inner })
@@ -323,14 +339,21 @@ impl<T: Transport> Session<T> {
     pub fn submit(&self, name: &str, spec: OpSpec, input: &[u8]) -> OpHandle<OpOutput> {
         let (tx, h) = OpHandle::pair();
         let done = Box::new(move |r| drop(tx.send(r)));
-        self.start(name.into(), spec, Memory::Input(input), done, false);
-        h
+        let d = self.start(name.into(), spec, Memory::Input(input), done, false, true);
+        h.driven(d)
     }
 
     /// Starts an op whose completion runs `callback` (once, with the final
     /// status) instead of completing a handle.
     pub fn submit_with_callback(&self, name: &str, spec: OpSpec, input: &[u8], callback: Callback) {
-        self.start(name.into(), spec, Memory::Input(input), callback, false);
+        self.start(
+            name.into(),
+            spec,
+            Memory::Input(input),
+            callback,
+            false,
+            false,
+        );
     }
 
     /// Starts an op that works in `work` itself, with no copy in or out:
@@ -355,8 +378,8 @@ impl<T: Transport> Session<T> {
     ) -> OpHandle<OpOutput> {
         let (tx, h) = OpHandle::pair();
         let done = Box::new(move |r| drop(tx.send(r)));
-        self.start(name.into(), spec, Memory::Region(work), done, false);
-        h
+        let d = self.start(name.into(), spec, Memory::Region(work), done, false, true);
+        h.driven(d)
     }
 
     /// [`Session::submit_in`], completing with `callback`.
@@ -367,7 +390,14 @@ impl<T: Transport> Session<T> {
         work: Arc<kungfu_transport::Region>,
         callback: Callback,
     ) {
-        self.start(name.into(), spec, Memory::Region(work), callback, false);
+        self.start(
+            name.into(),
+            spec,
+            Memory::Region(work),
+            callback,
+            false,
+            false,
+        );
     }
 
     fn typed<E: Element>(
@@ -385,8 +415,8 @@ impl<T: Transport> Session<T> {
         };
         let cb: Callback = Box::new(move |r| drop(tx.send(r.map(|o| o.to_vec::<E>()))));
         let input = Memory::Input(bytemuck::cast_slice(input));
-        self.start(name.into(), spec, input, cb, false);
-        h
+        let d = self.start(name.into(), spec, input, cb, false, true);
+        h.driven(d)
     }
 
     /// Every rank gets the reduction of every rank's `input`.
@@ -505,8 +535,8 @@ impl<T: Transport> Session<T> {
             count: 0,
         };
         let done = Box::new(move |r: Result<OpOutput, _>| drop(tx.send(r.map(|_| ()))));
-        self.start(name.into(), spec, Memory::Input(&[]), done, false);
-        h
+        let d = self.start(name.into(), spec, Memory::Input(&[]), done, false, true);
+        h.driven(d)
     }
 
     /// Whether every rank passed the same bytes (length included).
@@ -587,12 +617,12 @@ impl<T: Transport> Session<T> {
     ) -> OpHandle<OpOutput> {
         let (tx, h) = OpHandle::pair();
         let done = Box::new(move |r| drop(tx.send(r)));
-        if gated {
-            self.start_now(name.into(), spec, Memory::Input(input), done, true);
+        let d = if gated {
+            self.start_now(name.into(), spec, Memory::Input(input), done, true, true)
         } else {
-            self.start(name.into(), spec, Memory::Input(input), done, true);
-        }
-        h
+            self.start(name.into(), spec, Memory::Input(input), done, true, true)
+        };
+        h.driven(d)
     }
 
     fn invalid_err(&self, name: &str, reason: String) -> CollectiveError {
@@ -610,7 +640,17 @@ impl<T: Transport> Session<T> {
 
     /// Validates, plans and spawns one op. Errors before the spawn complete
     /// the callback at once. During a swap, the caller's ops wait for it.
-    fn start(&self, name: Arc<str>, spec: OpSpec, mem: Memory, done: Callback, internal: bool) {
+    /// `waited`: a handle will be waited on; an op on the fast path then
+    /// returns what that handle drives.
+    fn start(
+        &self,
+        name: Arc<str>,
+        spec: OpSpec,
+        mem: Memory,
+        done: Callback,
+        internal: bool,
+        waited: bool,
+    ) -> Option<Arc<dyn fast::Drive>> {
         let mut mem = Some(mem);
         let op = lock(&self.inner.gate).admit((name, done), |(name, done)| Deferred {
             name,
@@ -618,9 +658,13 @@ impl<T: Transport> Session<T> {
             memory: output::HeldMemory::of(mem.take().expect("admitted once")),
             done,
             internal,
+            since: std::time::Instant::now(),
         });
-        if let (Some((name, done)), Some(mem)) = (op, mem) {
-            self.start_now(name, spec, mem, done, internal);
+        match (op, mem) {
+            (Some((name, done)), Some(mem)) => {
+                self.start_now(name, spec, mem, done, internal, waited)
+            }
+            _ => None,
         }
     }
 
@@ -637,21 +681,7 @@ impl<T: Transport> Session<T> {
             name: name.clone(),
             reason,
         };
-        if !internal {
-            check_name(&name).map_err(invalid)?;
-        }
-        spec.validate(n).map_err(invalid)?;
-        let (want, got, what) = match &mem {
-            Memory::Input(input) => (spec.input_len(n), input.len(), "input"),
-            Memory::Region(r) => (spec.work_len(n), r.len(), "working"),
-        };
-        let want = want.expect("validated");
-        if got != want {
-            return Err(invalid(format!(
-                "{} needs {want} {what} bytes, got {got}",
-                spec.describe(),
-            )));
-        }
+        self.check(&name, &spec, &mem, internal)?;
         let configured = self.strategy();
         let cached = lock(&self.inner.plans).get(&spec, configured);
         let plans::Cached {
@@ -680,17 +710,7 @@ impl<T: Transport> Session<T> {
             }
         };
         let (op, seq) = lock(&self.inner.names).begin(&name)?;
-        let work = match mem {
-            Memory::Input(input) => {
-                let mut work = self
-                    .inner
-                    .pool
-                    .take_vec(spec.work_len(n).expect("validated"));
-                spec.init_work_into(input, me, n, work.vec_mut());
-                opmem::OpMem::Plain(work)
-            }
-            Memory::Region(r) => opmem::OpMem::callers(r),
-        };
+        let work = self.work_of(&spec, mem);
         let op = OpInstance {
             name,
             spec,
@@ -716,10 +736,23 @@ impl<T: Transport> Session<T> {
     /// when this worker is done, so frames its peers still need arrive.
     pub async fn close(&self, linger: Duration) {
         self.inner.transport().close(linger).await;
+        self.fail_fast_ops();
+        if let Some(tl) = &self.inner.config.timeline {
+            tl.flush();
+        }
+    }
+
+    /// Fails the fast path's ops in flight (the transport is gone).
+    fn fail_fast_ops(&self) {
+        let fast = lock(&self.inner.fast).clone().flatten();
+        if let Some(f) = fast {
+            f.fail_all();
+        }
     }
 
     /// Stops the transport at once: ops in flight and later fail.
     pub fn shutdown(&self) {
         self.inner.transport().shutdown();
+        self.fail_fast_ops();
     }
 }

@@ -126,17 +126,44 @@ pub type Callback = Box<dyn FnOnce(Result<OpOutput, CollectiveError>) + Send + '
 #[must_use = "an op handle does nothing unless awaited or waited on"]
 pub struct OpHandle<O> {
     rx: oneshot::Receiver<Result<O, CollectiveError>>,
+    /// The host fast path this op is on: waiting polls it (see
+    /// `session/fast.rs`), once; then the progress thread completes it.
+    fast: Option<Arc<dyn super::fast::Drive>>,
 }
 
 impl<O> OpHandle<O> {
     pub(crate) fn pair() -> (oneshot::Sender<Result<O, CollectiveError>>, OpHandle<O>) {
         let (tx, rx) = oneshot::channel();
-        (tx, OpHandle { rx })
+        (tx, OpHandle { rx, fast: None })
+    }
+
+    /// The handle of an op on the fast path `d` (if it is).
+    pub(super) fn driven(mut self, d: Option<Arc<dyn super::fast::Drive>>) -> OpHandle<O> {
+        self.fast = d;
+        self
     }
 
     /// Blocks the calling thread until the op completes. Panics if called
     /// on a thread that drives the tokio runtime (use `.await` there).
-    pub fn wait(self) -> Result<O, CollectiveError> {
+    pub fn wait(mut self) -> Result<O, CollectiveError> {
+        if let Some(d) = self.fast.take() {
+            let mut got = None;
+            let rx = &mut self.rx;
+            d.drive(&mut || match rx.try_recv() {
+                Ok(r) => {
+                    got = Some(r);
+                    true
+                }
+                Err(oneshot::error::TryRecvError::Empty) => false,
+                Err(oneshot::error::TryRecvError::Closed) => {
+                    got = Some(Err(CollectiveError::Closed));
+                    true
+                }
+            });
+            if let Some(r) = got {
+                return r;
+            }
+        }
         self.rx
             .blocking_recv()
             .unwrap_or(Err(CollectiveError::Closed))
@@ -156,7 +183,22 @@ impl<O> Future for OpHandle<O> {
     type Output = Result<O, CollectiveError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        Pin::new(&mut self.rx)
+        let this = &mut *self;
+        if let Some(d) = this.fast.take() {
+            let mut got = None;
+            let rx = &mut this.rx;
+            d.drive(&mut || match Pin::new(&mut *rx).poll(cx) {
+                Poll::Ready(r) => {
+                    got = Some(r);
+                    true
+                }
+                Poll::Pending => false,
+            });
+            if let Some(r) = got {
+                return Poll::Ready(r.unwrap_or(Err(CollectiveError::Closed)));
+            }
+        }
+        Pin::new(&mut this.rx)
             .poll(cx)
             .map(|r| r.unwrap_or(Err(CollectiveError::Closed)))
     }

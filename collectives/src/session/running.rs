@@ -30,6 +30,7 @@ use super::opmem::{lends_to, OpMem};
 use super::{Inner, OpOutput};
 use crate::op::{OpEvent, OpMachine, Transmit};
 use crate::plan::{ActionId, PlanError};
+use crate::timeline::OpTrace;
 use crate::CollectiveError;
 
 /// One op in flight: its machine and working memory (see [`OpMem`]).
@@ -154,6 +155,7 @@ impl RunningOp {
             Err(e) => m.handle_error(e),
         }
         let mut listen = m.listening().clone();
+        let mut trace = inner.config.timeline.as_ref().map(OpTrace::new);
         let mut sends = Sends::default();
         let mut scratch = Scratch::default();
         // Frames for backends that send from place once there is room
@@ -174,6 +176,9 @@ impl RunningOp {
                 match r {
                     Ok(false) => k += 1,
                     r => {
+                        if let (Some(tr), Ok(true)) = (&trace, &r) {
+                            tr.sent_now(to, &header, range.len());
+                        }
                         pending.remove(k);
                         m.handle_sent(Instant::now(), id, r.map(drop), work);
                     }
@@ -206,7 +211,12 @@ impl RunningOp {
                                 pending.push_back((id, to, header, range))
                             }
                             // The range is the wire's until the send is done.
-                            (Ok(false), Some(mem)) => sends.push(id, t.send_mem(to, header, mem)),
+                            (Ok(false), Some(mem)) => {
+                                if let Some(tr) = &mut trace {
+                                    tr.send(id, to, &header, range.len());
+                                }
+                                sends.push(id, t.send_mem(to, header, mem))
+                            }
                             (Ok(false), None) => {
                                 let mut copy = inner.pool.take(range.len());
                                 let copied =
@@ -216,9 +226,17 @@ impl RunningOp {
                                     break;
                                 }
                                 m.handle_copied(id, work);
+                                if let Some(tr) = &mut trace {
+                                    tr.send(id, to, &header, range.len());
+                                }
                                 sends.push(id, t.send(to, header, copy.freeze()));
                             }
-                            (r, _) => m.handle_sent(Instant::now(), id, r.map(drop), work),
+                            (r, _) => {
+                                if let (Some(tr), Ok(true)) = (&trace, &r) {
+                                    tr.sent_now(to, &header, range.len());
+                                }
+                                m.handle_sent(Instant::now(), id, r.map(drop), work)
+                            }
                         }
                     }
                     Transmit::Abort {
@@ -291,17 +309,38 @@ impl RunningOp {
                 // waits for anything.
                 biased;
                 (id, r) = std::future::poll_fn(|cx| sends.poll_next(cx)), if !sends.is_empty() => {
+                    if let Some(tr) = &mut trace {
+                        tr.sent(id);
+                    }
                     m.handle_sent(Instant::now(), id, r, work)
                 }
                 // Frames the machine can take now are applied straight from
                 // the transport's memory (shm: the ring); posted ones land
                 // in the working memory; anything else comes back owned.
                 r = t.recv_in_place(tag, &listen, recv_deadline, |from: Rank, h: &Header, parts: &[&[u8]]| {
-                    m.try_apply(Instant::now(), from, h, parts, work)
+                    let t0 = trace.is_some().then(std::time::Instant::now);
+                    let applied = m.try_apply(Instant::now(), from, h, parts, work);
+                    if let (Some(tr), Some(t0), true) = (&trace, t0, applied) {
+                        tr.recv(from, h, h.len as usize, "in place", t0);
+                    }
+                    applied
                 }) => match r {
                     Ok(Arrival::Applied) => {}
-                    Ok(Arrival::Frame(f)) => m.handle_frame(Instant::now(), f.from, &f.header, f.payload, work),
-                    Ok(Arrival::Landed { from, header }) => scratch.landed(m, from, &header, work),
+                    Ok(Arrival::Frame(f)) => {
+                        let t0 = std::time::Instant::now();
+                        let len = f.payload.len();
+                        m.handle_frame(Instant::now(), f.from, &f.header, f.payload, work);
+                        if let Some(tr) = &trace {
+                            tr.recv(f.from, &f.header, len, "owned", t0);
+                        }
+                    }
+                    Ok(Arrival::Landed { from, header }) => {
+                        let t0 = std::time::Instant::now();
+                        scratch.landed(m, from, &header, work);
+                        if let Some(tr) = &trace {
+                            tr.recv(from, &header, header.len as usize, "landed", t0);
+                        }
+                    }
                     Err(e @ TransportError::PeerLost { peer, .. }) => {
                         m.handle_peer_lost(Instant::now(), peer, e);
                         listen.clone_from(m.listening());

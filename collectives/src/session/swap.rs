@@ -18,6 +18,8 @@ pub(super) struct Deferred {
     pub(super) memory: super::output::HeldMemory,
     pub(super) done: Callback,
     pub(super) internal: bool,
+    /// When it began to wait (the timeline's `queued` span).
+    pub(super) since: std::time::Instant,
 }
 
 /// How many finished ops are remembered, to judge their late frames.
@@ -311,7 +313,18 @@ impl<T: Transport> Session<T> {
                 // another thread cannot overtake them.
                 let mut g = lock(&s.inner.gate);
                 for d in g.end() {
-                    s.start_now(d.name, d.spec, d.memory.as_memory(), d.done, d.internal);
+                    if let Some(tl) = &s.inner.config.timeline {
+                        let now = std::time::Instant::now();
+                        tl.span(0, &d.name, "queued", d.since, now, r#""phase":"queued""#);
+                    }
+                    drop(s.start_now(
+                        d.name,
+                        d.spec,
+                        d.memory.as_memory(),
+                        d.done,
+                        d.internal,
+                        false,
+                    ));
                 }
             }
         }

@@ -222,6 +222,9 @@ pub(crate) async fn bench(args: Args) -> anyhow::Result<bool> {
     if let Some(st) = args.strategy {
         env.strategy = st;
     }
+    if let Some(t) = &args.timeline {
+        env.timeline = Some(t.clone());
+    }
     let strategy = env.strategy;
     let w = Worker::start(env).await?;
     let s = w.session();

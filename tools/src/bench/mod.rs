@@ -120,6 +120,8 @@ pub(crate) struct Args {
     strategy: Option<Strategy>,
     json: Option<String>,
     plot: Option<String>,
+    /// `--timeline FILE`: as `KUNGFU_TIMELINE=FILE`.
+    timeline: Option<String>,
 }
 
 pub(crate) fn parse_args(a: &[String]) -> anyhow::Result<Option<Args>> {
@@ -154,6 +156,7 @@ pub(crate) fn parse_args(a: &[String]) -> anyhow::Result<Option<Args>> {
         strategy: None,
         json: None,
         plot: None,
+        timeline: None,
     };
     let mut i = 1;
     while i < a.len() {
@@ -178,6 +181,7 @@ pub(crate) fn parse_args(a: &[String]) -> anyhow::Result<Option<Args>> {
             "--strategy" => r.strategy = Some(v.parse()?),
             "--json" => r.json = Some(v.clone()),
             "--plot" => r.plot = Some(v.clone()),
+            "--timeline" => r.timeline = Some(v.clone()),
             "--transports" if swap_transport => {
                 r.swap_transports = Some(
                     v.split(',')

@@ -118,6 +118,9 @@ OP: allreduce | broadcast | allgather | reduce-scatter | reduce | alltoall
   --strategy S   override KUNGFU_STRATEGY
   --json FILE    write the results as JSON (rank 0)
   --plot FILE    draw busbw against size as SVG (rank 0)
+  --timeline F   write every rank's op phases as a Chrome trace, as
+                 KUNGFU_TIMELINE=F does (F.rankR.json per rank, or %r in F
+                 replaced by the rank); open in ui.perfetto.dev
 
 Output (rank 0): per size, time algbw busbw #wrong out of place and in
 place; #wrong counts the wrong elements of a checked op, in the column's

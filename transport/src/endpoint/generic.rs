@@ -287,6 +287,13 @@ impl<W: Wire> Transport for Endpoint<W> {
             w.shutdown();
         }
     }
+
+    fn host_lanes(&self) -> Option<Arc<crate::shm::lane::HostLanes>> {
+        self.wires.iter().find_map(|w| {
+            w.host_lanes()
+                .filter(|l| l.complete() && l.size() == self.size)
+        })
+    }
 }
 
 impl<W: Wire> Endpoint<W> {

@@ -12,7 +12,7 @@ use kungfu_topology::Rank;
 use memmap2::MmapMut;
 
 use super::hooks::{kill_point, Stage};
-use super::ring::{Ring, RingIdentity, CTL, SEAL_LEN};
+use super::ring::{file_len, Ring, RingIdentity, SEAL_LEN};
 use super::ShmConfig;
 use crate::handshake::{self, Hello};
 use crate::{ClusterVersion, Epoch, TransportError};
@@ -104,9 +104,9 @@ fn create_inbound(
         .open(&path)
         .map_err(|e| format!("create {}: {e}", path.display()))?;
     created.0.push(path.clone());
-    file.set_len((CTL + cap) as u64)
+    file.set_len(file_len(cap) as u64)
         .map_err(|e| format!("size {}: {e}", path.display()))?;
-    let map = map_file(&file, CTL + cap).map_err(|e| format!("map {}: {e}", path.display()))?;
+    let map = map_file(&file, file_len(cap)).map_err(|e| format!("map {}: {e}", path.display()))?;
     let ring = Ring::new(map, cap);
     let mut id = RingIdentity {
         cluster: cfg.cluster_id,
@@ -198,8 +198,8 @@ fn open_outbound(
     loop {
         if let Ok(file) = OpenOptions::new().read(true).write(true).open(&path) {
             let len = file.metadata().map(|m| m.len()).unwrap_or(0);
-            if len == (CTL + cap) as u64 {
-                let map = map_file(&file, CTL + cap)
+            if len == file_len(cap) as u64 {
+                let map = map_file(&file, file_len(cap))
                     .map_err(|e| format!("map {}: {e}", path.display()))?;
                 let ring = Ring::new(map, cap);
                 let ours = match ring.identity() {

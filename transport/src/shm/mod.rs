@@ -92,6 +92,7 @@ use crate::{ClusterVersion, Epoch, Header, Instant, OpTag, PeerSet, TransportErr
 mod files;
 mod hooks;
 mod io;
+pub mod lane;
 mod ring;
 
 pub use self::files::{remove_cluster_files, ring_file_prefix, RING_DIR};
@@ -202,6 +203,8 @@ pub struct ShmWire {
     frames: Arc<BufferPool>,
     /// The testing hook stops this process after its first frame sent.
     stop_after_send: Option<ShmConfig>,
+    /// The lanes beside the rings (the collectives' host fast path).
+    lanes: Arc<lane::HostLanes>,
 }
 
 impl Endpoint<ShmWire> {
@@ -328,7 +331,9 @@ impl ShmWire {
             spin: cfg.spin,
             oversubscribed,
         };
+        let lanes = Arc::new(lane::HostLanes::new(cfg.rank, &outbound, &inbound));
         let wire = ShmWire {
+            lanes,
             stop_after_send: stops_at(&cfg, Stage::Sent).then(|| cfg.clone()),
             max_frame: cfg.max_frame,
             matcher: matcher.clone(),
@@ -387,6 +392,10 @@ impl Wire for ShmWire {
 
     fn reaches(&self, peer: Rank) -> bool {
         self.outbound.get(peer.idx()).is_some_and(Option::is_some)
+    }
+
+    fn host_lanes(&self) -> Option<Arc<lane::HostLanes>> {
+        Some(self.lanes.clone())
     }
 
     fn pump(&self, tag: OpTag, from: &PeerSet, apply: Option<Apply<'_>>) -> Pump {

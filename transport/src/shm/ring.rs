@@ -47,13 +47,19 @@ use memmap2::MmapMut;
 
 /// v2: the cluster version (u64 at `OFF_VERSION`) joined the identity.
 /// v3: the seal (a nonce and a MAC keyed by the job secret, at
-/// `OFF_SEAL`).
-const MAGIC: u64 = u64::from_le_bytes(*b"KFSHMv3\0");
+/// `OFF_SEAL`). v4: the lane (`lane.rs`) after the data region.
+const MAGIC: u64 = u64::from_le_bytes(*b"KFSHMv4\0");
 /// Bytes of a ring's seal: a nonce, then the creator's MAC over the
 /// identity and the nonce (all zeros: unsealed, a job without a secret).
 pub(super) const SEAL_LEN: usize = 64;
 /// Bytes before the data region (control words on their own cache lines).
 pub(super) const CTL: usize = 4096;
+
+/// Bytes of a ring's file: the control page, `cap` data bytes, then the
+/// lane of small contributions (`lane.rs`).
+pub(super) const fn file_len(cap: usize) -> usize {
+    CTL + cap + super::lane::LANE_LEN
+}
 /// A ring's identity block, as its receiver wrote it at `init`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct RingIdentity {
@@ -159,7 +165,7 @@ enum Backing {
 
 /// One ring, mapped (or, in tests, on the heap).
 pub(super) struct Ring {
-    /// Start of the control page; `CTL + cap` bytes are valid from here
+    /// Start of the control page; `file_len(cap)` bytes are valid from here
     /// for as long as `mem` lives.
     base: NonNull<u8>,
     /// Private: every bound below is computed from it.
@@ -198,19 +204,19 @@ impl Drop for Ring {
 }
 
 impl Ring {
-    /// A ring over `map`, which must be `CTL + cap` bytes.
+    /// A ring over `map`, which must be `file_len(cap)` bytes.
     pub(super) fn new(mut map: MmapMut, cap: usize) -> Ring {
         // What makes every access below in bounds: checked, not assumed.
-        assert!(cap.is_power_of_two() && map.len() == CTL + cap);
+        assert!(cap.is_power_of_two() && map.len() == file_len(cap));
         let base = NonNull::new(map.as_mut_ptr()).expect("mappings are not null");
-        // SAFETY: `base` is the start of `map`, `CTL + cap` bytes (checked
+        // SAFETY: `base` is the start of `map`, `file_len(cap)` bytes (checked
         // above), which the ring will own.
         unsafe { Ring::over(base, cap, Backing::Map(map)) }
     }
 
     /// # Safety
     ///
-    /// `base` is the start of `CTL + cap` bytes of `mem`, aligned to a page,
+    /// `base` is the start of `file_len(cap)` bytes of `mem`, aligned to a page,
     /// that stay valid and in place until the ring is dropped; `cap` is a
     /// power of two.
     unsafe fn over(base: NonNull<u8>, cap: usize, mem: Backing) -> Ring {
@@ -227,11 +233,11 @@ impl Ring {
     #[cfg(test)]
     pub(super) fn heap(cap: usize) -> Ring {
         assert!(cap.is_power_of_two());
-        let layout = std::alloc::Layout::from_size_align(CTL + cap, 4096).expect("layout");
+        let layout = std::alloc::Layout::from_size_align(file_len(cap), 4096).expect("layout");
         // SAFETY: the layout has a non-zero size.
         let p = unsafe { std::alloc::alloc_zeroed(layout) };
         let base = NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        // SAFETY: `p` is `CTL + cap` bytes, 4096-aligned, freed only in
+        // SAFETY: `p` is `file_len(cap)` bytes, 4096-aligned, freed only in
         // `drop` with this layout; `cap` is a power of two (checked above).
         unsafe { Ring::over(base, cap, Backing::Heap(layout)) }
     }
@@ -271,8 +277,16 @@ impl Ring {
     }
 
     fn data(&self) -> *mut u8 {
-        // SAFETY: CTL is within the memory (its length is CTL + cap).
+        // SAFETY: CTL is within the memory (its length is file_len(cap)).
         unsafe { self.base.as_ptr().add(CTL) }
+    }
+
+    /// Start of the lane: `lane::LANE_LEN` bytes, 4096-aligned (`CTL` and
+    /// `cap` are multiples of a page), valid as long as the ring.
+    pub(super) fn lane(&self) -> NonNull<u8> {
+        // SAFETY: CTL + cap is within the memory (its length is
+        // file_len(cap) = CTL + cap + LANE_LEN).
+        unsafe { NonNull::new_unchecked(self.base.as_ptr().add(CTL + self.cap)) }
     }
 
     /// Receiver, at creation: writes the ring's identity, the magic last

@@ -1,0 +1,255 @@
+//! The host fast path (small ops through the shared-memory lanes): exact
+//! results, any order of issue past the lanes' window, callbacks with no
+//! waiter, and clear errors for mismatched, missing and lost ranks.
+
+use std::time::Duration;
+
+use kungfu_collectives::{
+    reference, CollectiveError, DType, OpKind, OpSpec, ReduceOp, Session, SessionConfig,
+};
+use kungfu_tests::shm_cluster;
+use kungfu_topology::{PeerList, Rank, Strategy};
+use kungfu_transport::shm::lane::{SLOTS, SLOT_BYTES};
+use kungfu_transport::shm::ShmTransport;
+
+/// Rings of 4 MiB, the default (frames of the message path must fit).
+async fn sessions(n: usize, cfg: SessionConfig) -> Vec<Session<ShmTransport>> {
+    shm_cluster(n, 4 << 20)
+        .await
+        .into_iter()
+        .map(|t| Session::new(t, PeerList::local(n), cfg.clone()).unwrap())
+        .collect()
+}
+
+/// The fast path on, up to a whole slot.
+fn fast() -> SessionConfig {
+    SessionConfig {
+        fast_max_bytes: SLOT_BYTES,
+        ..SessionConfig::default()
+    }
+}
+
+fn ring() -> SessionConfig {
+    SessionConfig {
+        strategy: Strategy::Ring,
+        ..fast()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_ops_are_exact_and_take_the_fast_path() {
+    let n = 3;
+    let ss = sessions(n, ring()).await;
+    let kinds = [
+        OpKind::Allreduce(ReduceOp::Sum),
+        OpKind::Allreduce(ReduceOp::Max),
+        OpKind::Broadcast { root: Rank(2) },
+        OpKind::Allgather,
+    ];
+    for (k, kind) in kinds.iter().enumerate() {
+        for (dtype, count) in [(DType::F32, 0), (DType::F32, 1), (DType::F64, 1000)]
+            .into_iter()
+            .chain([(DType::BF16, SLOT_BYTES / 2), (DType::U8, SLOT_BYTES + 1)])
+        {
+            let spec = OpSpec {
+                kind: *kind,
+                dtype,
+                count,
+            };
+            let inputs = reference::inputs(&spec, n);
+            let name = format!("k{k}/{dtype}/{count}");
+            let hs: Vec<_> = ss
+                .iter()
+                .enumerate()
+                .map(|(r, s)| s.submit(&name, spec, &inputs[r]))
+                .collect();
+            for (r, h) in hs.into_iter().enumerate() {
+                let out = h.await.unwrap_or_else(|e| panic!("{name}: {e}"));
+                assert!(
+                    out.bytes().map(<[u8]>::to_vec) == reference::expected(&spec, r, &inputs),
+                    "{name}: rank {r} wrong"
+                );
+                // the fast path runs every rank's block to every rank
+                let fast = count * dtype.size() <= SLOT_BYTES;
+                let want = if fast {
+                    Strategy::Clique
+                } else {
+                    Strategy::Ring
+                };
+                assert_eq!(out.strategy(), want, "{name}");
+            }
+        }
+    }
+}
+
+/// Rank 0 issues 4 windows' worth of ops in one order, rank 1 in the
+/// reverse order, waiting on each before the next: the lanes spill and
+/// every op completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reversed_issue_order_past_the_window_completes() {
+    let ss = sessions(2, fast()).await;
+    let m = 4 * SLOTS;
+    let mut first = Vec::new();
+    for i in 0..m {
+        first.push(ss[0].allreduce(&format!("o{i}"), &[i as f32, 1.0], ReduceOp::Sum));
+    }
+    for i in (0..m).rev() {
+        let v = ss[1]
+            .allreduce(&format!("o{i}"), &[i as f32, 2.0], ReduceOp::Sum)
+            .await
+            .unwrap();
+        assert_eq!(v, vec![2.0 * i as f32, 3.0]);
+    }
+    for (i, h) in first.into_iter().enumerate() {
+        assert_eq!(h.await.unwrap(), vec![2.0 * i as f32, 3.0]);
+    }
+}
+
+/// Ops started with a callback and never waited on complete through the
+/// progress thread, interleaved with large ops on the message path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callbacks_complete_without_a_waiter_beside_large_ops() {
+    let n = 2;
+    let ss = sessions(n, fast()).await;
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let big = vec![1.0f32; 100_000];
+    let mut larges = Vec::new();
+    for round in 0..20 {
+        for (r, s) in ss.iter().enumerate() {
+            let tx = tx.clone();
+            let spec = OpSpec {
+                kind: OpKind::Allreduce(ReduceOp::Sum),
+                dtype: DType::U32,
+                count: 1,
+            };
+            let input = (r as u32 + round).to_le_bytes();
+            s.submit_with_callback(
+                &format!("cb{round}"),
+                spec,
+                &input,
+                Box::new(move |out| drop(tx.send((round, out.map(|o| o.to_vec::<u32>()))))),
+            );
+            larges.push(s.allreduce(&format!("big{round}"), &big, ReduceOp::Sum));
+        }
+    }
+    drop(tx);
+    let mut got = 0;
+    while let Some((round, out)) = tokio::time::timeout(Duration::from_secs(30), rx.recv())
+        .await
+        .expect("a callback within 30 s")
+    {
+        assert_eq!(out.unwrap(), vec![1 + 2 * round]);
+        got += 1;
+    }
+    assert_eq!(got, 2 * 20);
+    for h in larges {
+        assert!(h.await.unwrap().iter().all(|&x| x == 2.0));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mismatched_missing_and_lost_ranks_are_clear_errors() {
+    let cfg = SessionConfig {
+        op_timeout: Duration::from_millis(600),
+        ..fast()
+    };
+    let ss = sessions(3, cfg).await;
+    // the same name with another count: a mismatch on both sides
+    let a = ss[0].allreduce("m", &[1.0f32; 4], ReduceOp::Sum);
+    let b = ss[1].allreduce("m", &[1.0f32; 5], ReduceOp::Sum);
+    let c = ss[2].allreduce("m", &[1.0f32; 4], ReduceOp::Sum);
+    let (a, b, c) = (a.await, b.await, c.await);
+    assert!(matches!(b, Err(CollectiveError::Mismatch { .. })), "{b:?}");
+    for r in [a, c] {
+        assert!(matches!(r, Err(CollectiveError::Mismatch { .. })), "{r:?}");
+    }
+    // a rank that never joins: a timeout naming it, or the abort of the
+    // rank that timed out first, saying why
+    let a = ss[0].barrier("late");
+    let b = ss[1].barrier("late");
+    let mut timed_out = 0;
+    for r in [a.await, b.await] {
+        match r {
+            Err(CollectiveError::Timeout { waiting, .. }) => {
+                assert_eq!(waiting, vec![Rank(2)]);
+                timed_out += 1;
+            }
+            Err(CollectiveError::Aborted { reason, .. }) => {
+                assert!(reason.contains("timed out waiting for rank 2"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(timed_out >= 1);
+    // a rank that is gone: its peers fail at once, naming it
+    ss[2].shutdown();
+    let t = std::time::Instant::now();
+    let r = ss[0].allreduce("gone", &[1u8], ReduceOp::Max).await;
+    assert!(
+        matches!(
+            &r,
+            Err(CollectiveError::PeerLost { peer: Rank(2), .. })
+                | Err(CollectiveError::Transport { .. })
+        ),
+        "{r:?}"
+    );
+    assert!(
+        t.elapsed() < Duration::from_millis(600),
+        "{:?}",
+        t.elapsed()
+    );
+}
+
+/// `fast_max_bytes: 0` keeps every op on the message path, with the same
+/// results.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fast_path_can_be_turned_off() {
+    let cfg = SessionConfig {
+        fast_max_bytes: 0,
+        strategy: Strategy::Star,
+        ..SessionConfig::default()
+    };
+    let ss = sessions(2, cfg).await;
+    let (a, b) = (
+        ss[0].allreduce("x", &[1.5f64], ReduceOp::Sum),
+        ss[1].allreduce("x", &[2.0f64], ReduceOp::Sum),
+    );
+    assert_eq!(a.await.unwrap(), vec![3.5]);
+    assert_eq!(b.await.unwrap(), vec![3.5]);
+    let spec = OpSpec {
+        kind: OpKind::Allreduce(ReduceOp::Sum),
+        dtype: DType::F32,
+        count: 1,
+    };
+    let h = ss[0].submit("y", spec, &[0; 4]);
+    let h1 = ss[1].submit("y", spec, &[0; 4]);
+    assert_eq!(h.await.unwrap().strategy(), Strategy::Star);
+    drop(h1.await);
+}
+
+/// A rank on the message path and one on the fast path for the same op
+/// (their settings differ): the frame that reaches the fast rank names the
+/// mismatch, and its abort tells the other rank; neither hangs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_on_the_other_path_is_a_mismatch() {
+    let ts = shm_cluster(2, 4 << 20).await;
+    let cfgs = [
+        fast(),
+        SessionConfig {
+            fast_max_bytes: 0,
+            ..SessionConfig::default()
+        },
+    ];
+    let ss: Vec<_> = ts
+        .into_iter()
+        .zip(cfgs)
+        .map(|(t, c)| Session::new(t, PeerList::local(2), c).unwrap())
+        .collect();
+    let t = std::time::Instant::now();
+    let a = ss[0].allreduce("split", &[1.0f32; 8], ReduceOp::Sum);
+    let b = ss[1].allreduce("split", &[1.0f32; 8], ReduceOp::Sum);
+    for r in [a.await, b.await] {
+        assert!(matches!(r, Err(CollectiveError::Mismatch { .. })), "{r:?}");
+    }
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+}
