@@ -107,3 +107,48 @@ async fn frames_applied_from_wrapping_rings_stay_exact() {
     let lent: u64 = ss.iter().map(|s| s.transport().frames_lent()).sum();
     assert!(lent > 0, "no frame was consumed in place");
 }
+
+/// Chunks larger than a ring (1 MiB chunks, 64 KiB rings): such a frame
+/// can never go whole, so it is streamed by the writer thread instead of
+/// waiting for room it will never have (these ops used to hang).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_larger_than_the_ring_are_streamed() {
+    let n = 3;
+    let ss: Vec<_> = shm_cluster(n, 64 << 10)
+        .await
+        .into_iter()
+        .map(|t| {
+            let cfg = SessionConfig {
+                op_timeout: std::time::Duration::from_secs(20),
+                ..SessionConfig::default()
+            };
+            Session::new(t, PeerList::local(n), cfg).unwrap()
+        })
+        .collect();
+    let kinds = [
+        OpKind::Broadcast { root: Rank(2) },
+        OpKind::Allreduce(ReduceOp::Sum),
+        OpKind::Allgather,
+    ];
+    for (k, kind) in kinds.into_iter().enumerate() {
+        let spec = OpSpec {
+            kind,
+            dtype: DType::F32,
+            count: 100_000,
+        };
+        let inputs = reference::inputs(&spec, n);
+        let name = format!("big{k}");
+        let hs: Vec<_> = ss
+            .iter()
+            .enumerate()
+            .map(|(r, s)| s.submit(&name, spec, &inputs[r]))
+            .collect();
+        for (r, h) in hs.into_iter().enumerate() {
+            let out = h.await.unwrap_or_else(|e| panic!("{kind:?}: {e}"));
+            assert!(
+                out.bytes().map(<[u8]>::to_vec) == reference::expected(&spec, r, &inputs),
+                "{kind:?}: rank {r} wrong"
+            );
+        }
+    }
+}

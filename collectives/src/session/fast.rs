@@ -313,7 +313,9 @@ impl<T: Transport> Fast<T> {
         if self.oversubscribed {
             std::thread::yield_now();
         } else {
-            for _ in 0..32 {
+            // A pause instruction takes up to ~140 cycles on recent x86: a
+            // few between polls, or the wait itself becomes the latency.
+            for _ in 0..2 {
                 std::hint::spin_loop();
             }
         }

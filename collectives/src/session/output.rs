@@ -118,6 +118,27 @@ impl OpOutput {
 }
 
 /// A completion callback: runs once, on a runtime thread, with the result.
+/// Drives the fast path `d` until `rx` has the op's result (`None`: it
+/// handed over to the progress thread first).
+fn drive_until_done<O>(
+    d: &dyn super::fast::Drive,
+    rx: &mut oneshot::Receiver<Result<O, CollectiveError>>,
+) -> Option<Result<O, CollectiveError>> {
+    let mut got = None;
+    d.drive(&mut || match rx.try_recv() {
+        Ok(r) => {
+            got = Some(r);
+            true
+        }
+        Err(oneshot::error::TryRecvError::Empty) => false,
+        Err(oneshot::error::TryRecvError::Closed) => {
+            got = Some(Err(CollectiveError::Closed));
+            true
+        }
+    });
+    got
+}
+
 pub type Callback = Box<dyn FnOnce(Result<OpOutput, CollectiveError>) + Send + 'static>;
 
 /// A pending op. Await it, or [`OpHandle::wait`] for it from a thread that
@@ -147,20 +168,7 @@ impl<O> OpHandle<O> {
     /// on a thread that drives the tokio runtime (use `.await` there).
     pub fn wait(mut self) -> Result<O, CollectiveError> {
         if let Some(d) = self.fast.take() {
-            let mut got = None;
-            let rx = &mut self.rx;
-            d.drive(&mut || match rx.try_recv() {
-                Ok(r) => {
-                    got = Some(r);
-                    true
-                }
-                Err(oneshot::error::TryRecvError::Empty) => false,
-                Err(oneshot::error::TryRecvError::Closed) => {
-                    got = Some(Err(CollectiveError::Closed));
-                    true
-                }
-            });
-            if let Some(r) = got {
+            if let Some(r) = drive_until_done(&*d, &mut self.rx) {
                 return r;
             }
         }
@@ -185,17 +193,11 @@ impl<O> Future for OpHandle<O> {
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = &mut *self;
         if let Some(d) = this.fast.take() {
-            let mut got = None;
-            let rx = &mut this.rx;
-            d.drive(&mut || match Pin::new(&mut *rx).poll(cx) {
-                Poll::Ready(r) => {
-                    got = Some(r);
-                    true
-                }
-                Poll::Pending => false,
-            });
-            if let Some(r) = got {
-                return Poll::Ready(r.unwrap_or(Err(CollectiveError::Closed)));
+            // `try_recv`, not `poll`: a poll spends the task's cooperative
+            // budget, and once it is spent it says Pending however ready
+            // the value is, so the spin would run out its time for nothing.
+            if let Some(r) = drive_until_done(&*d, &mut this.rx) {
+                return Poll::Ready(r);
             }
         }
         Pin::new(&mut this.rx)

@@ -424,6 +424,22 @@ impl Wire for ShmWire {
         let ring = route.ok_or(TransportError::NoSuchPeer { peer: to, size })?;
         header.len = payload.len() as u64;
         let h = header.encode();
+        if h.len() + payload.len() > ring.capacity() {
+            // It would never fit whole, so holding it for later would hold
+            // it for ever: the writer thread streams a copy through the
+            // ring (in order with the frames queued to it; frames are
+            // matched by key, not position). Its failure means the peer
+            // is gone, which the op hears of as a lost peer.
+            let size = self.writers.len();
+            let w = self.writers.get(to.idx()).and_then(Option::as_ref);
+            let w = w.ok_or(TransportError::NoSuchPeer { peer: to, size })?;
+            let mut copy = self.frames.take(payload.len());
+            copy.as_mut().copy_from_slice(payload);
+            let (done, _) = oneshot::channel();
+            w.send(WriterMsg::Frame(h, copy.freeze(), done))
+                .map_err(|_| TransportError::Closed)?;
+            return Ok(true);
+        }
         let Some(frame) = ring.try_producer() else {
             return Ok(false); // a frame is half written by the writer thread
         };

@@ -281,6 +281,12 @@ impl Ring {
         unsafe { self.base.as_ptr().add(CTL) }
     }
 
+    /// Data bytes of the ring: a frame (header included) larger than this
+    /// never goes whole; the writer thread streams it.
+    pub(super) fn capacity(&self) -> usize {
+        self.cap
+    }
+
     /// Start of the lane: `lane::LANE_LEN` bytes, 4096-aligned (`CTL` and
     /// `cap` are multiples of a page), valid as long as the ring.
     pub(super) fn lane(&self) -> NonNull<u8> {
