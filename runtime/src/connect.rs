@@ -49,6 +49,7 @@ pub(crate) async fn connect(
             strategy: env.strategy,
             chunk_bytes: env.chunk_bytes,
             fast_max_bytes: env.fast_max_bytes,
+            fast_large: env.fast_large,
             auto: env.auto,
             op_timeout: env.op_timeout,
             ..SessionConfig::default()

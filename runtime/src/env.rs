@@ -147,6 +147,10 @@ pub struct WorkerEnv {
     /// most a lane's slot holds; 0: off). See
     /// `kungfu_collectives::SessionConfig::fast_max_bytes`.
     pub fast_max_bytes: usize,
+    /// Larger ops of one host move their bytes by cross-memory attach
+    /// (`KUNGFU_FAST_LARGE=1`; 0, through the rings, by default). See
+    /// `kungfu_collectives::SessionConfig::fast_large`.
+    pub fast_large: bool,
     /// Write a Chrome trace of every op's phases here
     /// (`KUNGFU_TIMELINE=FILE`; see `kungfu_collectives::timeline` for the
     /// file of each rank); `None`: off.
@@ -423,6 +427,7 @@ impl WorkerEnv {
             chunk_bytes,
             fast_max_bytes,
             timeline: get("KUNGFU_TIMELINE").filter(|v| !v.is_empty()),
+            fast_large: bytes("KUNGFU_FAST_LARGE", 0)? != 0,
             buffer_pool_bytes,
         })
     }

@@ -9,6 +9,7 @@ use kungfu_collectives::{
 };
 use kungfu_tests::shm_cluster;
 use kungfu_topology::{PeerList, Rank, Strategy};
+use kungfu_transport::shm::cma;
 use kungfu_transport::shm::lane::{SLOTS, SLOT_BYTES};
 use kungfu_transport::shm::ShmTransport;
 
@@ -21,10 +22,12 @@ async fn sessions(n: usize, cfg: SessionConfig) -> Vec<Session<ShmTransport>> {
         .collect()
 }
 
-/// The fast path on, up to a whole slot.
+/// The fast path on, up to a whole slot, and larger ops by cross-memory
+/// attach.
 fn fast() -> SessionConfig {
     SessionConfig {
         fast_max_bytes: SLOT_BYTES,
+        fast_large: true,
         ..SessionConfig::default()
     }
 }
@@ -70,7 +73,8 @@ async fn small_ops_are_exact_and_take_the_fast_path() {
                     "{name}: rank {r} wrong"
                 );
                 // the fast path runs every rank's block to every rank
-                let fast = count * dtype.size() <= SLOT_BYTES;
+                // (larger ops by cross-memory attach, where permitted)
+                let fast = count * dtype.size() <= SLOT_BYTES || cma::available();
                 let want = if fast {
                     Strategy::Clique
                 } else {
@@ -252,4 +256,88 @@ async fn a_rank_on_the_other_path_is_a_mismatch() {
         assert!(matches!(r, Err(CollectiveError::Mismatch { .. })), "{r:?}");
     }
     assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+}
+
+/// Large ops by cross-memory attach: every kind, sizes that do not split
+/// evenly, several in flight in different orders, the caller's own memory
+/// (in place), against the reference and the message path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_ops_by_cross_memory_attach_are_exact() {
+    assert!(cma::available(), "process_vm_readv is not permitted here");
+    let n = 3;
+    let ss = sessions(n, fast()).await;
+    let kinds = [
+        OpKind::Allreduce(ReduceOp::Sum),
+        OpKind::Allreduce(ReduceOp::Avg),
+        OpKind::Allreduce(ReduceOp::Min),
+        OpKind::Broadcast { root: Rank(1) },
+        OpKind::Allgather,
+    ];
+    for (k, kind) in kinds.iter().enumerate() {
+        for count in [SLOT_BYTES / 4 + 1, 300_001] {
+            let spec = OpSpec {
+                kind: *kind,
+                dtype: DType::F32,
+                count,
+            };
+            let inputs = reference::inputs(&spec, n);
+            // two ops in flight, issued in opposite orders on odd ranks
+            let names = [format!("L{k}/{count}/a"), format!("L{k}/{count}/b")];
+            let mut hs = Vec::new();
+            for (r, s) in ss.iter().enumerate() {
+                let order: Vec<usize> = if r % 2 == 0 { vec![0, 1] } else { vec![1, 0] };
+                for i in order {
+                    hs.push((r, i, s.submit(&names[i], spec, &inputs[r])));
+                }
+            }
+            for (r, i, h) in hs {
+                let out = h.await.unwrap_or_else(|e| panic!("{}: {e}", names[i]));
+                assert_eq!(out.strategy(), Strategy::Clique);
+                assert!(
+                    out.bytes().map(<[u8]>::to_vec) == reference::expected(&spec, r, &inputs),
+                    "{}: rank {r} wrong",
+                    names[i]
+                );
+            }
+        }
+    }
+    // in place, in the callers' memory
+    let mut bufs: Vec<Vec<f64>> = (0..n).map(|r| vec![r as f64 + 0.5; 100_000]).collect();
+    let futs: Vec<_> = ss
+        .iter()
+        .zip(bufs.iter_mut())
+        .map(|(s, b)| s.allreduce_in_place("inplace", b, ReduceOp::Sum))
+        .collect();
+    for r in futures_join(futs).await {
+        r.unwrap();
+    }
+    for b in &bufs {
+        assert!(b.iter().all(|&x| x == 0.5 + 1.5 + 2.5));
+    }
+}
+
+async fn futures_join<F: std::future::Future>(fs: Vec<F>) -> Vec<F::Output> {
+    let mut out = Vec::new();
+    let mut pinned: Vec<_> = fs.into_iter().map(Box::pin).collect();
+    // all must run together: poll them round-robin until each is done
+    let mut done: Vec<Option<F::Output>> = pinned.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut all = true;
+        for (f, d) in pinned.iter_mut().zip(done.iter_mut()) {
+            if d.is_none() {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => *d = Some(v),
+                    std::task::Poll::Pending => all = false,
+                }
+            }
+        }
+        if all {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+    out.extend(done.into_iter().map(|d| d.expect("done")));
+    out
 }

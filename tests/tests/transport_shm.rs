@@ -142,7 +142,7 @@ async fn a_missing_peer_fails_the_connect_cleanly() {
 /// Frames that fit the ring go straight from the caller's bytes; larger
 /// ones are refused by `try_send_now` (the caller falls back to `send`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn try_send_now_writes_what_fits() {
+async fn try_send_now_writes_what_fits_and_streams_what_never_fits() {
     let ts = shm_cluster(2, 4096).await;
     let from0: PeerSet = [Rank(0)].into_iter().collect();
     assert!(ts[0]
@@ -150,9 +150,13 @@ async fn try_send_now_writes_what_fits() {
         .unwrap());
     let f = ts[1].recv(tag(1), &from0, soon()).await.unwrap();
     assert_eq!(&f.payload[..], b"direct");
-    assert!(!ts[0]
-        .try_send_now(Rank(1), data(tag(2)), &[0u8; 8192])
+    // a frame larger than the ring can never go whole: it is taken, and
+    // streamed through the ring by the writer thread, not left waiting
+    assert!(ts[0]
+        .try_send_now(Rank(1), data(tag(2)), &[7u8; 8192])
         .unwrap());
+    let f = ts[1].recv(tag(2), &from0, soon()).await.unwrap();
+    assert_eq!(&f.payload[..], &[7u8; 8192][..]);
     assert!(matches!(
         ts[0].try_send_now(Rank(5), data(tag(3)), b"x"),
         Err(TransportError::NoSuchPeer { .. })

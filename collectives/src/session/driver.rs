@@ -145,7 +145,8 @@ impl<T: Transport> Session<T> {
             .as_ref()
             .is_some_and(|f| f.as_ref().is_some_and(|f| !Arc::ptr_eq(f.transport(), &t)));
         if cached.is_none() || stale {
-            *cached = Some(Fast::new(&t, self.inner.config.fast_max_bytes));
+            let c = &self.inner.config;
+            *cached = Some(Fast::new(&t, c.fast_max_bytes, c.fast_large));
         }
         cached.clone().flatten().filter(|f| f.takes(spec))
     }

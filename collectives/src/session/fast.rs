@@ -36,6 +36,8 @@
 //! root) differs from this rank's fails the op as a mismatch naming both
 //! ranks.
 
+mod large;
+
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
@@ -79,6 +81,8 @@ pub(super) struct Fast<T> {
     zero: Instant,
     oversubscribed: bool,
     max_bytes: usize,
+    /// Larger ops go through cross-memory attach (see `large.rs`).
+    large: bool,
 }
 
 struct State<T> {
@@ -91,6 +95,11 @@ pub(super) struct FastOp<T> {
     name: Arc<str>,
     spec: OpSpec,
     tag: OpTag,
+    /// The tag its lane messages carry now (a large op's phase's).
+    lane_tag: OpTag,
+    lane_rank: Rank,
+    /// A large op (cross-memory attach): its phase and the peers' buffers.
+    large: Option<large::Large>,
     digest: u32,
     work: OpMem,
     /// An allreduce's own input on a rank other than 0 (the work buffer
@@ -150,7 +159,7 @@ fn digest(spec: &OpSpec) -> u32 {
 impl<T: Transport> Fast<T> {
     /// The fast path over `t`, if every rank is reached through its
     /// lanes; `max_bytes` caps the ops it takes (0: none).
-    pub(super) fn new(t: &Arc<T>, max_bytes: usize) -> Option<Arc<Fast<T>>> {
+    pub(super) fn new(t: &Arc<T>, max_bytes: usize, large: bool) -> Option<Arc<Fast<T>>> {
         let lanes = t.host_lanes()?;
         if max_bytes == 0 || t.size() < 2 || t.size() > 64 {
             return None;
@@ -164,6 +173,7 @@ impl<T: Transport> Fast<T> {
             zero: Instant::now(),
             oversubscribed: t.size() > kungfu_transport::host_cpus(),
             max_bytes: max_bytes.min(SLOT_BYTES),
+            large: large && kungfu_transport::shm::cma::available(),
         });
         let weak = Arc::downgrade(&f);
         let spawned = std::thread::Builder::new()
@@ -183,7 +193,13 @@ impl<T: Transport> Fast<T> {
             spec.kind,
             OpKind::Allreduce(_) | OpKind::Broadcast { .. } | OpKind::Allgather
         );
-        kind && spec.block_bytes().is_some_and(|b| b <= self.max_bytes)
+        kind && spec
+            .block_bytes()
+            .is_some_and(|b| b <= self.max_bytes || self.large)
+    }
+
+    fn others(&self) -> u64 {
+        ((1u128 << self.t.size()) - 1) as u64 & !(1 << self.t.rank().0)
     }
 
     /// An op for [`Fast::start`]; `work` is laid out by
@@ -219,12 +235,16 @@ impl<T: Transport> Fast<T> {
             }
         };
         let now = Instant::now();
-        FastOp {
+        let large = b > self.max_bytes;
+        let mut op = FastOp {
             inner,
             name,
             digest: digest(&spec),
             spec,
             tag,
+            lane_tag: tag,
+            lane_rank: me,
+            large: None,
             work,
             mine,
             contrib,
@@ -237,7 +257,11 @@ impl<T: Transport> Fast<T> {
             last: now,
             checked: now,
             done: Some(done),
+        };
+        if large {
+            large::Large::start(&mut op, others);
         }
+        op
     }
 
     /// Posts the op's contribution and runs it as far as it goes now;
@@ -348,10 +372,10 @@ impl<T: Transport> Fast<T> {
         let r = (|| {
             for p in bits(op.unposted) {
                 let posted = match (&op.mine, &op.contrib) {
-                    (Some(m), _) => l.post(p, op.tag, op.digest, m),
+                    (Some(m), _) => l.post(p, op.lane_tag, op.digest, m),
                     (None, Some(r)) => op
                         .work
-                        .read(r.clone(), |b| l.post(p, op.tag, op.digest, b))
+                        .read(r.clone(), |b| l.post(p, op.lane_tag, op.digest, b))
                         .unwrap_or(Ok(false)),
                     (None, None) => Ok(true),
                 };
@@ -365,7 +389,7 @@ impl<T: Transport> Fast<T> {
             }
             for p in bits(op.need) {
                 if op.found[p.idx()].is_none() {
-                    if let Some(f) = l.find(p, op.tag).map_err(|e| (p, e))? {
+                    if let Some(f) = l.find(p, op.lane_tag).map_err(|e| (p, e))? {
                         op.found[p.idx()] = Some(f);
                         moved = true;
                         if let Some(tl) = &op.inner.config.timeline {
@@ -382,6 +406,20 @@ impl<T: Transport> Fast<T> {
         let missing: u64 = bits(op.need)
             .filter(|p| op.found[p.idx()].is_none())
             .fold(0, |m, p| m | 1 << p.0);
+        if missing == 0 && op.unposted == 0 && op.large.is_some() {
+            let t0 = Instant::now();
+            let phase = op.large.as_ref().map_or(0, |g| g.phase);
+            let r = op.advance(l, self.others());
+            if let Some(tl) = &op.inner.config.timeline {
+                tl.span(0, &format!("phase {phase}"), "fast", t0, Instant::now(), "");
+            }
+            op.moved = true;
+            return match r {
+                None => None,
+                Some(Ok(())) => Some(Ok(op.output(self.t.version()))),
+                Some(Err(e)) => Some(Err(e)),
+            };
+        }
         if missing == 0 && op.unposted == 0 {
             let t0 = Instant::now();
             let r = op.compute(l, self.t.version());
@@ -562,19 +600,25 @@ impl<T: Transport> FastOp<T> {
                 reason: "the op's memory is in use by another op".into(),
             });
         }
-        Ok(OpOutput {
-            out: self.work.output(self.spec.output_range(me, n)),
+        Ok(self.output(version))
+    }
+
+    /// The op's output, once it is complete.
+    fn output(&mut self, version: kungfu_transport::ClusterVersion) -> OpOutput {
+        let n = self.found.len();
+        OpOutput {
+            out: self.work.output(self.spec.output_range(self.lane_rank, n)),
             version,
-            epoch: tag.epoch,
+            epoch: self.tag.epoch,
             strategy: Strategy::Clique,
-        })
+        }
     }
 
     /// Gives every claimed contribution back to its lane.
     fn release(&mut self, l: &HostLanes) {
         for (p, f) in self.found.iter_mut().enumerate() {
             if let Some(f) = f.take() {
-                l.release(Rank(p as u32), self.tag, &f);
+                l.release(Rank(p as u32), self.lane_tag, &f);
             }
         }
     }
