@@ -5,9 +5,9 @@ one SVG: a row per rank and peer, a box per span, coloured by kind.
     benches/peers/timeline_svg.py OUT.svg TRACE.rank0.json TRACE.rank1.json ...
                                   [--from US] [--to US] [--match TEXT]
 
---from/--to cut a window (microseconds since each worker's start; the
-workers' clocks start within a few ms of each other, so ranks are aligned
-by their first op that matches --match, if given, else not shifted).
+--from/--to cut a window, in microseconds from the first event drawn
+(the workers of a host stamp events on one clock, so their rows line up);
+--match starts the window at the first op whose name contains TEXT.
 Perfetto (https://ui.perfetto.dev) opens the same files interactively.
 """
 
@@ -38,16 +38,20 @@ def main():
     rows, names, spans = [], {}, []
     for path in a.traces:
         ev = load(path)
-        shift = 0.0
-        if a.match:
-            first = [e["ts"] for e in ev if e.get("ph") == "X" and e.get("tid") == 0
-                     and a.match in e.get("name", "")]
-            shift = min(first) if first else 0.0
         for e in ev:
             if e.get("ph") == "M" and e.get("name") == "thread_name":
                 names[(e["pid"], e["tid"])] = e["args"]["name"]
             elif e.get("ph") == "X":
-                spans.append((e["pid"], e["tid"], e["ts"] - shift, e.get("dur", 0), e.get("cat", ""), e["name"]))
+                spans.append((e["pid"], e["tid"], e["ts"], e.get("dur", 0), e.get("cat", ""), e["name"]))
+    if not spans:
+        sys.exit("no spans")
+    origin = min(s[2] for s in spans)
+    if a.match:
+        hits = [s[2] for s in spans if s[1] == 0 and a.match in s[5]]
+        origin = min(hits) if hits else origin
+    spans = [(p, t, ts - origin, d, c, n) for p, t, ts, d, c, n in spans]
+    if a.match and a.lo is None:
+        a.lo = 0.0
     if a.lo is not None:
         spans = [s for s in spans if s[2] + s[3] >= a.lo]
     if a.hi is not None:

@@ -19,6 +19,10 @@
 //! of its reduction or copy (`recv` events). Fast-path ops mark when each
 //! peer's contribution was posted and found, and a `reduce` span.
 //!
+//! Timestamps are microseconds since the UTC midnight before the worker
+//! started: the workers of one host share its clock, so their rows line
+//! up (workers on other hosts are as far off as the hosts' clocks).
+//!
 //! # Cost
 //!
 //! Off (no `KUNGFU_TIMELINE`), a branch per event site. On, an event is
@@ -44,6 +48,9 @@ pub const TIMELINE_VAR: &str = "KUNGFU_TIMELINE";
 pub struct Timeline {
     rank: u32,
     zero: Instant,
+    /// `zero` in microseconds since the UTC midnight before it: every
+    /// worker of a host (one clock) stamps events on the same axis.
+    zero_us: f64,
     out: Mutex<Option<BufWriter<File>>>,
     path: PathBuf,
 }
@@ -113,9 +120,14 @@ impl Timeline {
             meta(&mut head, "thread_name", p + 1, &format!("peer {p}"));
         }
         out.write_all(head.as_bytes())?;
+        let wall = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let since_midnight = wall.as_micros() % (86_400 * 1_000_000);
         Ok(Arc::new(Timeline {
             rank: rank.0,
             zero: Instant::now(),
+            zero_us: since_midnight as f64,
             out: Mutex::new(Some(out)),
             path,
         }))
@@ -127,7 +139,7 @@ impl Timeline {
     }
 
     fn us(&self, t: Instant) -> f64 {
-        t.saturating_duration_since(self.zero).as_nanos() as f64 / 1e3
+        self.zero_us + t.saturating_duration_since(self.zero).as_nanos() as f64 / 1e3
     }
 
     fn write(&self, event: &str) {
