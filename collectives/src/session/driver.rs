@@ -140,15 +140,17 @@ impl<T: Transport> Session<T> {
     /// The fast path, if an op of `spec` takes it on the current transport.
     fn fast_for(&self, spec: &OpSpec) -> Option<Arc<Fast<T>>> {
         let t = self.inner.transport();
+        // keyed by the transport it was made for: a swap makes it anew
+        let key = Arc::as_ptr(&t) as *const () as usize;
         let mut cached = lock(&self.inner.fast);
-        let stale = cached
-            .as_ref()
-            .is_some_and(|f| f.as_ref().is_some_and(|f| !Arc::ptr_eq(f.transport(), &t)));
-        if cached.is_none() || stale {
+        if cached.as_ref().is_none_or(|(k, _)| *k != key) {
             let c = &self.inner.config;
-            *cached = Some(Fast::new(&t, c.fast_max_bytes, c.fast_large));
+            *cached = Some((key, Fast::new(&t, c.fast_max_bytes, c.fast_large)));
         }
-        cached.clone().flatten().filter(|f| f.takes(spec))
+        cached
+            .as_ref()
+            .and_then(|(_, f)| f.clone())
+            .filter(|f| f.takes(spec))
     }
 
     #[allow(clippy::too_many_arguments)]

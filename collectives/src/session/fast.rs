@@ -116,6 +116,8 @@ pub(super) struct FastOp<T> {
     moved: bool,
     /// The op failed on a peer's abort: no abort of its own is sent.
     remote_abort: bool,
+    /// A handle waits for it (else a callback does).
+    waited: bool,
     started: Instant,
     last: Instant,
     checked: Instant,
@@ -253,6 +255,7 @@ impl<T: Transport> Fast<T> {
             found: vec![None; n],
             moved: false,
             remote_abort: false,
+            waited: false,
             started: now,
             last: now,
             checked: now,
@@ -266,7 +269,8 @@ impl<T: Transport> Fast<T> {
 
     /// Posts the op's contribution and runs it as far as it goes now;
     /// `waited`: a caller will poll its handle (else the thread is told).
-    pub(super) fn start(&self, op: FastOp<T>, waited: bool) {
+    pub(super) fn start(&self, mut op: FastOp<T>, waited: bool) {
+        op.waited = waited;
         let mut st = lock(&self.state);
         st.ops.push(op);
         let ended = self.progress(&mut st, false);
@@ -275,7 +279,7 @@ impl<T: Transport> Fast<T> {
         let stuck = st.ops.iter().any(|o| o.unposted != 0);
         let left = !st.ops.is_empty();
         drop(st);
-        finish(ended);
+        finish(ended, false);
         if left && (!waited || stuck) {
             self.cv.notify_one();
         }
@@ -294,7 +298,9 @@ impl<T: Transport> Fast<T> {
                 (op, Err(CollectiveError::Closed))
             })
             .collect();
-        finish(ended);
+        // the caller closes the session: it holds none of the session's
+        // locks, and the runtime may be about to stop
+        finish(ended, true);
     }
 
     fn now_ns(&self) -> u64 {
@@ -323,7 +329,7 @@ impl<T: Transport> Fast<T> {
             if let Ok(mut st) = self.state.try_lock() {
                 let ended = self.progress(&mut st, k.is_multiple_of(64));
                 drop(st);
-                finish(ended);
+                finish(ended, false);
             }
             if done() {
                 self.inline_until.store(0, Ordering::Relaxed);
@@ -551,9 +557,23 @@ impl<T: Transport> FastOp<T> {
             }
         }
         let mut failed = None;
+        let want = self.spec.block_bytes().expect("validated");
         let mut read = |p: usize, f: &mut dyn FnMut(&[u8])| {
             let found = self.found[p].as_ref().expect("checked");
-            if let Err(e) = l.read(Rank(p as u32), tag, found, |s| f(s)) {
+            // what is read now, not what was claimed: a peer may have
+            // rewritten its slot (then the op fails, it does not panic)
+            let r = l.read(Rank(p as u32), tag, found, |s| {
+                if s.len() == want {
+                    f(s);
+                    Ok(())
+                } else {
+                    Err(kungfu_transport::TransportError::PeerLost {
+                        peer: Rank(p as u32),
+                        reason: format!("its contribution changed to {} bytes", s.len()).into(),
+                    })
+                }
+            });
+            if let Err(e) = r.and_then(|r| r) {
                 failed.get_or_insert((p, e));
             }
         };
@@ -626,8 +646,30 @@ impl<T: Transport> FastOp<T> {
 
 /// Completes ended ops (outside the engine's lock). A failed op tells
 /// every peer why, as the message path does, unless a peer told it.
-fn finish<T: Transport>(ended: Vec<Ended<T>>) {
+///
+/// A caller's callback runs on the progress thread (`on_thread`) or on the
+/// session's runtime, never on a thread that happened to start or wait
+/// for another op: that thread may hold locks the callback needs (the
+/// swap gate, while deferred ops start). Handles (`waited`) are completed
+/// in place: that only sends on a oneshot.
+fn finish<T: Transport>(ended: Vec<Ended<T>>, on_thread: bool) {
+    let (now, later): (Vec<_>, Vec<_>) = ended
+        .into_iter()
+        .partition(|(op, _)| on_thread || op.waited);
+    if let Some((op, _)) = later.first() {
+        let rt = op.inner.runtime.clone();
+        rt.spawn(async move { complete(later) });
+    }
+    complete(now);
+}
+
+fn complete<T: Transport>(ended: Vec<Ended<T>>) {
     for (mut op, r) in ended {
+        // Frames of this tag that come later are strays, judged by its
+        // tombstone (a rank on the message path is a mismatch).
+        let t = op.inner.transport();
+        t.retire(op.tag);
+        super::lock(&op.inner.tombstones).insert(op.tag, op.digest, op.spec);
         if let (Err(e), false) = (&r, op.remote_abort) {
             let me = op.inner.transport().rank();
             if let Some((reason, offender)) = abort_reason(e, me) {
@@ -683,10 +725,20 @@ fn progress_thread<T: Transport>(weak: Weak<Fast<T>>) {
             drop(f.cv.wait_timeout(st, INLINE_SPIN));
             continue;
         }
-        let ended = f.progress(&mut st, true);
+        // A panic (a bug, or a peer's bytes that slipped past a check) must
+        // not end the thread that completes callback ops: it fails them.
+        let r =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f.progress(&mut st, true)));
         drop(st);
+        let ended = match r {
+            Ok(ended) => ended,
+            Err(_) => {
+                f.fail_all();
+                Vec::new()
+            }
+        };
         let moved = !ended.is_empty();
-        finish(ended);
+        finish(ended, true);
         if moved {
             idle_since = None;
             continue;

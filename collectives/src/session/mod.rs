@@ -104,6 +104,9 @@ impl Default for SessionConfig {
     }
 }
 
+/// A transport (by address) and the fast path over it, if it has one.
+type FastFor<T> = (usize, Option<Arc<fast::Fast<T>>>);
+
 struct Inner<T> {
     /// The transport of ops started from now on: replaced by a transport
     /// swap ([`Session::swap_transport`]); each op keeps the one it started
@@ -139,7 +142,7 @@ struct Inner<T> {
     stall_after: Mutex<Duration>,
     /// The host fast path over the transport it was made for (made at the
     /// first op that could take it; remade after a transport swap).
-    fast: Mutex<Option<Option<Arc<fast::Fast<T>>>>>,
+    fast: Mutex<Option<FastFor<T>>>,
 }
 
 impl<T> Inner<T> {
@@ -755,7 +758,7 @@ impl<T: Transport> Session<T> {
 
     /// Fails the fast path's ops in flight (the transport is gone).
     fn fail_fast_ops(&self) {
-        let fast = lock(&self.inner.fast).clone().flatten();
+        let fast = lock(&self.inner.fast).as_ref().and_then(|(_, f)| f.clone());
         if let Some(f) = fast {
             f.fail_all();
         }

@@ -15,8 +15,9 @@
 //! # When it is there
 //!
 //! Linux 3.2+, and permitted: the caller may ptrace the peer (the same
-//! user, and Yama's `ptrace_scope` at most 1) and no seccomp filter blocks
-//! the call (some container runtimes do). [`available`] probes it.
+//! user, and no Yama restriction: `ptrace_scope` 0 or absent) and no
+//! seccomp filter blocks the call (some container runtimes do).
+//! [`available`] probes it.
 
 use std::io;
 
@@ -65,7 +66,10 @@ pub fn available() -> bool {
         .ok()
         .and_then(|s| s.trim().parse::<u32>().ok())
         .unwrap_or(0);
-    if scope > 1 {
+    // 1 (Ubuntu's default) lets a process read only its descendants:
+    // sibling workers could not read each other, though reading itself
+    // (the probe below) works.
+    if scope > 0 {
         return false;
     }
     let src = [0x5au8; 64];

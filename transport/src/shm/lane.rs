@@ -468,9 +468,10 @@ impl Rx {
             // SAFETY: as in `HostLanes::read`: `len` bytes of a published,
             // unreleased slot.
             let v = unsafe { std::slice::from_raw_parts(self.lane.payload(k), len) }.to_vec();
-            if self.stash.insert(tag, (digest, v)).is_some() {
+            if self.stash.contains_key(&tag) {
                 return Err(lost(from, format!("two contributions to op {tag:?}")));
             }
+            self.stash.insert(tag, (digest, v));
             self.stash_bytes += len;
             self.released |= bit;
             self.claimed &= !bit;

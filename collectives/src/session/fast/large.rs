@@ -121,6 +121,14 @@ impl<T: Transport> FastOp<T> {
         let me = self.lane_rank;
         let n = self.found.len();
         let phase = self.large.as_ref().expect("a large op").phase;
+        for p in bits(self.need) {
+            let f = self.found[p.idx()].expect("all found");
+            if f.digest() != self.digest {
+                return Some(Err(
+                    self.mismatch_with(p, "another op (kind, type, count or root)")
+                ));
+            }
+        }
         if phase == 0 {
             let want = self.spec.work_len(n).expect("validated") as u64;
             for p in bits(self.need) {
