@@ -665,11 +665,15 @@ fn finish<T: Transport>(ended: Vec<Ended<T>>, on_thread: bool) {
 
 fn complete<T: Transport>(ended: Vec<Ended<T>>) {
     for (mut op, r) in ended {
-        // Frames of this tag that come later are strays, judged by its
-        // tombstone (a rank on the message path is a mismatch).
-        let t = op.inner.transport();
-        t.retire(op.tag);
-        super::lock(&op.inner.tombstones).insert(op.tag, op.digest, op.spec);
+        // A failed op may have frames of its tag coming (a rank on the
+        // message path): they are strays from now on, judged by its
+        // tombstone. An op that succeeded had every rank on this path, so
+        // no frame of its tag exists, and retiring it costs the matcher's
+        // lock and a wake-up of the stray watcher per op (1.2 -> 2-9 us).
+        if r.is_err() {
+            op.inner.transport().retire(op.tag);
+            super::lock(&op.inner.tombstones).insert(op.tag, op.digest, op.spec);
+        }
         if let (Err(e), false) = (&r, op.remote_abort) {
             let me = op.inner.transport().rank();
             if let Some((reason, offender)) = abort_reason(e, me) {
