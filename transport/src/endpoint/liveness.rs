@@ -136,7 +136,8 @@ async fn watch<W: Wire>(e: Weak<Endpoint<W>>, peers: Vec<Rank>, l: Liveness) {
             continue;
         }
         let now = Instant::now();
-        if now.duration_since(last) >= l.timeout {
+        let gap = now.duration_since(last);
+        if gap >= l.timeout {
             // This process did not run for a whole timeout (it was
             // stopped, SIGSTOP, or starved): every peer looks silent, but
             // it is this one that was away. Peers get a fresh timeout;
@@ -152,6 +153,14 @@ async fn watch<W: Wire>(e: Weak<Endpoint<W>>, peers: Vec<Rank>, l: Liveness) {
                 l.timeout
             );
             e.matcher.heard_all();
+        } else if gap > 2 * l.interval {
+            // Late by more than a tick, but not by a whole timeout (the
+            // host stalled, or this process was starved, for a while):
+            // the time away is not the peers' silence. Without this, a
+            // stall of the whole host just under the timeout had a worker
+            // whose tick came just before it declare a peer lost whose
+            // last heartbeat came a little earlier.
+            e.matcher.excuse(gap - l.interval);
         }
         last = now;
         let Some(before) = now.checked_sub(l.timeout) else {

@@ -524,6 +524,17 @@ impl Matcher {
         }
     }
 
+    /// This process was away for `away` (its watchdog ran late): that
+    /// time does not count against any peer's silence, since a peer
+    /// could not have been heard while this process did not run. Each
+    /// last-heard instant moves `away` later, to now at most.
+    pub fn excuse(&self, away: std::time::Duration) {
+        let now = Instant::now();
+        for t in self.lock().heard.values_mut() {
+            *t = (*t + away).min(now);
+        }
+    }
+
     /// The watched peers not lost and not heard from since `before`.
     pub fn silent(&self, before: Instant) -> Vec<(Rank, Instant)> {
         let inner = self.lock();

@@ -179,6 +179,27 @@ mod tests {
     }
 
     #[test]
+    fn time_this_process_was_away_is_not_a_peers_silence() {
+        let m = Matcher::new(Epoch(0), 1 << 20);
+        m.watch([Rank(1), Rank(2)]);
+        std::thread::sleep(std::time::Duration::from_millis(40));
+        m.heard(Rank(2));
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        let t = crate::Instant::now();
+        let silent =
+            |m: &Matcher| -> Vec<Rank> { m.silent(t).into_iter().map(|(r, _)| r).collect() };
+        assert_eq!(silent(&m), [Rank(1), Rank(2)]);
+        // 20 ms away: rank 1 (heard 40 ms before) is still silent since
+        // before t; rank 2 (heard just before) moves to now, not later
+        m.excuse(std::time::Duration::from_millis(20));
+        assert_eq!(silent(&m), [Rank(1)]);
+        let (_, at) = m.silent(crate::Instant::now())[0];
+        assert!(at <= crate::Instant::now());
+        m.excuse(std::time::Duration::from_secs(5));
+        assert_eq!(silent(&m), []);
+    }
+
+    #[test]
     fn bad_or_self_serving_notices_change_nothing() {
         let m = Matcher::new(Epoch(0), 1 << 20);
         m.watch([Rank(1), Rank(2)]);
