@@ -79,7 +79,7 @@ pub use dtype::{
 pub use error::CollectiveError;
 pub use group::{Group, MemberCallback};
 pub use session::{
-    Agreement, Callback, OpHandle, OpOutput, OpStats, PeerStats, Session, SessionConfig, Stall,
-    SwapGate, SwapTo, DEFAULT_STALL_TIMEOUT,
+    Agreement, Callback, FastLarge, OpHandle, OpOutput, OpStats, PeerStats, Session, SessionConfig,
+    Stall, SwapGate, SwapTo, DEFAULT_FAST_MAX_BYTES, DEFAULT_STALL_TIMEOUT,
 };
 pub use spec::{OpKind, OpSpec};

@@ -143,14 +143,16 @@ pub struct WorkerEnv {
     pub stall_timeout: Duration,
     pub chunk_bytes: usize,
     /// Ops of at most this many bytes per rank take the host fast path
-    /// when every rank is on this host (`KUNGFU_FAST_MAX_BYTES`; 65536, the
-    /// most a lane's slot holds; 0: off). See
+    /// when every rank is on this host (`KUNGFU_FAST_MAX_BYTES`; 1048576:
+    /// allreduce whose slices fit a lane's slot, broadcast and allgather
+    /// up to a slot, 262144; 0: off). See
     /// `kungfu_collectives::SessionConfig::fast_max_bytes`.
     pub fast_max_bytes: usize,
-    /// Larger ops of one host move their bytes by cross-memory attach
-    /// (`KUNGFU_FAST_LARGE=1`; 0, through the rings, by default). See
+    /// Which larger ops of one host move their bytes by cross-memory
+    /// attach (`KUNGFU_FAST_LARGE`: 0 none, through the rings; 1
+    /// broadcast and allgather, the default; 2 allreduce too). See
     /// `kungfu_collectives::SessionConfig::fast_large`.
-    pub fast_large: bool,
+    pub fast_large: kungfu_collectives::FastLarge,
     /// Write a Chrome trace of every op's phases here
     /// (`KUNGFU_TIMELINE=FILE`; see `kungfu_collectives::timeline` for the
     /// file of each rank); `None`: off.
@@ -378,7 +380,7 @@ impl WorkerEnv {
         let buffer_pool_bytes = bytes("KUNGFU_BUFFER_POOL_BYTES", BufferPool::DEFAULT_BUDGET)?;
         let fast_max_bytes = bytes(
             "KUNGFU_FAST_MAX_BYTES",
-            kungfu_transport::shm::lane::SLOT_BYTES,
+            kungfu_collectives::DEFAULT_FAST_MAX_BYTES,
         )?;
         let spin = get("KUNGFU_SPIN_US")
             .map(|v| parse("KUNGFU_SPIN_US", &v).map(Duration::from_micros))
@@ -427,7 +429,17 @@ impl WorkerEnv {
             chunk_bytes,
             fast_max_bytes,
             timeline: get("KUNGFU_TIMELINE").filter(|v| !v.is_empty()),
-            fast_large: bytes("KUNGFU_FAST_LARGE", 0)? != 0,
+            fast_large: match bytes("KUNGFU_FAST_LARGE", 1)? {
+                0 => kungfu_collectives::FastLarge::Off,
+                1 => kungfu_collectives::FastLarge::Copies,
+                2 => kungfu_collectives::FastLarge::All,
+                v => {
+                    return Err(BootstrapError::Env {
+                        var: "KUNGFU_FAST_LARGE".into(),
+                        reason: format!("{v}: 0, 1 or 2"),
+                    })
+                }
+            },
             buffer_pool_bytes,
         })
     }

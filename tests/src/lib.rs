@@ -183,6 +183,40 @@ pub fn kungfu_run_ok(args: &[&str], program: &std::path::Path, limit: Duration) 
     t
 }
 
+/// Runs `spec` under `name` on every session at once, each rank with its
+/// input from [`reference::inputs`], checks every rank's output against
+/// [`reference::expected`] (exact bytes), and returns the outputs in rank
+/// order.
+///
+/// [`reference::inputs`]: kungfu_collectives::reference::inputs
+/// [`reference::expected`]: kungfu_collectives::reference::expected
+pub async fn run_exact<T: kungfu_transport::Transport>(
+    ss: &[kungfu_collectives::Session<T>],
+    name: &str,
+    spec: kungfu_collectives::OpSpec,
+) -> Vec<kungfu_collectives::OpOutput> {
+    use kungfu_collectives::reference;
+    let inputs = reference::inputs(&spec, ss.len());
+    let hs: Vec<_> = ss
+        .iter()
+        .enumerate()
+        .map(|(r, s)| s.submit(name, spec, &inputs[r]))
+        .collect();
+    let mut outs = Vec::new();
+    for (r, h) in hs.into_iter().enumerate() {
+        let out = h
+            .await
+            .unwrap_or_else(|e| panic!("{name} ({}): rank {r}: {e}", spec.describe()));
+        assert!(
+            out.bytes().map(<[u8]>::to_vec) == reference::expected(&spec, r, &inputs),
+            "{name} ({}): rank {r} wrong",
+            spec.describe()
+        );
+        outs.push(out);
+    }
+    outs
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,9 +5,9 @@
 use std::time::Duration;
 
 use kungfu_collectives::{
-    reference, CollectiveError, DType, OpKind, OpSpec, ReduceOp, Session, SessionConfig,
+    reference, CollectiveError, DType, FastLarge, OpKind, OpSpec, ReduceOp, Session, SessionConfig,
 };
-use kungfu_tests::shm_cluster;
+use kungfu_tests::{run_exact, shm_cluster};
 use kungfu_topology::{PeerList, Rank, Strategy};
 use kungfu_transport::shm::cma;
 use kungfu_transport::shm::lane::{SLOTS, SLOT_BYTES};
@@ -27,7 +27,7 @@ async fn sessions(n: usize, cfg: SessionConfig) -> Vec<Session<ShmTransport>> {
 fn fast() -> SessionConfig {
     SessionConfig {
         fast_max_bytes: SLOT_BYTES,
-        fast_large: true,
+        fast_large: FastLarge::All,
         ..SessionConfig::default()
     }
 }
@@ -59,23 +59,71 @@ async fn small_ops_are_exact_and_take_the_fast_path() {
                 dtype,
                 count,
             };
-            let inputs = reference::inputs(&spec, n);
             let name = format!("k{k}/{dtype}/{count}");
-            let hs: Vec<_> = ss
-                .iter()
-                .enumerate()
-                .map(|(r, s)| s.submit(&name, spec, &inputs[r]))
-                .collect();
-            for (r, h) in hs.into_iter().enumerate() {
-                let out = h.await.unwrap_or_else(|e| panic!("{name}: {e}"));
-                assert!(
-                    out.bytes().map(<[u8]>::to_vec) == reference::expected(&spec, r, &inputs),
-                    "{name}: rank {r} wrong"
-                );
+            for out in run_exact(&ss, &name, spec).await {
                 // the fast path runs every rank's block to every rank
                 // (larger ops by cross-memory attach, where permitted)
                 let fast = count * dtype.size() <= SLOT_BYTES || cma::available();
                 let want = if fast {
+                    Strategy::Clique
+                } else {
+                    Strategy::Ring
+                };
+                assert_eq!(out.strategy(), want, "{name}");
+            }
+        }
+    }
+}
+
+/// Allreduce above the direct path's size and up to a slot per slice
+/// splits (reduce-scatter, then allgather, through the lanes): exact for
+/// every op and uneven counts, with several in flight issued in a
+/// different order on every rank; one slice over a slot, or a buffer over
+/// `fast_max_bytes`, takes the message path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mid_size_allreduce_splits_and_is_exact() {
+    let cfg = SessionConfig {
+        fast_max_bytes: 4 * SLOT_BYTES,
+        fast_large: FastLarge::Off,
+        ..ring()
+    };
+    for n in [2, 3, 4] {
+        let ss = sessions(n, cfg.clone()).await;
+        let specs = [
+            (ReduceOp::Sum, DType::F32, 24 * 1024 + 1, true),
+            (ReduceOp::Avg, DType::F64, n * SLOT_BYTES / 8 - 1, true),
+            (ReduceOp::Max, DType::BF16, n * SLOT_BYTES / 2, true),
+            (ReduceOp::Prod, DType::I32, 30_001, true),
+            (ReduceOp::Min, DType::U8, n * SLOT_BYTES + 1, false),
+            (ReduceOp::Avg, DType::F32, n * SLOT_BYTES / 4 - 3, true),
+            (ReduceOp::Sum, DType::F16, 2 * SLOT_BYTES + 1, false),
+        ]
+        .map(|(op, dtype, count, fast)| {
+            let spec = OpSpec {
+                kind: OpKind::Allreduce(op),
+                dtype,
+                count,
+            };
+            (spec, reference::inputs(&spec, n), fast)
+        });
+        let mut hs: Vec<Vec<_>> = (0..n).map(|_| Vec::new()).collect();
+        for (r, s) in ss.iter().enumerate() {
+            for k in 0..specs.len() {
+                let i = (k + r) % specs.len();
+                let (spec, inputs, _) = &specs[i];
+                hs[r].push((i, s.submit(&format!("mid{i}"), *spec, &inputs[r])));
+            }
+        }
+        for (r, hs) in hs.into_iter().enumerate() {
+            for (i, h) in hs {
+                let (spec, inputs, fast) = &specs[i];
+                let name = format!("n={n} {}", spec.describe());
+                let out = h.await.unwrap_or_else(|e| panic!("{name}: {e}"));
+                assert!(
+                    out.bytes().map(<[u8]>::to_vec) == reference::expected(spec, r, inputs),
+                    "{name}: rank {r} wrong"
+                );
+                let want = if *fast {
                     Strategy::Clique
                 } else {
                     Strategy::Ring
@@ -256,6 +304,45 @@ async fn a_rank_on_the_other_path_is_a_mismatch() {
         assert!(matches!(r, Err(CollectiveError::Mismatch { .. })), "{r:?}");
     }
     assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+}
+
+/// The defaults: an allreduce that splits into a slot per rank takes the
+/// lanes, larger ones the rings; larger broadcast and allgather take
+/// cross-memory attach where the host permits it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn by_default_large_copies_take_cross_memory_attach_and_allreduce_the_rings() {
+    let n = 2;
+    let ss = sessions(n, SessionConfig::default()).await;
+    let copies = if cma::available() {
+        Strategy::Clique
+    } else {
+        Strategy::Ring
+    };
+    for (k, kind, count, want) in [
+        (
+            0,
+            OpKind::Allreduce(ReduceOp::Sum),
+            2 * SLOT_BYTES / 4,
+            Strategy::Clique,
+        ),
+        (
+            1,
+            OpKind::Allreduce(ReduceOp::Sum),
+            2 * SLOT_BYTES / 4 + 1,
+            Strategy::Ring,
+        ),
+        (2, OpKind::Broadcast { root: Rank(1) }, 3 << 18, copies),
+        (3, OpKind::Allgather, 3 << 18, copies),
+    ] {
+        let spec = OpSpec {
+            kind,
+            dtype: DType::F32,
+            count,
+        };
+        for out in run_exact(&ss, &format!("d{k}"), spec).await {
+            assert_eq!(out.strategy(), want, "{}", spec.describe());
+        }
+    }
 }
 
 /// Large ops by cross-memory attach: every kind, sizes that do not split

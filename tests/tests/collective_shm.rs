@@ -1,7 +1,7 @@
 //! The collectives over the shared-memory transport, 4 ranks in one process.
 
-use kungfu_collectives::{reference, DType, OpKind, OpSpec, ReduceOp, Session, SessionConfig};
-use kungfu_tests::shm_cluster;
+use kungfu_collectives::{DType, OpKind, OpSpec, ReduceOp, Session, SessionConfig};
+use kungfu_tests::{run_exact, shm_cluster};
 use kungfu_topology::{PeerList, Rank, Strategy};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -39,22 +39,7 @@ async fn every_op_every_strategy_over_shm() {
                     dtype: DType::F32,
                     count,
                 };
-                let inputs = reference::inputs(&spec, n);
-                let name = format!("op{k}/{count}");
-                let hs: Vec<_> = ss
-                    .iter()
-                    .enumerate()
-                    .map(|(r, s)| s.submit(&name, spec, &inputs[r]))
-                    .collect();
-                for (r, h) in hs.into_iter().enumerate() {
-                    let out = h
-                        .await
-                        .unwrap_or_else(|e| panic!("{strategy} {kind:?} {count}: {e}"));
-                    assert!(
-                        out.bytes().map(<[u8]>::to_vec) == reference::expected(&spec, r, &inputs),
-                        "{strategy} {kind:?} count {count}: rank {r} wrong"
-                    );
-                }
+                run_exact(&ss, &format!("{strategy}/op{k}/{count}"), spec).await;
             }
         }
         // frames were reduced or copied straight out of the rings
@@ -76,6 +61,8 @@ async fn frames_applied_from_wrapping_rings_stay_exact() {
             let cfg = SessionConfig {
                 strategy: Strategy::Ring,
                 chunk_bytes: 1001,
+                // the message path: its frames are what this tests
+                fast_max_bytes: 0,
                 ..SessionConfig::default()
             };
             Session::new(t, PeerList::local(n), cfg).unwrap()
@@ -88,20 +75,7 @@ async fn frames_applied_from_wrapping_rings_stay_exact() {
                 dtype,
                 count,
             };
-            let inputs = reference::inputs(&spec, n);
-            let name = format!("w{i}/{dtype}");
-            let hs: Vec<_> = ss
-                .iter()
-                .enumerate()
-                .map(|(r, s)| s.submit(&name, spec, &inputs[r]))
-                .collect();
-            for (r, h) in hs.into_iter().enumerate() {
-                let out = h.await.unwrap();
-                assert!(
-                    out.bytes().map(<[u8]>::to_vec) == reference::expected(&spec, r, &inputs),
-                    "{dtype} count {count}: rank {r} wrong"
-                );
-            }
+            run_exact(&ss, &format!("w{i}/{dtype}"), spec).await;
         }
     }
     let lent: u64 = ss.iter().map(|s| s.transport().frames_lent()).sum();
@@ -136,19 +110,6 @@ async fn frames_larger_than_the_ring_are_streamed() {
             dtype: DType::F32,
             count: 100_000,
         };
-        let inputs = reference::inputs(&spec, n);
-        let name = format!("big{k}");
-        let hs: Vec<_> = ss
-            .iter()
-            .enumerate()
-            .map(|(r, s)| s.submit(&name, spec, &inputs[r]))
-            .collect();
-        for (r, h) in hs.into_iter().enumerate() {
-            let out = h.await.unwrap_or_else(|e| panic!("{kind:?}: {e}"));
-            assert!(
-                out.bytes().map(<[u8]>::to_vec) == reference::expected(&spec, r, &inputs),
-                "{kind:?}: rank {r} wrong"
-            );
-        }
+        run_exact(&ss, &format!("big{k}"), spec).await;
     }
 }

@@ -13,6 +13,7 @@ use std::sync::atomic::Ordering;
 
 use super::fast::{Drive, Fast};
 use super::opmem;
+use super::output::Start;
 use super::{lock, Callback, Inner, Memory, Session};
 use crate::abort::{Abort, AbortReason};
 use crate::names::check_name;
@@ -22,25 +23,18 @@ impl<T: Transport> Session<T> {
     /// Starts an op now (past the swap gate): on the host fast path if it
     /// takes it (then returns what a waiting handle drives), else as a
     /// task of its own.
-    pub(super) fn start_now(
-        &self,
-        name: Arc<str>,
-        spec: OpSpec,
-        mem: Memory,
-        done: Callback,
-        internal: bool,
-        waited: bool,
-    ) -> Option<Arc<dyn Drive>> {
-        if let Some(f) = self.fast_for(&spec) {
-            return self.start_fast(f, name, spec, mem, done, internal, waited);
+    pub(super) fn start_now(&self, s: Start<'_>) -> Option<Arc<dyn Drive>> {
+        if let Some(f) = self.fast_for(&s.spec) {
+            return self.start_fast(f, s);
         }
+        let (name, done) = (s.name, s.done);
         // The caller's memory outlives the error report: its release may be
         // how the caller learns that the op ended.
-        let keep = match &mem {
+        let keep = match &s.mem {
             Memory::Region(r) => Some(r.clone()),
             Memory::Input(_) => None,
         };
-        match self.prepare(name.clone(), spec, mem, internal) {
+        match self.prepare(name.clone(), s.spec, s.mem, s.internal) {
             Ok(mut op) => {
                 let inner = self.inner.clone();
                 inner.inflight.fetch_add(1, Ordering::SeqCst);
@@ -153,19 +147,10 @@ impl<T: Transport> Session<T> {
             .filter(|f| f.takes(spec))
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn start_fast(
-        &self,
-        f: Arc<Fast<T>>,
-        name: Arc<str>,
-        spec: OpSpec,
-        mem: Memory,
-        done: Callback,
-        internal: bool,
-        waited: bool,
-    ) -> Option<Arc<dyn Drive>> {
+    fn start_fast(&self, f: Arc<Fast<T>>, s: Start<'_>) -> Option<Arc<dyn Drive>> {
+        let (name, spec, done) = (s.name, s.spec, s.done);
         let begun = self
-            .check(&name, &spec, &mem, internal)
+            .check(&name, &spec, &s.mem, s.internal)
             .and_then(|()| lock(&self.inner.names).begin(&name));
         let (op, seq) = match begun {
             Ok(b) => b,
@@ -179,13 +164,13 @@ impl<T: Transport> Session<T> {
             op,
             seq,
         };
-        let work = self.work_of(&spec, mem);
+        let work = self.work_of(&spec, s.mem);
         let inner = self.inner.clone();
         inner.inflight.fetch_add(1, Ordering::SeqCst);
         lock(&inner.pending).insert(tag, (name.clone(), std::time::Instant::now()));
         let op = f.op(inner, name, spec, tag, work, done);
-        f.start(op, waited);
-        waited.then_some(f as Arc<dyn Drive>)
+        f.start(op, s.waited);
+        s.waited.then_some(f as Arc<dyn Drive>)
     }
 }
 

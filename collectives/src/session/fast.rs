@@ -10,6 +10,14 @@
 //! path, and no allocation for ops of the same size (buffers come from the
 //! pool): an op costs a few stores and a poll of a flag per peer.
 //!
+//! Three ways, chosen from the spec alone:
+//! - **direct** (above): ops up to a slot; allreduce up to
+//!   `split::SPLIT_FROM` (64 KiB);
+//! - **split** (`split.rs`): a larger allreduce whose 1/n slices fit a
+//!   slot, as a reduce-scatter then an allgather through the lanes;
+//! - **large** (`large.rs`): larger broadcast and allgather (and allreduce
+//!   if asked) copy once from the owner's buffer by cross-memory attach.
+//!
 //! Ops are matched by tag, so any order of issue works (the lanes spill
 //! contributions of ops not started yet, see there), and many may be in
 //! flight. Every path decides alike from the spec alone
@@ -36,10 +44,12 @@
 //! root) differs from this rank's fails the op as a mismatch naming both
 //! ranks.
 
+mod direct;
 mod large;
+mod split;
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -51,9 +61,7 @@ use super::driver::send_aborts;
 use super::opmem::OpMem;
 use super::{Callback, Inner, OpOutput};
 use crate::abort::Abort;
-use crate::dtype::{reduce_into, scale_down};
 use crate::op::errors::abort_reason;
-use crate::plan::Work;
 use crate::pool::PooledBuf;
 use crate::timeline::peer_row;
 use crate::{CollectiveError, OpKind, OpSpec};
@@ -79,10 +87,12 @@ pub(super) struct Fast<T> {
     /// thread stands aside.
     inline_until: AtomicU64,
     zero: Instant,
+    /// Ops in flight (`State::ops.len()`, read without the lock).
+    live: AtomicUsize,
     oversubscribed: bool,
     max_bytes: usize,
-    /// Larger ops go through cross-memory attach (see `large.rs`).
-    large: bool,
+    /// Which larger ops go through cross-memory attach (see `large.rs`).
+    large: super::FastLarge,
 }
 
 struct State<T> {
@@ -100,6 +110,8 @@ pub(super) struct FastOp<T> {
     lane_rank: Rank,
     /// A large op (cross-memory attach): its phase and the peers' buffers.
     large: Option<large::Large>,
+    /// A split allreduce's phase (`split.rs`).
+    split: Option<u32>,
     digest: u32,
     work: OpMem,
     /// An allreduce's own input on a rank other than 0 (the work buffer
@@ -161,7 +173,11 @@ fn digest(spec: &OpSpec) -> u32 {
 impl<T: Transport> Fast<T> {
     /// The fast path over `t`, if every rank is reached through its
     /// lanes; `max_bytes` caps the ops it takes (0: none).
-    pub(super) fn new(t: &Arc<T>, max_bytes: usize, large: bool) -> Option<Arc<Fast<T>>> {
+    pub(super) fn new(
+        t: &Arc<T>,
+        max_bytes: usize,
+        large: super::FastLarge,
+    ) -> Option<Arc<Fast<T>>> {
         let lanes = t.host_lanes()?;
         if max_bytes == 0 || t.size() < 2 || t.size() > 64 {
             return None;
@@ -173,9 +189,14 @@ impl<T: Transport> Fast<T> {
             cv: Condvar::new(),
             inline_until: AtomicU64::new(0),
             zero: Instant::now(),
+            live: AtomicUsize::new(0),
             oversubscribed: t.size() > kungfu_transport::host_cpus(),
-            max_bytes: max_bytes.min(SLOT_BYTES),
-            large: large && kungfu_transport::shm::cma::available(),
+            max_bytes,
+            large: if kungfu_transport::shm::cma::available() {
+                large
+            } else {
+                super::FastLarge::Off
+            },
         });
         let weak = Arc::downgrade(&f);
         let spawned = std::thread::Builder::new()
@@ -195,9 +216,11 @@ impl<T: Transport> Fast<T> {
             spec.kind,
             OpKind::Allreduce(_) | OpKind::Broadcast { .. } | OpKind::Allgather
         );
-        kind && spec
-            .block_bytes()
-            .is_some_and(|b| b <= self.max_bytes || self.large)
+        let Some(b) = spec.block_bytes() else {
+            return false;
+        };
+        let fits = (b <= SLOT_BYTES || split::splits(spec, self.t.size())) && b <= self.max_bytes;
+        kind && (fits || self.large.takes(spec.kind))
     }
 
     fn others(&self) -> u64 {
@@ -218,10 +241,11 @@ impl<T: Transport> Fast<T> {
         let (n, me) = (self.t.size(), self.t.rank());
         let b = spec.block_bytes().expect("validated");
         let others = ((1u128 << n) - 1) as u64 & !(1 << me.0);
+        let split = split::splits(&spec, n) && b <= self.max_bytes;
         let (mut mine, mut contrib, unposted, need) = (None, Some(0..b), others, others);
         let (unposted, need) = match spec.kind {
             OpKind::Allreduce(_) => {
-                if me.0 != 0 {
+                if me.0 != 0 && !split {
                     let mut m = inner.pool.take_vec(b);
                     work.read(0..b, |w| m.vec_mut().extend_from_slice(w));
                     mine = Some(m);
@@ -237,7 +261,7 @@ impl<T: Transport> Fast<T> {
             }
         };
         let now = Instant::now();
-        let large = b > self.max_bytes;
+        let large = !split && (b > self.max_bytes || b > SLOT_BYTES);
         let mut op = FastOp {
             inner,
             name,
@@ -247,6 +271,7 @@ impl<T: Transport> Fast<T> {
             lane_tag: tag,
             lane_rank: me,
             large: None,
+            split: None,
             work,
             mine,
             contrib,
@@ -261,7 +286,11 @@ impl<T: Transport> Fast<T> {
             checked: now,
             done: Some(done),
         };
-        if large {
+        if split {
+            // the input is read where it lies, slice by slice
+            op.contrib = None;
+            op.split = Some(0);
+        } else if large {
             large::Large::start(&mut op, others);
         }
         op
@@ -274,9 +303,13 @@ impl<T: Transport> Fast<T> {
         let mut st = lock(&self.state);
         st.ops.push(op);
         let ended = self.progress(&mut st, false);
-        // A contribution that found no free slot must not wait for the
-        // handle to be polled: peers wait for it.
-        let stuck = st.ops.iter().any(|o| o.unposted != 0);
+        self.live.store(st.ops.len(), Ordering::Release);
+        // A contribution that found no free slot, or a later phase's, must
+        // not wait for the handle to be polled: peers wait for it.
+        let stuck = st
+            .ops
+            .iter()
+            .any(|o| o.unposted != 0 || o.split.is_some() || o.large.is_some());
         let left = !st.ops.is_empty();
         drop(st);
         finish(ended, false);
@@ -290,6 +323,7 @@ impl<T: Transport> Fast<T> {
     pub(super) fn fail_all(&self) {
         let mut st = lock(&self.state);
         let ops = std::mem::take(&mut st.ops);
+        self.live.store(0, Ordering::Release);
         drop(st);
         let ended = ops
             .into_iter()
@@ -311,15 +345,15 @@ impl<T: Transport> Fast<T> {
     /// [`INLINE_SPIN`] at most; `false`: handed over to the thread.
     pub(super) fn drive(&self, done: &mut dyn FnMut() -> bool) -> bool {
         let start = Instant::now();
-        let budget = INLINE_SPIN.as_nanos() as u64;
+        let spin = INLINE_SPIN;
+        let budget = spin.as_nanos() as u64;
         let mut k = 0u32;
         loop {
             // The clock is read every few rounds only: a round is much
             // shorter than a read of it.
             if k.is_multiple_of(16) {
-                if start.elapsed() > INLINE_SPIN {
-                    self.inline_until.store(0, Ordering::Relaxed);
-                    self.cv.notify_one();
+                if start.elapsed() > spin {
+                    self.hand_over();
                     return false;
                 }
                 self.inline_until
@@ -332,11 +366,27 @@ impl<T: Transport> Fast<T> {
                 finish(ended, false);
             }
             if done() {
-                self.inline_until.store(0, Ordering::Relaxed);
+                // other ops in flight are the thread's now (it sleeps while
+                // a caller polls); none: no wake-up
+                if self.live.load(Ordering::Acquire) > 0 {
+                    self.hand_over();
+                } else {
+                    self.inline_until.store(0, Ordering::Relaxed);
+                }
                 return true;
             }
             self.pause();
         }
+    }
+
+    /// A polling caller stops: the thread takes over. Under the lock, so
+    /// that the thread either sees it or is already waiting for the
+    /// notice (it checks and waits under the lock).
+    fn hand_over(&self) {
+        let st = lock(&self.state);
+        self.inline_until.store(0, Ordering::Relaxed);
+        drop(st);
+        self.cv.notify_one();
     }
 
     fn pause(&self) {
@@ -367,6 +417,7 @@ impl<T: Transport> Fast<T> {
                 }
             }
         }
+        self.live.store(st.ops.len(), Ordering::Release);
         ended
     }
 
@@ -377,11 +428,12 @@ impl<T: Transport> Fast<T> {
         let mut moved = false;
         let r = (|| {
             for p in bits(op.unposted) {
-                let posted = match (&op.mine, &op.contrib) {
+                let post = op.split_post(p).or_else(|| op.contrib.clone());
+                let posted = match (&op.mine, post) {
                     (Some(m), _) => l.post(p, op.lane_tag, op.digest, m),
                     (None, Some(r)) => op
                         .work
-                        .read(r.clone(), |b| l.post(p, op.lane_tag, op.digest, b))
+                        .read(r, |b| l.post(p, op.lane_tag, op.digest, b))
                         .unwrap_or(Ok(false)),
                     (None, None) => Ok(true),
                 };
@@ -412,10 +464,17 @@ impl<T: Transport> Fast<T> {
         let missing: u64 = bits(op.need)
             .filter(|p| op.found[p.idx()].is_none())
             .fold(0, |m, p| m | 1 << p.0);
-        if missing == 0 && op.unposted == 0 && op.large.is_some() {
+        if missing == 0 && op.unposted == 0 && (op.large.is_some() || op.split.is_some()) {
             let t0 = Instant::now();
-            let phase = op.large.as_ref().map_or(0, |g| g.phase);
-            let r = op.advance(l, self.others());
+            let phase = op
+                .large
+                .as_ref()
+                .map_or(op.split.unwrap_or(0), |g| u32::from(g.phase));
+            let r = if op.split.is_some() {
+                op.split_advance(l, self.others())
+            } else {
+                op.advance(l, self.others())
+            };
             if let Some(tl) = &op.inner.config.timeline {
                 tl.span(0, &format!("phase {phase}"), "fast", t0, Instant::now(), "");
             }
@@ -532,97 +591,6 @@ impl<T: Transport> FastOp<T> {
         }
     }
 
-    /// Every contribution is here: checks them and computes the output.
-    fn compute(
-        &mut self,
-        l: &HostLanes,
-        version: kungfu_transport::ClusterVersion,
-    ) -> Result<OpOutput, CollectiveError> {
-        let (n, me) = (self.found.len(), l.rank());
-        let b = self.spec.block_bytes().expect("validated");
-        let tag = self.tag;
-        for (p, f) in self.found.iter().enumerate() {
-            let Some(f) = f else { continue };
-            if f.digest() != self.digest || f.len() != b {
-                return Err(CollectiveError::Mismatch {
-                    name: self.name.clone(),
-                    epoch: tag.epoch,
-                    ranks: vec![me, Rank(p as u32)],
-                    detail: format!(
-                        "{} here; rank {p} sent {} bytes of another op",
-                        self.spec.describe(),
-                        f.len()
-                    ),
-                });
-            }
-        }
-        let mut failed = None;
-        let want = self.spec.block_bytes().expect("validated");
-        let mut read = |p: usize, f: &mut dyn FnMut(&[u8])| {
-            let found = self.found[p].as_ref().expect("checked");
-            // what is read now, not what was claimed: a peer may have
-            // rewritten its slot (then the op fails, it does not panic)
-            let r = l.read(Rank(p as u32), tag, found, |s| {
-                if s.len() == want {
-                    f(s);
-                    Ok(())
-                } else {
-                    Err(kungfu_transport::TransportError::PeerLost {
-                        peer: Rank(p as u32),
-                        reason: format!("its contribution changed to {} bytes", s.len()).into(),
-                    })
-                }
-            });
-            if let Err(e) = r.and_then(|r| r) {
-                failed.get_or_insert((p, e));
-            }
-        };
-        let ok = match self.spec.kind {
-            OpKind::Allreduce(op) => {
-                let dtype = self.spec.dtype;
-                let mut ok = true;
-                if me.0 != 0 {
-                    ok &= self.work.write(0..b, &mut |w| {
-                        read(0, &mut |s| w.copy_from_slice(s));
-                    });
-                }
-                for p in 1..n {
-                    ok &= self.work.write(0..b, &mut |w| {
-                        if p == me.idx() {
-                            let m = self.mine.as_ref().expect("rank > 0 keeps its input");
-                            reduce_into(dtype, op, w, m);
-                        } else {
-                            read(p, &mut |s| reduce_into(dtype, op, w, s));
-                        }
-                    });
-                }
-                if op == crate::ReduceOp::Avg {
-                    ok &= self.work.write(0..b, &mut |w| scale_down(dtype, w, n));
-                }
-                ok
-            }
-            OpKind::Broadcast { root } if root != me => self.work.write(0..b, &mut |w| {
-                read(root.idx(), &mut |s| w.copy_from_slice(s));
-            }),
-            OpKind::Broadcast { .. } => true,
-            _ => (0..n).filter(|&p| p != me.idx()).all(|p| {
-                self.work.write(p * b..(p + 1) * b, &mut |w| {
-                    read(p, &mut |s| w.copy_from_slice(s));
-                })
-            }),
-        };
-        if let Some((p, e)) = failed {
-            return Err(self.lost(Rank(p as u32), e));
-        }
-        if !ok {
-            return Err(CollectiveError::InvalidArgument {
-                name: self.name.clone(),
-                reason: "the op's memory is in use by another op".into(),
-            });
-        }
-        Ok(self.output(version))
-    }
-
     /// The op's output, once it is complete.
     fn output(&mut self, version: kungfu_transport::ClusterVersion) -> OpOutput {
         let n = self.found.len();
@@ -726,7 +694,9 @@ fn progress_thread<T: Transport>(weak: Weak<Fast<T>>) {
             continue;
         }
         if f.inline_until.load(Ordering::Relaxed) > f.now_ns() {
-            drop(f.cv.wait_timeout(st, INLINE_SPIN));
+            // a caller polls every op; it hands over when it stops
+            // (`hand_over`), or its deadline passes
+            drop(f.cv.wait_timeout(st, IDLE_NAP));
             continue;
         }
         // A panic (a bug, or a peer's bytes that slipped past a check) must

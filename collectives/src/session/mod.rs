@@ -41,7 +41,7 @@ pub use output::{Callback, OpHandle, OpOutput};
 pub use stall::{Stall, DEFAULT_STALL_TIMEOUT};
 pub use stats::{OpStats, PeerStats};
 
-use output::Memory;
+use output::{Memory, Start};
 
 /// Settings of a [`Session`].
 #[derive(Clone, Debug)]
@@ -69,27 +69,25 @@ pub struct SessionConfig {
     pub max_inflight_bytes: usize,
     /// Allreduce, broadcast and allgather of at most this many bytes per
     /// rank take the host fast path when every rank is on this host and
-    /// reached through shared memory (`session/fast.rs`); capped at a
-    /// lane's slot (64 KiB, the default); 0: never. Every rank must use
-    /// the same value.
+    /// reached through shared memory (`session/fast.rs`): broadcast and
+    /// allgather up to a lane's slot (256 KiB), allreduce up to a slot per
+    /// rank (split, `session/fast/split.rs`); [`DEFAULT_FAST_MAX_BYTES`]
+    /// by default; 0: never. Every rank must use the same value.
     pub fast_max_bytes: usize,
-    /// Larger allreduce, broadcast and allgather take the fast path too,
-    /// moving their bytes with one cross-memory copy from the peers'
-    /// buffers (`session/fast/large.rs`), where the host permits it
-    /// (`kungfu_transport::shm::cma::available`); `false` (the default):
-    /// the message path. Off by default because measured here it is
-    /// slower than the rings (1 MiB allreduce at 2 ranks: 315 against
-    /// 245 us; 16 MiB: 7.0-8.4 against 6.2-7.7 ms): a `process_vm_readv`
-    /// pins every page it reads, and its phases do not overlap. Every
-    /// rank must use the same value.
-    pub fast_large: bool,
+    /// Which larger ops (above what the lanes take) of one host move their
+    /// bytes with one cross-memory copy from the peers' buffers
+    /// (`session/fast/large.rs`), where the host permits it
+    /// (`kungfu_transport::shm::cma::available`), instead of through the
+    /// rings: broadcast and allgather by default. Every rank must use the
+    /// same value.
+    pub fast_large: FastLarge,
     /// Where ops record their phases ([`crate::timeline`]); `None`: off.
     pub timeline: Option<Arc<crate::timeline::Timeline>>,
 }
 
 impl Default for SessionConfig {
     /// `AUTO`, 1 MiB chunks, 60 s without progress, 64 MiB in flight,
-    /// the fast path up to 64 KiB, larger ops through the rings.
+    /// the fast path up to 1 MiB, larger ops through the rings.
     fn default() -> SessionConfig {
         SessionConfig {
             strategy: Strategy::Auto,
@@ -97,12 +95,46 @@ impl Default for SessionConfig {
             chunk_bytes: 1 << 20,
             op_timeout: Duration::from_secs(60),
             max_inflight_bytes: 64 << 20,
-            fast_max_bytes: kungfu_transport::shm::lane::SLOT_BYTES,
-            fast_large: false,
+            fast_max_bytes: DEFAULT_FAST_MAX_BYTES,
+            fast_large: FastLarge::default(),
             timeline: None,
         }
     }
 }
+
+/// Which larger ops of one host take cross-memory attach
+/// ([`SessionConfig::fast_large`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FastLarge {
+    /// None: they go through the rings.
+    Off,
+    /// Broadcast and allgather (the default): one copy from the root's or
+    /// the owner's buffer beats the rings' two or more per hop, measured
+    /// here at 1 to 16 MiB (busbw against Open MPI 0.92-0.99 where the
+    /// rings give 0.59-0.70 at 2 ranks; 0.50-0.62 against 0.25-0.41 at 4).
+    #[default]
+    Copies,
+    /// Allreduce too. Slower than the rings here (1 MiB at 2 ranks: 315
+    /// against 245 us; 16 MiB: 7.0-8.4 against 6.2-7.7 ms): a
+    /// `process_vm_readv` pins every page it reads, its phases do not
+    /// overlap, and a reduction reads its copy once more.
+    All,
+}
+
+impl FastLarge {
+    /// Whether ops of `kind` take it.
+    pub fn takes(self, kind: OpKind) -> bool {
+        match self {
+            FastLarge::Off => false,
+            FastLarge::Copies => matches!(kind, OpKind::Broadcast { .. } | OpKind::Allgather),
+            FastLarge::All => true,
+        }
+    }
+}
+
+/// [`SessionConfig::fast_max_bytes`] by default: 1 MiB (an allreduce of
+/// 4 ranks whose slices fill a slot each).
+pub const DEFAULT_FAST_MAX_BYTES: usize = 4 * kungfu_transport::shm::lane::SLOT_BYTES;
 
 /// A transport (by address) and the fast path over it, if it has one.
 type FastFor<T> = (usize, Option<Arc<fast::Fast<T>>>);
@@ -353,21 +385,14 @@ impl<T: Transport> Session<T> {
     pub fn submit(&self, name: &str, spec: OpSpec, input: &[u8]) -> OpHandle<OpOutput> {
         let (tx, h) = OpHandle::pair();
         let done = Box::new(move |r| drop(tx.send(r)));
-        let d = self.start(name.into(), spec, Memory::Input(input), done, false, true);
+        let d = self.start(Start::new(name, spec, Memory::Input(input), done));
         h.driven(d)
     }
 
     /// Starts an op whose completion runs `callback` (once, with the final
     /// status) instead of completing a handle.
     pub fn submit_with_callback(&self, name: &str, spec: OpSpec, input: &[u8], callback: Callback) {
-        self.start(
-            name.into(),
-            spec,
-            Memory::Input(input),
-            callback,
-            false,
-            false,
-        );
+        self.start(Start::new(name, spec, Memory::Input(input), callback).unwaited());
     }
 
     /// Starts an op that works in `work` itself, with no copy in or out:
@@ -392,7 +417,7 @@ impl<T: Transport> Session<T> {
     ) -> OpHandle<OpOutput> {
         let (tx, h) = OpHandle::pair();
         let done = Box::new(move |r| drop(tx.send(r)));
-        let d = self.start(name.into(), spec, Memory::Region(work), done, false, true);
+        let d = self.start(Start::new(name, spec, Memory::Region(work), done));
         h.driven(d)
     }
 
@@ -404,14 +429,7 @@ impl<T: Transport> Session<T> {
         work: Arc<kungfu_transport::Region>,
         callback: Callback,
     ) {
-        self.start(
-            name.into(),
-            spec,
-            Memory::Region(work),
-            callback,
-            false,
-            false,
-        );
+        self.start(Start::new(name, spec, Memory::Region(work), callback).unwaited());
     }
 
     fn typed<E: Element>(
@@ -429,7 +447,7 @@ impl<T: Transport> Session<T> {
         };
         let cb: Callback = Box::new(move |r| drop(tx.send(r.map(|o| o.to_vec::<E>()))));
         let input = Memory::Input(bytemuck::cast_slice(input));
-        let d = self.start(name.into(), spec, input, cb, false, true);
+        let d = self.start(Start::new(name, spec, input, cb));
         h.driven(d)
     }
 
@@ -549,7 +567,7 @@ impl<T: Transport> Session<T> {
             count: 0,
         };
         let done = Box::new(move |r: Result<OpOutput, _>| drop(tx.send(r.map(|_| ()))));
-        let d = self.start(name.into(), spec, Memory::Input(&[]), done, false, true);
+        let d = self.start(Start::new(name, spec, Memory::Input(&[]), done));
         h.driven(d)
     }
 
@@ -631,10 +649,11 @@ impl<T: Transport> Session<T> {
     ) -> OpHandle<OpOutput> {
         let (tx, h) = OpHandle::pair();
         let done = Box::new(move |r| drop(tx.send(r)));
+        let s = Start::new(name, spec, Memory::Input(input), done).internal();
         let d = if gated {
-            self.start_now(name.into(), spec, Memory::Input(input), done, true, true)
+            self.start_now(s)
         } else {
-            self.start(name.into(), spec, Memory::Input(input), done, true, true)
+            self.start(s)
         };
         h.driven(d)
     }
@@ -654,32 +673,17 @@ impl<T: Transport> Session<T> {
 
     /// Validates, plans and spawns one op. Errors before the spawn complete
     /// the callback at once. During a swap, the caller's ops wait for it.
-    /// `waited`: a handle will be waited on; an op on the fast path then
-    /// returns what that handle drives.
-    fn start(
-        &self,
-        name: Arc<str>,
-        spec: OpSpec,
-        mem: Memory,
-        done: Callback,
-        internal: bool,
-        waited: bool,
-    ) -> Option<Arc<dyn fast::Drive>> {
-        let mut mem = Some(mem);
-        let op = lock(&self.inner.gate).admit((name, done), |(name, done)| Deferred {
-            name,
-            spec,
-            memory: output::HeldMemory::of(mem.take().expect("admitted once")),
-            done,
-            internal,
+    /// An op on the fast path returns what its waited handle drives.
+    fn start(&self, s: Start<'_>) -> Option<Arc<dyn fast::Drive>> {
+        let admitted = lock(&self.inner.gate).admit(s, |s| Deferred {
+            name: s.name,
+            spec: s.spec,
+            memory: output::HeldMemory::of(s.mem),
+            done: s.done,
+            internal: s.internal,
             since: std::time::Instant::now(),
         });
-        match (op, mem) {
-            (Some((name, done)), Some(mem)) => {
-                self.start_now(name, spec, mem, done, internal, waited)
-            }
-            _ => None,
-        }
+        admitted.and_then(|s| self.start_now(s))
     }
 
     fn prepare(

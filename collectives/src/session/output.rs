@@ -12,7 +12,7 @@ use kungfu_transport::{ClusterVersion, Epoch, Generation, Mem, Region};
 use tokio::sync::oneshot;
 
 use crate::pool::PooledBuf;
-use crate::{CollectiveError, Element};
+use crate::{CollectiveError, Element, OpSpec};
 
 /// Where an op's working memory comes from.
 pub(super) enum Memory<'a> {
@@ -20,6 +20,49 @@ pub(super) enum Memory<'a> {
     Input(&'a [u8]),
     /// The caller's memory, laid out already ([`super::Session::submit_in`]).
     Region(Arc<Region>),
+}
+
+/// An op to start: what every path of [`super::Session::start`] takes.
+pub(super) struct Start<'a> {
+    pub(super) name: Arc<str>,
+    pub(super) spec: OpSpec,
+    pub(super) mem: Memory<'a>,
+    pub(super) done: Callback,
+    /// An internal name (not checked).
+    pub(super) internal: bool,
+    /// A handle will be waited on (an op on the fast path then returns
+    /// what that handle drives); else a callback completes it.
+    pub(super) waited: bool,
+}
+
+impl<'a> Start<'a> {
+    /// A caller's op under `name`, whose handle will be waited on.
+    pub(super) fn new(name: &str, spec: OpSpec, mem: Memory<'a>, done: Callback) -> Start<'a> {
+        Start {
+            name: name.into(),
+            spec,
+            mem,
+            done,
+            internal: false,
+            waited: true,
+        }
+    }
+
+    /// Under an internal name.
+    pub(super) fn internal(self) -> Start<'a> {
+        Start {
+            internal: true,
+            ..self
+        }
+    }
+
+    /// Completed by its callback alone.
+    pub(super) fn unwaited(self) -> Start<'a> {
+        Start {
+            waited: false,
+            ..self
+        }
+    }
 }
 
 /// [`Memory`], owned (an op held while a swap runs).

@@ -317,14 +317,14 @@ impl<T: Transport> Session<T> {
                         let now = std::time::Instant::now();
                         tl.span(0, &d.name, "queued", d.since, now, r#""phase":"queued""#);
                     }
-                    drop(s.start_now(
-                        d.name,
-                        d.spec,
-                        d.memory.as_memory(),
-                        d.done,
-                        d.internal,
-                        false,
-                    ));
+                    drop(s.start_now(super::output::Start {
+                        name: d.name,
+                        spec: d.spec,
+                        mem: d.memory.as_memory(),
+                        done: d.done,
+                        internal: d.internal,
+                        waited: false,
+                    }));
                 }
             }
         }

@@ -49,8 +49,9 @@ use crate::{Epoch, OpId, OpTag, TransportError};
 
 /// Slots per lane. At most 64 (the receiver's masks are u64).
 pub const SLOTS: usize = 8;
-/// Largest contribution a slot holds.
-pub const SLOT_BYTES: usize = 64 << 10;
+/// Largest contribution a slot holds (a split allreduce's slice: the
+/// collectives' fast path takes allreduce up to about `n` slots).
+pub const SLOT_BYTES: usize = 256 << 10;
 /// Bytes a receiver copies out of its lanes at most (ops it has not
 /// started yet), per peer.
 pub const STASH_BYTES: usize = 64 << 20;

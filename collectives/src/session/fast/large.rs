@@ -21,12 +21,19 @@
 //! A phase's work runs inside the engine's progress (under its lock): other
 //! fast ops of the session wait for it, for the time of one copy.
 //!
-//! Off by default (`SessionConfig::fast_large`): measured on this project's
-//! 2-core machines it is slower than the rings of the message path, by
-//! 0.75x at 1 MiB and 0.9x at 16 MiB (2 ranks, allreduce). Each
+//! Broadcast and allgather take it by default, allreduce only when asked
+//! (`SessionConfig::fast_large`, [`crate::FastLarge`]): measured on this
+//! project's 2-core machines, one copy from the owner's buffer beats the
+//! rings for the copies, while allreduce is slower than the rings of the
+//! message path, by 0.75x at 1 MiB and 0.9x at 16 MiB (2 ranks). Each
 //! `process_vm_readv` pins the pages it reads, and the phases run one after
 //! another where the ring pipelines. Buffers in shared memory (a window
 //! every rank maps) would read with plain loads: that is the next step.
+//!
+//! A limit: a rank whose op fails (a timeout, a lost peer) gives its
+//! buffer back at once, while a peer that found its descriptor just
+//! before may still be reading it. Its abort reaches that peer a moment
+//! later and fails the peer's next op, but the read itself is not undone.
 
 use std::ops::Range;
 
@@ -52,15 +59,15 @@ pub(super) struct Large {
 }
 
 /// The lane tag of phase `k` of the op `tag` (phase 0 is the tag itself).
-pub(super) fn phase_tag(tag: OpTag, k: u8) -> OpTag {
+pub(super) fn phase_tag(tag: OpTag, k: u32) -> OpTag {
     OpTag {
-        op: OpId(tag.op.0 ^ (u64::from(k) << 56)),
+        op: OpId(tag.op.0 ^ (u64::from(k) << 40)),
         ..tag
     }
 }
 
 /// Elements `[start, end)` of the slice rank `r` reduces, in bytes.
-fn slice(count: usize, esz: usize, n: usize, r: usize) -> Range<usize> {
+pub(super) fn slice(count: usize, esz: usize, n: usize, r: usize) -> Range<usize> {
     let (q, rem) = (count / n, count % n);
     let start = r * q + r.min(rem);
     let len = q + usize::from(r < rem);
@@ -162,7 +169,7 @@ impl<T: Transport> FastOp<T> {
             Some((post, need)) => {
                 let large = self.large.as_mut().expect("large");
                 large.phase = next;
-                self.lane_tag = phase_tag(self.tag, next);
+                self.lane_tag = phase_tag(self.tag, u32::from(next));
                 if let Some(m) = self.mine.as_mut() {
                     m.vec_mut().clear(); // later phases say only "ready"/"done"
                 }
@@ -173,7 +180,7 @@ impl<T: Transport> FastOp<T> {
         }
     }
 
-    fn mismatch_with(&self, p: Rank, what: &str) -> CollectiveError {
+    pub(super) fn mismatch_with(&self, p: Rank, what: &str) -> CollectiveError {
         CollectiveError::Mismatch {
             name: self.name.clone(),
             epoch: self.tag.epoch,
@@ -303,7 +310,7 @@ impl<T: Transport> FastOp<T> {
         failed.map_or(Ok(()), Err)
     }
 
-    fn busy(&self) -> CollectiveError {
+    pub(super) fn busy(&self) -> CollectiveError {
         CollectiveError::InvalidArgument {
             name: self.name.clone(),
             reason: "the op's memory is in use by another op".into(),
