@@ -139,6 +139,51 @@ async fn a_missing_peer_fails_the_connect_cleanly() {
     assert!(left.is_empty(), "{left:?}");
 }
 
+/// A shared-memory directory too small for a ring: connect fails at once
+/// with an error that names the directory, instead of a SIGBUS at a later
+/// write into a hole of the sparse file (the files are reserved when made).
+/// Needs root, to mount a 4 MiB tmpfs (CI runs as root).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_shared_memory_directory_is_a_clear_error() {
+    let uid = std::process::Command::new("id")
+        .arg("-u")
+        .output()
+        .expect("id -u");
+    if String::from_utf8_lossy(&uid.stdout).trim() != "0" {
+        eprintln!("skipped: needs root to mount a small tmpfs");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("kf-small-shm-{}", unique_cluster_id()));
+    std::fs::create_dir(&dir).unwrap();
+    struct Mounted(std::path::PathBuf);
+    impl Drop for Mounted {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(&self.0).status();
+            let _ = std::fs::remove_dir(&self.0);
+        }
+    }
+    let st = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=4m", "tmpfs"])
+        .arg(&dir)
+        .status()
+        .expect("mount");
+    assert!(st.success(), "mount a tmpfs at {}", dir.display());
+    let _m = Mounted(dir.clone());
+    let mut cfg = ShmConfig::new(unique_cluster_id(), ClusterVersion(0), Epoch(0), Rank(0), 2);
+    cfg.dir = dir.clone();
+    cfg.ring_bytes = 4 << 20;
+    cfg.connect_timeout = Duration::from_secs(5);
+    let t = std::time::Instant::now();
+    let e = ShmTransport::connect(cfg).await.err().expect("no room");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("reserve") && msg.contains(&*dir.to_string_lossy()),
+        "{msg}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "files left");
+}
+
 /// Frames that fit the ring go straight from the caller's bytes; larger
 /// ones are refused by `try_send_now` (the caller falls back to `send`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

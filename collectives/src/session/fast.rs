@@ -303,7 +303,7 @@ impl<T: Transport> Fast<T> {
         let mut st = lock(&self.state);
         st.ops.push(op);
         let ended = self.progress(&mut st, false);
-        self.live.store(st.ops.len(), Ordering::Release);
+        self.live.store(st.ops.len(), Ordering::SeqCst);
         // A contribution that found no free slot, or a later phase's, must
         // not wait for the handle to be polled: peers wait for it.
         let stuck = st
@@ -323,12 +323,12 @@ impl<T: Transport> Fast<T> {
     pub(super) fn fail_all(&self) {
         let mut st = lock(&self.state);
         let ops = std::mem::take(&mut st.ops);
-        self.live.store(0, Ordering::Release);
+        self.live.store(0, Ordering::SeqCst);
         drop(st);
         let ended = ops
             .into_iter()
             .map(|mut op| {
-                op.release(&self.lanes);
+                op.end(&self.lanes);
                 (op, Err(CollectiveError::Closed))
             })
             .collect();
@@ -366,12 +366,14 @@ impl<T: Transport> Fast<T> {
                 finish(ended, false);
             }
             if done() {
-                // other ops in flight are the thread's now (it sleeps while
-                // a caller polls); none: no wake-up
-                if self.live.load(Ordering::Acquire) > 0 {
+                // Other ops in flight are the thread's now (it sleeps while
+                // a caller polls); none: no wake-up. Cleared first, both
+                // sequentially consistent: an op started meanwhile is
+                // either seen here (`live`) or its notice finds the deadline
+                // cleared.
+                self.inline_until.store(0, Ordering::SeqCst);
+                if self.live.load(Ordering::SeqCst) > 0 {
                     self.hand_over();
-                } else {
-                    self.inline_until.store(0, Ordering::Relaxed);
                 }
                 return true;
             }
@@ -412,12 +414,12 @@ impl<T: Transport> Fast<T> {
                 None => i += 1,
                 Some(r) => {
                     let mut op = st.ops.swap_remove(i);
-                    op.release(&self.lanes);
+                    op.end(&self.lanes);
                     ended.push((op, r));
                 }
             }
         }
-        self.live.store(st.ops.len(), Ordering::Release);
+        self.live.store(st.ops.len(), Ordering::SeqCst);
         ended
     }
 
@@ -445,17 +447,7 @@ impl<T: Transport> Fast<T> {
                     }
                 }
             }
-            for p in bits(op.need) {
-                if op.found[p.idx()].is_none() {
-                    if let Some(f) = l.find(p, op.lane_tag).map_err(|e| (p, e))? {
-                        op.found[p.idx()] = Some(f);
-                        moved = true;
-                        if let Some(tl) = &op.inner.config.timeline {
-                            tl.mark(peer_row(p), "found", "fast", Instant::now(), "");
-                        }
-                    }
-                }
-            }
+            moved |= self.find_missing(op)?;
             Ok(())
         })();
         if let Err((peer, e)) = r {
@@ -504,15 +496,23 @@ impl<T: Transport> Fast<T> {
         if now.duration_since(op.checked) >= LIVENESS_EVERY {
             op.checked = now;
             let set: PeerSet = bits(missing | op.unposted).collect();
-            if let Err(e) = self.t.check_peers(&set) {
+            let lost = self.t.check_peers(&set).err().map(|e| {
                 let peer = match &e {
                     TransportError::PeerLost { peer, .. } => *peer,
                     _ => bits(missing | op.unposted).next().unwrap_or(Rank(0)),
                 };
-                return Some(Err(op.lost(peer, e)));
-            }
-            if let Some(e) = self.frames_for(op, missing | op.unposted) {
-                return Some(Err(e));
+                op.lost(peer, e)
+            });
+            if let Some(e) = lost.or_else(|| self.frames_for(op, missing | op.unposted)) {
+                // What a peer published before it went is still read: it may
+                // have come since this step looked (then the op goes on).
+                let late = !op.remote_abort
+                    && matches!(e, CollectiveError::PeerLost { .. })
+                    && self.find_missing(op).unwrap_or(false);
+                if !late {
+                    return Some(Err(e));
+                }
+                op.moved = true;
             }
             let after = op.inner.config.op_timeout;
             if now.duration_since(op.last) >= after {
@@ -529,6 +529,24 @@ impl<T: Transport> Fast<T> {
 }
 
 impl<T: Transport> Fast<T> {
+    /// Claims the contributions of the op's phase that have come since it
+    /// last looked; whether any did.
+    fn find_missing(&self, op: &mut FastOp<T>) -> Result<bool, (Rank, TransportError)> {
+        let mut moved = false;
+        for p in bits(op.need) {
+            if op.found[p.idx()].is_none() {
+                if let Some(f) = self.lanes.find(p, op.lane_tag).map_err(|e| (p, e))? {
+                    op.found[p.idx()] = Some(f);
+                    moved = true;
+                    if let Some(tl) = &op.inner.config.timeline {
+                        tl.mark(peer_row(p), "found", "fast", Instant::now(), "");
+                    }
+                }
+            }
+        }
+        Ok(moved)
+    }
+
     /// What frames of the op's tag say: a peer's abort (its error, with
     /// why), or a peer on the message path (its spec differs: a mismatch);
     /// or that the transport closed, or a rank the op waits for
@@ -599,6 +617,15 @@ impl<T: Transport> FastOp<T> {
             version,
             epoch: self.tag.epoch,
             strategy: Strategy::Clique,
+        }
+    }
+
+    /// The op is over: its claimed contributions go back to their lanes
+    /// and its buffer is no longer lent to peers.
+    fn end(&mut self, l: &HostLanes) {
+        self.release(l);
+        if let Some(g) = &self.large {
+            g.give_back();
         }
     }
 
@@ -693,7 +720,7 @@ fn progress_thread<T: Transport>(weak: Weak<Fast<T>>) {
             drop(f.cv.wait_timeout(st, IDLE_NAP));
             continue;
         }
-        if f.inline_until.load(Ordering::Relaxed) > f.now_ns() {
+        if f.inline_until.load(Ordering::SeqCst) > f.now_ns() {
             // a caller polls every op; it hands over when it stops
             // (`hand_over`), or its deadline passes
             drop(f.cv.wait_timeout(st, IDLE_NAP));

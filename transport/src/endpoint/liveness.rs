@@ -160,7 +160,7 @@ async fn watch<W: Wire>(e: Weak<Endpoint<W>>, peers: Vec<Rank>, l: Liveness) {
             // stall of the whole host just under the timeout had a worker
             // whose tick came just before it declare a peer lost whose
             // last heartbeat came a little earlier.
-            e.matcher.excuse(gap - l.interval);
+            e.matcher.excuse(gap - l.interval, l.timeout);
         }
         last = now;
         let Some(before) = now.checked_sub(l.timeout) else {

@@ -35,6 +35,7 @@ use tokio::sync::Notify;
 use crate::region::MemMut;
 
 mod beacons;
+mod heard;
 pub(crate) mod notices;
 mod posted;
 
@@ -116,6 +117,8 @@ struct Inner {
     /// When each peer was last heard from (any frame, a heartbeat, bytes
     /// of a long frame), while liveness is watched.
     heard: HashMap<Rank, Instant>,
+    /// Time excused per peer since it was last heard ([`Matcher::excuse`]).
+    excused: HashMap<Rank, std::time::Duration>,
     closed: bool,
     retired: HashSet<OpTag>,
     retired_order: VecDeque<OpTag>,
@@ -158,6 +161,7 @@ impl Matcher {
                 lost_order: Vec::new(),
                 names: Vec::new(),
                 heard: HashMap::new(),
+                excused: HashMap::new(),
                 closed: false,
                 retired: HashSet::new(),
                 retired_order: VecDeque::new(),
@@ -294,6 +298,7 @@ impl Matcher {
         }
         if !inner.heard.is_empty() {
             inner.heard.insert(from, Instant::now());
+            inner.excused.remove(&from);
         }
         match header.kind {
             FrameKind::Heartbeat => {
@@ -494,61 +499,6 @@ impl Matcher {
     /// The ranks lost so far, the first lost first.
     pub fn lost_in_order(&self) -> Vec<Rank> {
         self.lock().lost_order.clone()
-    }
-
-    /// Starts keeping when each of `peers` was last heard from (now, to
-    /// begin with): see [`Matcher::silent`].
-    pub fn watch(&self, peers: impl IntoIterator<Item = Rank>) {
-        let now = Instant::now();
-        let mut inner = self.lock();
-        for p in peers {
-            inner.heard.entry(p).or_insert(now);
-        }
-    }
-
-    /// `peer` is alive now: a wire that reads a long frame in pieces says
-    /// so as bytes arrive (frames say so themselves).
-    pub fn heard(&self, peer: Rank) {
-        let mut inner = self.lock();
-        if let Some(t) = inner.heard.get_mut(&peer) {
-            *t = Instant::now();
-        }
-    }
-
-    /// Every watched peer is alive now (as far as this endpoint can tell:
-    /// see the liveness watchdog, after this process did not run).
-    pub fn heard_all(&self) {
-        let now = Instant::now();
-        for t in self.lock().heard.values_mut() {
-            *t = now;
-        }
-    }
-
-    /// This process was away for `away` (its watchdog ran late): that
-    /// time does not count against any peer's silence, since a peer
-    /// could not have been heard while this process did not run. Each
-    /// last-heard instant moves `away` later, to now at most.
-    pub fn excuse(&self, away: std::time::Duration) {
-        let now = Instant::now();
-        for t in self.lock().heard.values_mut() {
-            *t = (*t + away).min(now);
-        }
-    }
-
-    /// The watched peers not lost and not heard from since `before`.
-    pub fn silent(&self, before: Instant) -> Vec<(Rank, Instant)> {
-        let inner = self.lock();
-        if inner.closed {
-            return Vec::new();
-        }
-        let mut v: Vec<_> = inner
-            .heard
-            .iter()
-            .filter(|(r, t)| **t < before && !inner.lost.contains_key(r))
-            .map(|(r, t)| (*r, *t))
-            .collect();
-        v.sort_unstable();
-        v
     }
 
     /// The checks every backend makes before it sends `len` bytes to

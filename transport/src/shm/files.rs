@@ -89,6 +89,19 @@ fn map_file(file: &std::fs::File, len: usize) -> std::io::Result<MmapMut> {
     Ok(map)
 }
 
+/// Allocates the file's pages now, so that a full tmpfs fails here with a
+/// clear error instead of killing the process with SIGBUS at a later write
+/// into a hole of the sparse file.
+fn reserve(file: &std::fs::File, len: usize) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let len = libc::off_t::try_from(len).map_err(|_| std::io::ErrorKind::InvalidInput)?;
+    // SAFETY: a valid open descriptor; posix_fallocate touches only its file.
+    match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) } {
+        0 => Ok(()),
+        e => Err(std::io::Error::from_raw_os_error(e)),
+    }
+}
+
 fn create_inbound(
     cfg: &ShmConfig,
     cap: usize,
@@ -106,6 +119,16 @@ fn create_inbound(
     created.0.push(path.clone());
     file.set_len(file_len(cap) as u64)
         .map_err(|e| format!("size {}: {e}", path.display()))?;
+    reserve(&file, file_len(cap)).map_err(|e| {
+        format!(
+            "reserve {} bytes for {} (every pair of workers on a host needs two such files: \
+             is {} full? `df {}`): {e}",
+            file_len(cap),
+            path.display(),
+            cfg.dir.display(),
+            cfg.dir.display()
+        )
+    })?;
     let map = map_file(&file, file_len(cap)).map_err(|e| format!("map {}: {e}", path.display()))?;
     let ring = Ring::new(map, cap);
     let mut id = RingIdentity {

@@ -47,8 +47,9 @@ use memmap2::MmapMut;
 
 /// v2: the cluster version (u64 at `OFF_VERSION`) joined the identity.
 /// v3: the seal (a nonce and a MAC keyed by the job secret, at
-/// `OFF_SEAL`). v4: the lane (`lane.rs`) after the data region.
-const MAGIC: u64 = u64::from_le_bytes(*b"KFSHMv4\0");
+/// `OFF_SEAL`). v4: the lane (`lane.rs`) after the data region. v5: lane
+/// slots of 256 KiB.
+const MAGIC: u64 = u64::from_le_bytes(*b"KFSHMv5\0");
 /// Bytes of a ring's seal: a nonce, then the creator's MAC over the
 /// identity and the nonce (all zeros: unsealed, a job without a secret).
 pub(super) const SEAL_LEN: usize = 64;

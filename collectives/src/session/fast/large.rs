@@ -30,14 +30,17 @@
 //! another where the ring pipelines. Buffers in shared memory (a window
 //! every rank maps) would read with plain loads: that is the next step.
 //!
-//! A limit: a rank whose op fails (a timeout, a lost peer) gives its
-//! buffer back at once, while a peer that found its descriptor just
-//! before may still be reading it. Its abort reaches that peer a moment
-//! later and fails the peer's next op, but the read itself is not undone.
+//! A rank whose op fails (a timeout, a lost peer) gives its buffer back at
+//! once, while a peer that found its descriptor may still be reading it:
+//! each copy is followed by a read of the owner's alive word
+//! ([`Large::alive`]), which the owner clears before it gives the buffer
+//! back, so such a copy fails the peer's op instead of delivering stale
+//! or reused bytes.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 
-use kungfu_topology::Rank;
+use kungfu_topology::{fnv1a64, Rank};
 use kungfu_transport::shm::cma;
 use kungfu_transport::{OpId, OpTag};
 
@@ -48,14 +51,28 @@ use crate::{CollectiveError, OpKind, ReduceOp};
 
 /// Bytes of a chunk of the reduction (two of them stay in the cache).
 const CHUNK: usize = 256 << 10;
-/// Bytes of a buffer descriptor: pid, address, length.
-const DESC: usize = 20;
+/// Bytes of a buffer descriptor: pid, address, length, and the address
+/// of the owner's [`Large::alive`] word.
+const DESC: usize = 28;
 
 /// A large op's state beside its [`FastOp`].
 pub(super) struct Large {
     pub(super) phase: u8,
-    /// Every rank's (pid, address, length), from phase 0.
-    peers: Vec<Option<(u32, u64, u64)>>,
+    /// Every rank's (pid, address, length, alive word), from phase 0.
+    peers: Vec<Option<(u32, u64, u64, u64)>>,
+    /// [`sentinel`] of the op while this rank's buffer is lent, 0 once it
+    /// is given back: a peer reads it after each copy out of the buffer,
+    /// so that a copy that raced with the op's failure here (the buffer
+    /// handed back to the caller, maybe reused) fails instead of
+    /// delivering what the buffer held by then.
+    alive: Box<AtomicU64>,
+}
+
+/// The value of a lent buffer's alive word for the op `tag` (never 0).
+fn sentinel(tag: OpTag) -> u64 {
+    let h = fnv1a64(0x6b66_616c_6976_6521, &tag.op.0.to_le_bytes());
+    let h = fnv1a64(h, &tag.seq.to_le_bytes());
+    fnv1a64(h, &tag.epoch.0.to_le_bytes()) | 1
 }
 
 /// The lane tag of phase `k` of the op `tag` (phase 0 is the tag itself).
@@ -94,11 +111,14 @@ impl Large {
     pub(super) fn start<T: Transport>(op: &mut FastOp<T>, others: u64) {
         let len = op.spec.work_len(op.found.len()).expect("validated");
         let addr = op.work.read(0..len, |w| w.as_ptr() as u64).unwrap_or(0);
+        let alive = Box::new(AtomicU64::new(sentinel(op.tag)));
         let mut d = op.inner.pool.take_vec(DESC);
         d.vec_mut()
             .extend_from_slice(&std::process::id().to_le_bytes());
         d.vec_mut().extend_from_slice(&addr.to_le_bytes());
         d.vec_mut().extend_from_slice(&(len as u64).to_le_bytes());
+        let word = &*alive as *const AtomicU64 as u64;
+        d.vec_mut().extend_from_slice(&word.to_le_bytes());
         op.mine = Some(d);
         op.contrib = None;
         let me = op.lane_rank;
@@ -112,7 +132,14 @@ impl Large {
         op.large = Some(Large {
             phase: 0,
             peers: vec![None; op.found.len()],
+            alive,
         });
+    }
+
+    /// The op is over here (done or failed): its buffer is no longer lent.
+    /// Before the buffer goes back to the caller.
+    pub(super) fn give_back(&self) {
+        self.alive.store(0, Ordering::SeqCst);
     }
 }
 
@@ -147,6 +174,7 @@ impl<T: Transport> FastOp<T> {
                             u32::from_le_bytes(b[0..4].try_into().expect("sized")),
                             u64::from_le_bytes(u8s(4..12)),
                             u64::from_le_bytes(u8s(12..20)),
+                            u64::from_le_bytes(u8s(20..28)),
                         )
                     })
                 });
@@ -194,20 +222,20 @@ impl<T: Transport> FastOp<T> {
         let (n, me) = (self.found.len(), self.lane_rank.idx());
         let b = self.spec.block_bytes().expect("validated");
         let esz = self.spec.dtype.size();
-        let peers: Vec<(u32, u64)> = self
+        let peers: Vec<(u32, u64, u64)> = self
             .large
             .as_ref()
             .map(|l| {
                 l.peers
                     .iter()
-                    .map(|d| d.map_or((0, 0), |d| (d.0, d.1)))
+                    .map(|d| d.map_or((0, 0, 0), |d| (d.0, d.1, d.3)))
                     .collect()
             })
             .unwrap_or_default();
-        let (name, epoch) = (self.name.clone(), self.tag.epoch);
+        let (name, epoch, want) = (self.name.clone(), self.tag.epoch, sentinel(self.tag));
         let read = |p: usize, off: u64, dst: &mut [u8]| {
-            let (pid, addr) = peers[p];
-            cma::read(pid, addr.wrapping_add(off), dst).map_err(|e| CollectiveError::PeerLost {
+            let (pid, addr, alive) = peers[p];
+            let lost = |e: std::io::Error| CollectiveError::PeerLost {
                 name: name.clone(),
                 epoch,
                 peer: Rank(p as u32),
@@ -215,7 +243,22 @@ impl<T: Transport> FastOp<T> {
                     peer: Rank(p as u32),
                     reason: format!("cross-memory read of its buffer: {e}").into(),
                 },
-            })
+            };
+            cma::read(pid, addr.wrapping_add(off), dst).map_err(lost)?;
+            // the buffer was still lent when the copy ended
+            let mut word = [0u8; 8];
+            cma::read(pid, alive, &mut word).map_err(lost)?;
+            if u64::from_le_bytes(word) != want {
+                return Err(CollectiveError::Aborted {
+                    name: name.clone(),
+                    epoch,
+                    by: Rank(p as u32),
+                    reason: "its op ended (failed) and took its buffer back while this rank \
+                             copied from it"
+                        .into(),
+                });
+            }
+            Ok(())
         };
         let mut failed = None;
         match (self.spec.kind, phase) {

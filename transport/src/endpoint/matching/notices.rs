@@ -191,12 +191,29 @@ mod tests {
         assert_eq!(silent(&m), [Rank(1), Rank(2)]);
         // 20 ms away: rank 1 (heard 40 ms before) is still silent since
         // before t; rank 2 (heard just before) moves to now, not later
-        m.excuse(std::time::Duration::from_millis(20));
+        let ms = std::time::Duration::from_millis;
+        m.excuse(ms(20), ms(100));
         assert_eq!(silent(&m), [Rank(1)]);
         let (_, at) = m.silent(crate::Instant::now())[0];
         assert!(at <= crate::Instant::now());
-        m.excuse(std::time::Duration::from_secs(5));
+        m.excuse(std::time::Duration::from_secs(5), ms(100));
         assert_eq!(silent(&m), []);
+        // at most the cap in all, until heard again: 20 + 80 ms excused,
+        // so rank 1 is silent again once 100 ms more have passed
+        m.excuse(ms(50), ms(100));
+        std::thread::sleep(ms(120));
+        let late = crate::Instant::now();
+        m.excuse(ms(50), ms(100));
+        assert_eq!(m.silent(late).len(), 2, "past the cap");
+        m.heard(Rank(2));
+        m.excuse(ms(50), ms(100));
+        assert_eq!(
+            m.silent(late)
+                .into_iter()
+                .map(|(r, _)| r)
+                .collect::<Vec<_>>(),
+            [Rank(1)]
+        );
     }
 
     #[test]
