@@ -351,6 +351,26 @@ pub trait Transport: Send + Sync + 'static {
         self.matcher().recv_stray(deadline)
     }
 
+    /// The losses found here and not told yet, as [`FrameKind::Lost`]
+    /// frames for every peer (taken: the liveness watchdog, which tells
+    /// them otherwise, will not). A failed op sends them with its aborts
+    /// before its caller hears of the failure, so that a worker that exits
+    /// on the error has told its peers whom it lost (else they blame it).
+    fn take_loss_notices(&self) -> Vec<(Header, bytes::Bytes)> {
+        let m = self.matcher();
+        let epoch = m.epoch();
+        m.take_notices()
+            .into_iter()
+            .map(|(lost, why)| endpoint::loss_notice(epoch, lost, &why))
+            .collect()
+    }
+
+    /// The [`FrameKind::Lost`] frame that tells a peer that `lost` is lost
+    /// here, and why (a peer takes it as hearsay: see [`Matcher::hearsay`]).
+    fn loss_notice(&self, lost: Rank, why: &str) -> (Header, bytes::Bytes) {
+        endpoint::loss_notice(self.matcher().epoch(), lost, why)
+    }
+
     /// The first lost rank in `peers`, with the reason, if any.
     fn check_peers(&self, peers: &PeerSet) -> Result<(), TransportError> {
         self.matcher().check_peers(peers)

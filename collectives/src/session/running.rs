@@ -351,6 +351,28 @@ impl RunningOp {
             }
         };
         if !aborts.is_empty() {
+            // So do the losses this rank found and has not told yet, and
+            // the one it failed on, found here: a peer that closed its
+            // links while this op needed it (not told otherwise, as it may
+            // be a clean end) is lost to every rank, which a neighbour that
+            // sees this rank exit next must not be blamed for.
+            let me = t.rank();
+            let mut notices = t.take_loss_notices();
+            if let OpEvent::Failed(CollectiveError::PeerLost {
+                peer,
+                source: TransportError::PeerLost { reason, .. },
+                ..
+            }) = &event
+            {
+                if !reason.starts_with("reported lost by") {
+                    notices.push(t.loss_notice(*peer, reason));
+                }
+            }
+            for (header, payload) in notices {
+                for to in (0..t.size() as u32).map(Rank).filter(|&r| r != me) {
+                    aborts.extend(send_abort(inner, t, to, header, payload.clone()));
+                }
+            }
             // The aborts reach the wire before the caller hears of the
             // failure (see `send_abort`); a peer that does not take them
             // soon is not waited for.

@@ -209,11 +209,7 @@ fn tell_losses<W: Wire>(e: &Arc<Endpoint<W>>, peers: &[Rank], limit: std::time::
     }
     let epoch = e.matcher.epoch();
     for (lost, why) in losses {
-        let payload = super::matching::notices::encode(lost, &why);
-        let header = Header {
-            kind: FrameKind::Lost,
-            ..heartbeat(epoch, payload.len())
-        };
+        let (header, payload) = super::loss_notice(epoch, lost, &why);
         for &to in peers {
             if to == lost || e.matcher.lost_reason(to).is_some() {
                 continue;

@@ -136,3 +136,18 @@ pub(crate) async fn spin_recv(
         tokio::task::yield_now().await;
     }
 }
+
+/// The [`crate::FrameKind::Lost`] frame that tells a peer that `lost` is
+/// lost, and why.
+pub(crate) fn loss_notice(
+    epoch: crate::Epoch,
+    lost: kungfu_topology::Rank,
+    why: &str,
+) -> (crate::Header, bytes::Bytes) {
+    let payload = matching::notices::encode(lost, why);
+    let header = crate::Header {
+        kind: crate::FrameKind::Lost,
+        ..liveness::heartbeat(epoch, payload.len())
+    };
+    (header, payload)
+}
