@@ -357,11 +357,10 @@ pub trait Transport: Send + Sync + 'static {
     /// before its caller hears of the failure, so that a worker that exits
     /// on the error has told its peers whom it lost (else they blame it).
     fn take_loss_notices(&self) -> Vec<(Header, bytes::Bytes)> {
-        let m = self.matcher();
-        let epoch = m.epoch();
-        m.take_notices()
+        self.matcher()
+            .take_notices()
             .into_iter()
-            .map(|(lost, why)| endpoint::loss_notice(epoch, lost, &why))
+            .map(|(lost, why)| self.loss_notice(lost, &why))
             .collect()
     }
 

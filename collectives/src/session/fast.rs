@@ -95,6 +95,23 @@ pub(super) struct Fast<T> {
     large: super::FastLarge,
 }
 
+/// The three ways of the fast path (see the module docs).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Way {
+    Direct,
+    Split,
+    Large,
+}
+
+/// A contribution whose length changed after its claim (a peer rewrote
+/// its slot): the op fails, naming it.
+fn changed(p: Rank, len: usize) -> TransportError {
+    TransportError::PeerLost {
+        peer: p,
+        reason: format!("its contribution changed to {len} bytes").into(),
+    }
+}
+
 struct State<T> {
     ops: Vec<FastOp<T>>,
 }
@@ -216,11 +233,21 @@ impl<T: Transport> Fast<T> {
             spec.kind,
             OpKind::Allreduce(_) | OpKind::Broadcast { .. } | OpKind::Allgather
         );
-        let Some(b) = spec.block_bytes() else {
-            return false;
-        };
-        let fits = (b <= SLOT_BYTES || split::splits(spec, self.t.size())) && b <= self.max_bytes;
-        kind && (fits || self.large.takes(spec.kind))
+        kind && self.way(spec).is_some()
+    }
+
+    /// How an op of `spec` goes, if this way at all: the lanes whole
+    /// (`Direct`) or in slices (`Split`) up to `max_bytes`, else by
+    /// cross-memory attach (`Large`) where configured.
+    fn way(&self, spec: &OpSpec) -> Option<Way> {
+        let b = spec.block_bytes()?;
+        if b <= self.max_bytes && split::splits(spec, self.t.size()) {
+            Some(Way::Split)
+        } else if b <= self.max_bytes && b <= SLOT_BYTES {
+            Some(Way::Direct)
+        } else {
+            self.large.takes(spec.kind).then_some(Way::Large)
+        }
     }
 
     fn others(&self) -> u64 {
@@ -241,7 +268,8 @@ impl<T: Transport> Fast<T> {
         let (n, me) = (self.t.size(), self.t.rank());
         let b = spec.block_bytes().expect("validated");
         let others = ((1u128 << n) - 1) as u64 & !(1 << me.0);
-        let split = split::splits(&spec, n) && b <= self.max_bytes;
+        let way = self.way(&spec).expect("taken");
+        let split = way == Way::Split;
         let (mut mine, mut contrib, unposted, need) = (None, Some(0..b), others, others);
         let (unposted, need) = match spec.kind {
             OpKind::Allreduce(_) => {
@@ -261,7 +289,6 @@ impl<T: Transport> Fast<T> {
             }
         };
         let now = Instant::now();
-        let large = !split && (b > self.max_bytes || b > SLOT_BYTES);
         let mut op = FastOp {
             inner,
             name,
@@ -290,7 +317,7 @@ impl<T: Transport> Fast<T> {
             // the input is read where it lies, slice by slice
             op.contrib = None;
             op.split = Some(0);
-        } else if large {
+        } else if way == Way::Large {
             large::Large::start(&mut op, others);
         }
         op
@@ -303,7 +330,6 @@ impl<T: Transport> Fast<T> {
         let mut st = lock(&self.state);
         st.ops.push(op);
         let ended = self.progress(&mut st, false);
-        self.live.store(st.ops.len(), Ordering::SeqCst);
         // A contribution that found no free slot, or a later phase's, must
         // not wait for the handle to be polled: peers wait for it.
         let stuck = st
@@ -345,14 +371,13 @@ impl<T: Transport> Fast<T> {
     /// [`INLINE_SPIN`] at most; `false`: handed over to the thread.
     pub(super) fn drive(&self, done: &mut dyn FnMut() -> bool) -> bool {
         let start = Instant::now();
-        let spin = INLINE_SPIN;
-        let budget = spin.as_nanos() as u64;
+        let budget = INLINE_SPIN.as_nanos() as u64;
         let mut k = 0u32;
         loop {
             // The clock is read every few rounds only: a round is much
             // shorter than a read of it.
             if k.is_multiple_of(16) {
-                if start.elapsed() > spin {
+                if start.elapsed() > INLINE_SPIN {
                     self.hand_over();
                     return false;
                 }

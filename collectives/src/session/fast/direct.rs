@@ -5,7 +5,7 @@
 use kungfu_topology::Rank;
 use kungfu_transport::shm::lane::HostLanes;
 
-use super::{FastOp, Transport};
+use super::{changed, FastOp, Transport};
 use crate::dtype::{reduce_into, scale_down};
 use crate::plan::Work;
 use crate::session::OpOutput;
@@ -47,10 +47,7 @@ impl<T: Transport> FastOp<T> {
                     f(s);
                     Ok(())
                 } else {
-                    Err(kungfu_transport::TransportError::PeerLost {
-                        peer: Rank(p as u32),
-                        reason: format!("its contribution changed to {} bytes", s.len()).into(),
-                    })
+                    Err(changed(Rank(p as u32), s.len()))
                 }
             });
             if let Err(e) = r.and_then(|r| r) {

@@ -36,7 +36,7 @@ use kungfu_topology::Rank;
 use kungfu_transport::shm::lane::{HostLanes, SLOT_BYTES};
 
 use super::large::{phase_tag, slice};
-use super::{bits, FastOp, Transport};
+use super::{bits, changed, FastOp, Transport};
 use crate::dtype::{reduce_into, scale_down};
 use crate::plan::Work;
 use crate::{CollectiveError, OpKind, OpSpec};
@@ -146,12 +146,5 @@ impl<T: Transport> FastOp<T> {
         self.unposted = others;
         self.need = others;
         None
-    }
-}
-
-fn changed(p: Rank, len: usize) -> kungfu_transport::TransportError {
-    kungfu_transport::TransportError::PeerLost {
-        peer: p,
-        reason: format!("its contribution changed to {len} bytes").into(),
     }
 }
