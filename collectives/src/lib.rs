@@ -80,6 +80,6 @@ pub use error::CollectiveError;
 pub use group::{Group, MemberCallback};
 pub use session::{
     Agreement, Callback, FastLarge, OpHandle, OpOutput, OpStats, PeerStats, Session, SessionConfig,
-    Stall, SwapGate, SwapTo, DEFAULT_FAST_MAX_BYTES, DEFAULT_STALL_TIMEOUT,
+    Stall, SwapGate, SwapTo, DEFAULT_FAST_MAX_BYTES, DEFAULT_STALL_TIMEOUT, LARGE_ALLREDUCE_FROM,
 };
 pub use spec::{OpKind, OpSpec};

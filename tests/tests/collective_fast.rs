@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use kungfu_collectives::{
     reference, CollectiveError, DType, FastLarge, OpKind, OpSpec, ReduceOp, Session, SessionConfig,
+    LARGE_ALLREDUCE_FROM,
 };
 use kungfu_tests::{run_exact, shm_cluster};
 use kungfu_topology::{PeerList, Rank, Strategy};
@@ -307,10 +308,11 @@ async fn a_rank_on_the_other_path_is_a_mismatch() {
 }
 
 /// The defaults: an allreduce that splits into a slot per rank takes the
-/// lanes, larger ones the rings; larger broadcast and allgather take
-/// cross-memory attach where the host permits it.
+/// lanes, larger ones the rings up to `LARGE_ALLREDUCE_FROM`; that and
+/// larger broadcast and allgather take cross-memory attach where the host
+/// permits it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn by_default_large_copies_take_cross_memory_attach_and_allreduce_the_rings() {
+async fn by_default_large_ops_take_cross_memory_attach_and_mid_allreduce_the_rings() {
     let n = 2;
     let ss = sessions(n, SessionConfig::default()).await;
     let copies = if cma::available() {
@@ -333,6 +335,18 @@ async fn by_default_large_copies_take_cross_memory_attach_and_allreduce_the_ring
         ),
         (2, OpKind::Broadcast { root: Rank(1) }, 3 << 18, copies),
         (3, OpKind::Allgather, 3 << 18, copies),
+        (
+            4,
+            OpKind::Allreduce(ReduceOp::Sum),
+            LARGE_ALLREDUCE_FROM / 4 - 1,
+            Strategy::Ring,
+        ),
+        (
+            5,
+            OpKind::Allreduce(ReduceOp::Sum),
+            LARGE_ALLREDUCE_FROM / 4,
+            copies,
+        ),
     ] {
         let spec = OpSpec {
             kind,

@@ -246,7 +246,7 @@ impl<T: Transport> Fast<T> {
         } else if b <= self.max_bytes && b <= SLOT_BYTES {
             Some(Way::Direct)
         } else {
-            self.large.takes(spec.kind).then_some(Way::Large)
+            self.large.takes(spec.kind, b).then_some(Way::Large)
         }
     }
 

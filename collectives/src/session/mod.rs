@@ -78,8 +78,8 @@ pub struct SessionConfig {
     /// bytes with one cross-memory copy from the peers' buffers
     /// (`session/fast/large.rs`), where the host permits it
     /// (`kungfu_transport::shm::cma::available`), instead of through the
-    /// rings: broadcast and allgather by default. Every rank must use the
-    /// same value.
+    /// rings: broadcast and allgather by default, and allreduce from
+    /// [`LARGE_ALLREDUCE_FROM`]. Every rank must use the same value.
     pub fast_large: FastLarge,
     /// Where ops record their phases ([`crate::timeline`]); `None`: off.
     pub timeline: Option<Arc<crate::timeline::Timeline>>,
@@ -108,25 +108,39 @@ impl Default for SessionConfig {
 pub enum FastLarge {
     /// None: they go through the rings.
     Off,
-    /// Broadcast and allgather (the default): one copy from the root's or
-    /// the owner's buffer beats the rings' two or more per hop, measured
-    /// here at 1 to 16 MiB (busbw against Open MPI 0.92-0.99 where the
-    /// rings give 0.59-0.70 at 2 ranks; 0.50-0.62 against 0.25-0.41 at 4).
+    /// Broadcast and allgather, and allreduce from [`LARGE_ALLREDUCE_FROM`]
+    /// (the default). One copy from the root's or the owner's buffer beats
+    /// the rings' two or more per hop for the copies, measured here at 1 to
+    /// 16 MiB (busbw against Open MPI 0.92-0.99 where the rings give
+    /// 0.59-0.70 at 2 ranks; 0.50-0.62 against 0.25-0.41 at 4). For
+    /// allreduce the one-copy reduction only wins on larger buffers; see
+    /// [`LARGE_ALLREDUCE_FROM`].
     #[default]
     Copies,
-    /// Allreduce too. Slower than the rings here (1 MiB at 2 ranks: 315
-    /// against 245 us; 16 MiB: 7.0-8.4 against 6.2-7.7 ms): a
-    /// `process_vm_readv` pins every page it reads, its phases do not
-    /// overlap, and a reduction reads its copy once more.
+    /// Allreduce of every size above the lanes too (slower than the rings
+    /// below [`LARGE_ALLREDUCE_FROM`]).
     All,
 }
 
+/// Allreduce buffers of at least this many bytes take cross-memory attach
+/// under [`FastLarge::Copies`]. Measured here (2-core machine, busbw of the
+/// one-copy way against the rings, medians of 5 alternating rounds): at 2
+/// ranks 0.95/1.03/1.02 at 2/8/32 MiB, at 4 ranks 0.92/1.13/1.06; at 1 MiB
+/// 0.77 and 1.05 (3 rounds). Each `process_vm_readv` pins the pages it
+/// reads and the phases do not overlap, which the rings' pipelining beats
+/// on smaller buffers.
+pub const LARGE_ALLREDUCE_FROM: usize = 8 << 20;
+
 impl FastLarge {
-    /// Whether ops of `kind` take it.
-    pub fn takes(self, kind: OpKind) -> bool {
+    /// Whether ops of `kind` with `bytes` per rank's block take it.
+    pub fn takes(self, kind: OpKind, bytes: usize) -> bool {
         match self {
             FastLarge::Off => false,
-            FastLarge::Copies => matches!(kind, OpKind::Broadcast { .. } | OpKind::Allgather),
+            FastLarge::Copies => match kind {
+                OpKind::Broadcast { .. } | OpKind::Allgather => true,
+                OpKind::Allreduce(_) => bytes >= LARGE_ALLREDUCE_FROM,
+                _ => false,
+            },
             FastLarge::All => true,
         }
     }

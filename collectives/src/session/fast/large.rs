@@ -6,9 +6,9 @@
 //! is ready", then "I am done reading yours". The bytes themselves move
 //! with one `process_vm_readv` straight from a peer's buffer:
 //!
-//! - **allreduce**: rank `r` reduces slice `r` (1/n of the buffer) from
-//!   every rank's buffer, in rank order, a cache-sized chunk at a time, and
-//!   writes it into its own buffer (phase 0); once every slice is reduced it
+//! - **allreduce**: rank `r` reduces into slice `r` (1/n) of its own
+//!   buffer the same slice of every peer's, in rank order, a cache-sized
+//!   chunk copied at a time (phase 0); once every slice is reduced it
 //!   copies the other slices out of their owners' buffers (phase 1); it
 //!   gives its buffer back once every peer has copied its slice (phase 2).
 //!   Each byte is read about twice and written about twice: the two memory
@@ -21,14 +21,15 @@
 //! A phase's work runs inside the engine's progress (under its lock): other
 //! fast ops of the session wait for it, for the time of one copy.
 //!
-//! Broadcast and allgather take it by default, allreduce only when asked
-//! (`SessionConfig::fast_large`, [`crate::FastLarge`]): measured on this
-//! project's 2-core machines, one copy from the owner's buffer beats the
-//! rings for the copies, while allreduce is slower than the rings of the
-//! message path, by 0.75x at 1 MiB and 0.9x at 16 MiB (2 ranks). Each
-//! `process_vm_readv` pins the pages it reads, and the phases run one after
-//! another where the ring pipelines. Buffers in shared memory (a window
-//! every rank maps) would read with plain loads: that is the next step.
+//! Broadcast and allgather take it by default, allreduce from
+//! [`crate::LARGE_ALLREDUCE_FROM`] (`SessionConfig::fast_large`,
+//! [`crate::FastLarge`]): measured on this project's 2-core machines, one
+//! copy from the owner's buffer beats the rings for the copies, while a
+//! smaller allreduce is slower than the rings of the message path (0.77x
+//! at 1 MiB, 0.95x at 2 MiB at 2 ranks). Each `process_vm_readv` pins the
+//! pages it reads, and the phases run one after another where the ring
+//! pipelines. Buffers in shared memory (a window every rank maps) would
+//! read with plain loads.
 //!
 //! A rank whose op fails (a timeout, a lost peer) gives its buffer back at
 //! once, while a peer that found its descriptor may still be reading it:
@@ -233,21 +234,26 @@ impl<T: Transport> FastOp<T> {
             })
             .unwrap_or_default();
         let (name, epoch, want) = (self.name.clone(), self.tag.epoch, sentinel(self.tag));
-        let read = |p: usize, off: u64, dst: &mut [u8]| {
-            let (pid, addr, alive) = peers[p];
-            let lost = |e: std::io::Error| CollectiveError::PeerLost {
-                name: name.clone(),
-                epoch,
+        let lost = |p: usize, e: std::io::Error| CollectiveError::PeerLost {
+            name: name.clone(),
+            epoch,
+            peer: Rank(p as u32),
+            source: kungfu_transport::TransportError::PeerLost {
                 peer: Rank(p as u32),
-                source: kungfu_transport::TransportError::PeerLost {
-                    peer: Rank(p as u32),
-                    reason: format!("cross-memory read of its buffer: {e}").into(),
-                },
-            };
-            cma::read(pid, addr.wrapping_add(off), dst).map_err(lost)?;
-            // the buffer was still lent when the copy ended
+                reason: format!("cross-memory read of its buffer: {e}").into(),
+            },
+        };
+        let read = |p: usize, off: u64, dst: &mut [u8]| {
+            let (pid, addr, _) = peers[p];
+            cma::read(pid, addr.wrapping_add(off), dst).map_err(|e| lost(p, e))
+        };
+        // After a phase's copies out of `p`'s buffer: it was still lent
+        // when they ended (the owner clears its word before it gives the
+        // buffer back, and a later op's word has another value).
+        let still_lent = |p: usize| {
+            let (pid, _, alive) = peers[p];
             let mut word = [0u8; 8];
-            cma::read(pid, alive, &mut word).map_err(lost)?;
+            cma::read(pid, alive, &mut word).map_err(|e| lost(p, e))?;
             if u64::from_le_bytes(word) != want {
                 return Err(CollectiveError::Aborted {
                     name: name.clone(),
@@ -263,49 +269,45 @@ impl<T: Transport> FastOp<T> {
         let mut failed = None;
         match (self.spec.kind, phase) {
             (OpKind::Allreduce(op), 0) => {
+                // Slice `me` of the working buffer holds this rank's values
+                // (no peer reads it before phase 1): the peers' chunks are
+                // reduced into it in rank order, a cache-sized chunk at a
+                // time.
                 let s = slice(self.spec.count, esz, n, me);
-                let mut acc = self.inner.pool.take_vec(CHUNK);
                 let mut tmp = self.inner.pool.take_vec(CHUNK);
-                acc.vec_mut().resize(CHUNK, 0);
                 tmp.vec_mut().resize(CHUNK, 0);
                 let dtype = self.spec.dtype;
                 let mut off = s.start;
-                while off < s.end && failed.is_none() {
+                let mut busy = false;
+                'chunks: while off < s.end {
                     let len = CHUNK.min(s.end - off);
-                    let (a, t) = (&mut acc[..len], &mut tmp[..len]);
-                    for p in 0..n {
-                        let r = if p == me {
-                            let own = off..off + len;
-                            self.work
-                                .read(own, |w| {
-                                    if p == 0 {
-                                        a.copy_from_slice(w)
-                                    } else {
-                                        reduce_into(dtype, op, a, w)
-                                    }
-                                })
-                                .ok_or_else(|| self.busy())
-                        } else if p == 0 {
-                            read(p, off as u64, a)
-                        } else {
-                            read(p, off as u64, t).map(|()| reduce_into(dtype, op, a, t))
-                        };
-                        if let Err(e) = r {
+                    let t = &mut tmp[..len];
+                    for p in (0..n).filter(|&p| p != me) {
+                        if let Err(e) = read(p, off as u64, t) {
                             failed = Some(e);
-                            break;
+                            break 'chunks;
+                        }
+                        let t = &*t;
+                        if !self
+                            .work
+                            .write(off..off + len, &mut |w| reduce_into(dtype, op, w, t))
+                        {
+                            busy = true;
+                            break 'chunks;
                         }
                     }
-                    if failed.is_none() && op == ReduceOp::Avg {
-                        scale_down(dtype, a, n);
-                    }
-                    if failed.is_none()
+                    if op == ReduceOp::Avg
                         && !self
                             .work
-                            .write(off..off + len, &mut |w| w.copy_from_slice(a))
+                            .write(off..off + len, &mut |w| scale_down(dtype, w, n))
                     {
-                        failed = Some(self.busy());
+                        busy = true;
+                        break;
                     }
                     off += len;
+                }
+                if busy {
+                    failed = Some(self.busy());
                 }
             }
             (OpKind::Allreduce(_), 1) => {
@@ -350,7 +352,17 @@ impl<T: Transport> FastOp<T> {
             }
             _ => {}
         }
-        failed.map_or(Ok(()), Err)
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        let read_from: u64 = match (self.spec.kind, phase) {
+            (OpKind::Allreduce(_), 0 | 1) | (OpKind::Allgather, 0) => {
+                ((1u128 << n) - 1) as u64 & !(1 << me)
+            }
+            (OpKind::Broadcast { root }, 0) if root.idx() != me => 1 << root.0,
+            _ => 0,
+        };
+        bits(read_from).try_for_each(|p| still_lent(p.idx()))
     }
 
     pub(super) fn busy(&self) -> CollectiveError {
