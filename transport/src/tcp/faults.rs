@@ -16,6 +16,16 @@
 //!   stalled link would. Below the peer timeout, the job must go on
 //!   without any recovery.
 //!
+//!
+//! `rate_mb=R` (alone or beside `delay_ms`, comma-separated) also shapes the
+//! process's egress: every frame it writes on any link takes its share of
+//! `R` MB/s (10^6 bytes), as if the process sat behind one network
+//! interface of that speed; the writer waits its turn after each frame.
+//! This kernel has no netem, so bandwidth-bound algorithms (a broadcast's
+//! root sending a tree's fan-out times the buffer, against a scatter's
+//! `2 (n-1)/n`) are measured through this; loopback alone is bound by the
+//! one CPU that moves every byte, not by links.
+//!
 //! Each fault that takes effect is logged on standard error (`kungfu:
 //! fault injection (pid P): ...`), so a test counts what was injected
 //! rather than what it asked for. The signals are heard by a task on the
@@ -39,6 +49,10 @@ pub(super) struct Faults {
     cut: AtomicBool,
     /// Outgoing frames wait until then.
     hold_until: Mutex<Option<Instant>>,
+    /// Bytes per second of the process's egress (`rate_mb`), if shaped.
+    rate: Option<f64>,
+    /// When the egress is free again (the end of the last frame's turn).
+    egress_free: Mutex<Option<Instant>>,
     listening: Once,
 }
 
@@ -47,16 +61,21 @@ static FAULTS: OnceLock<Option<Faults>> = OnceLock::new();
 impl Faults {
     fn parse(spec: &str) -> Result<Faults, String> {
         let mut delay = Duration::from_millis(500);
+        let mut rate = None;
         for kv in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             match kv.split_once('=') {
                 Some(("delay_ms", v)) => {
                     let ms: u64 = v.parse().map_err(|_| format!("delay_ms={v:?}"))?;
                     delay = Duration::from_millis(ms);
                 }
+                Some(("rate_mb", v)) => match v.parse::<f64>() {
+                    Ok(r) if r.is_finite() && r > 0.0 => rate = Some(r * 1e6),
+                    _ => return Err(format!("rate_mb={v:?}: MB/s above 0")),
+                },
                 None if kv == "on" => {}
                 _ => {
                     return Err(format!(
-                        "unknown setting {kv:?} (expected delay_ms=MS or on)"
+                        "unknown setting {kv:?} (expected delay_ms=MS, rate_mb=MB_PER_S or on)"
                     ))
                 }
             }
@@ -65,6 +84,8 @@ impl Faults {
             delay,
             cut: AtomicBool::new(false),
             hold_until: Mutex::new(None),
+            rate,
+            egress_free: Mutex::new(None),
             listening: Once::new(),
         })
     }
@@ -75,6 +96,21 @@ impl Faults {
         if let Some(t) = until {
             tokio::time::sleep_until(t).await;
         }
+    }
+
+    /// After a frame of `bytes` was written: waits for the end of its turn
+    /// on the shaped egress (at once if the egress is not shaped).
+    pub(super) async fn pace(&self, bytes: usize) {
+        let Some(rate) = self.rate else { return };
+        let until = {
+            let mut free = self.egress_free.lock().unwrap_or_else(|e| e.into_inner());
+            let now = Instant::now();
+            let start = free.filter(|&t| t > now).unwrap_or(now);
+            let end = start + Duration::from_secs_f64(bytes as f64 / rate);
+            *free = Some(end);
+            end
+        };
+        tokio::time::sleep_until(until).await;
     }
 
     /// Whether this writer is the one to drop its connection (once per
@@ -155,6 +191,11 @@ mod tests {
         );
         assert!(Faults::parse("delay_ms=x").is_err());
         assert!(Faults::parse("cut_after=3").is_err());
+        assert_eq!(Faults::parse("on").unwrap().rate, None);
+        assert_eq!(Faults::parse("rate_mb=2.5").unwrap().rate, Some(2.5e6));
+        assert!(Faults::parse("rate_mb=0").is_err());
+        assert!(Faults::parse("rate_mb=-1").is_err());
+        assert!(Faults::parse("rate_mb=inf").is_err());
     }
 
     #[tokio::test]
@@ -169,5 +210,30 @@ mod tests {
         f.delay_now();
         f.hold().await;
         assert!(t0.elapsed() >= Duration::from_millis(50));
+    }
+
+    #[tokio::test]
+    async fn a_shaped_egress_takes_its_time_for_every_link_together() {
+        let f: &'static Faults = Box::leak(Box::new(Faults::parse("rate_mb=1").unwrap()));
+        let t0 = Instant::now();
+        // two writers sharing the egress: 4 x 10 KB at 1 MB/s is 40 ms
+        let a = tokio::spawn(async move {
+            for _ in 0..2 {
+                f.pace(10_000).await;
+            }
+        });
+        for _ in 0..2 {
+            f.pace(10_000).await;
+        }
+        a.await.unwrap();
+        assert!(
+            t0.elapsed() >= Duration::from_millis(40),
+            "{:?}",
+            t0.elapsed()
+        );
+        let none = Faults::parse("on").unwrap();
+        let t1 = Instant::now();
+        none.pace(1 << 30).await;
+        assert!(t1.elapsed() < Duration::from_millis(40), "not shaped");
     }
 }

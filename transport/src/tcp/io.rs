@@ -163,6 +163,9 @@ pub(super) async fn write_loop(
                 if let Err(e) = res {
                     lost = Some(matcher.lose_writer(peer, e));
                 }
+                if let Some(f) = super::faults::faults() {
+                    f.pace(msg.header.len() + msg.payload.len()).await;
+                }
             }
             batch.push(msg.done);
             if batch.len() < WRITE_BATCH {
