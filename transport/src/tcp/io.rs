@@ -138,8 +138,9 @@ pub(super) async fn write_loop(
     let mut lost: Option<TransportError> = None;
     let mut batch: Vec<oneshot::Sender<Result<(), TransportError>>> = Vec::new();
     let mut finish: Option<oneshot::Sender<()>> = None;
+    let faults = super::faults::faults();
     while let Some(first) = rx.recv().await {
-        if let Some(f) = super::faults::faults() {
+        if let Some(f) = faults {
             f.hold().await;
             if lost.is_none() && f.take_cut() {
                 lost = Some(cut(&wr, peer, &matcher));
@@ -163,7 +164,7 @@ pub(super) async fn write_loop(
                 if let Err(e) = res {
                     lost = Some(matcher.lose_writer(peer, e));
                 }
-                if let Some(f) = super::faults::faults() {
+                if let Some(f) = faults {
                     f.pace(msg.header.len() + msg.payload.len()).await;
                 }
             }

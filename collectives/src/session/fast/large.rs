@@ -7,8 +7,9 @@
 //! with one `process_vm_readv` straight from a peer's buffer:
 //!
 //! - **allreduce**: rank `r` reduces into slice `r` (1/n) of its own
-//!   buffer the same slice of every peer's, in rank order, a cache-sized
-//!   chunk copied at a time (phase 0); once every slice is reduced it
+//!   buffer, which holds its own values, the same slice of every peer's,
+//!   in rank order, a cache-sized chunk copied at a time (phase 0); once
+//!   every slice is reduced it
 //!   copies the other slices out of their owners' buffers (phase 1); it
 //!   gives its buffer back once every peer has copied its slice (phase 2).
 //!   Each byte is read about twice and written about twice: the two memory
@@ -189,7 +190,7 @@ impl<T: Transport> FastOp<T> {
             }
         }
         self.release(l);
-        if let Err(e) = self.copy(phase) {
+        if let Err(e) = self.copy(phase, others) {
             return Some(Err(e));
         }
         let next = phase + 1;
@@ -218,8 +219,8 @@ impl<T: Transport> FastOp<T> {
         }
     }
 
-    /// The copies of `phase`.
-    fn copy(&mut self, phase: u8) -> Result<(), CollectiveError> {
+    /// The copies of `phase` (`others`: every rank but this one).
+    fn copy(&mut self, phase: u8, others: u64) -> Result<(), CollectiveError> {
         let (n, me) = (self.found.len(), self.lane_rank.idx());
         let b = self.spec.block_bytes().expect("validated");
         let esz = self.spec.dtype.size();
@@ -271,8 +272,9 @@ impl<T: Transport> FastOp<T> {
             (OpKind::Allreduce(op), 0) => {
                 // Slice `me` of the working buffer holds this rank's values
                 // (no peer reads it before phase 1): the peers' chunks are
-                // reduced into it in rank order, a cache-sized chunk at a
-                // time.
+                // reduced into it, own values first, then the peers' in
+                // rank order (one rank computes each slice, so every rank
+                // gets the same bits).
                 let s = slice(self.spec.count, esz, n, me);
                 let mut tmp = self.inner.pool.take_vec(CHUNK);
                 tmp.vec_mut().resize(CHUNK, 0);
@@ -356,9 +358,7 @@ impl<T: Transport> FastOp<T> {
             return Err(e);
         }
         let read_from: u64 = match (self.spec.kind, phase) {
-            (OpKind::Allreduce(_), 0 | 1) | (OpKind::Allgather, 0) => {
-                ((1u128 << n) - 1) as u64 & !(1 << me)
-            }
+            (OpKind::Allreduce(_), 0 | 1) | (OpKind::Allgather, 0) => others,
             (OpKind::Broadcast { root }, 0) if root.idx() != me => 1 << root.0,
             _ => 0,
         };
