@@ -21,6 +21,12 @@ ldconfig -p | grep -q 'libfabric\.so\.1 ' || need+=(libfabric1)
 # the verbs wire's build: rdma-mummy-sys runs bindgen (libclang) and cmake
 # over its vendored rdma-core headers (libibverbs itself is loaded at run time)
 ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need+=(libclang-dev)
+# the many-host tests (tools/tests/hosts): network namespaces (iproute2) and
+# a real sshd in each (openssh-server; the package's own service is not
+# started where a policy-rc.d forbids it, as in containers)
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+[ -x /usr/sbin/sshd ] || need+=(openssh-server)
+command -v ssh >/dev/null 2>&1 || need+=(openssh-client)
 # scripts/doc-commands.py runs the docs' commands
 command -v python3 >/dev/null 2>&1 || need+=(python3)
 scripts/apt-need.sh ${need[@]+"${need[@]}"}
@@ -44,6 +50,8 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked -q
 echo "== cargo build (libkungfu.so/.a and kungfu-run, which the C ABI tests use)"
 cargo build --workspace --locked
 echo "== cargo test"
+# as root (CI is), the many-host tests must run, not skip
+[ "$(id -u)" != 0 ] || export KUNGFU_REQUIRE_NETNS=1
 cargo test --workspace --locked
 echo "== the verbs wire (feature verbs): lints with the runtime, tests over the fake fabric and the clear error here"
 cargo clippy -p kungfu-transport -p kungfu --all-targets --locked \

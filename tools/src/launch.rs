@@ -10,21 +10,17 @@
 use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::os::fd::AsRawFd;
-use std::os::unix::process::ExitStatusExt;
-use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
 
 use anyhow::Context;
 use kungfu_topology::fnv1a64;
-use nix::sys::signal::{killpg, Signal};
-use nix::unistd::Pid;
-use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, BufReader};
+use nix::sys::signal::Signal;
 use tokio::process::Command;
 use tokio::signal::unix::{signal, SignalKind};
-use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use crate::certs::job_tls;
+use crate::procs::{control_channel, describe, signal_all, Control, Job, TERM_TO_KILL};
 use crate::remote;
 use crate::{assign_ranks, bind_listener, is_local_host, job_ports, JobPorts};
 use kungfu::elastic::{ClusterConfig, ConfigServer, ServerRules};
@@ -63,95 +59,6 @@ fn pass_listener(cmd: &mut Command, l: std::net::TcpListener) -> anyhow::Result<
         });
     }
     Ok(())
-}
-
-const TERM_TO_KILL: Duration = Duration::from_secs(3);
-/// Longest line relayed at once; longer lines are split.
-const MAX_LINE: u64 = 64 * 1024;
-
-struct Proc {
-    label: String,
-    pid: Option<i32>,
-    alive: bool,
-    /// The worker's address (watch mode tracks workers by it).
-    addr: Option<String>,
-    /// Left out of the cluster: when it is stopped if still running, and
-    /// the signal it gets then.
-    removed: Option<(Instant, Signal)>,
-    /// Stopped for not leaving when removed: its exit is no failure.
-    stopped: bool,
-    /// Exited with status 0.
-    succeeded: bool,
-}
-
-/// The processes of a job and the tasks that wait for them and relay
-/// their output.
-#[derive(Default)]
-struct Job {
-    procs: Vec<Proc>,
-    waits: JoinSet<(usize, std::io::Result<ExitStatus>)>,
-    relays: JoinSet<()>,
-}
-
-impl Job {
-    fn spawn(
-        &mut self,
-        mut cmd: Command,
-        label: String,
-        prefix: String,
-        addr: Option<String>,
-        stdin_line: Option<&str>,
-    ) -> anyhow::Result<()> {
-        cmd.stdin(if stdin_line.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0)
-        .kill_on_drop(true);
-        let mut child = cmd.spawn().with_context(|| format!("starting {label}"))?;
-        if let (Some(line), Some(mut stdin)) = (stdin_line, child.stdin.take()) {
-            let line = format!("{line}\n");
-            // Closed after the line: the remote launcher reads no more.
-            self.relays.spawn(async move {
-                use tokio::io::AsyncWriteExt;
-                let _ = stdin.write_all(line.as_bytes()).await;
-            });
-        }
-        let out = child.stdout.take().expect("piped");
-        let err = child.stderr.take().expect("piped");
-        self.relays.spawn(relay(out, prefix.clone(), false));
-        self.relays.spawn(relay(err, prefix, true));
-        let idx = self.procs.len();
-        self.procs.push(Proc {
-            label,
-            pid: child.id().map(|p| p as i32),
-            alive: true,
-            addr,
-            removed: None,
-            stopped: false,
-            succeeded: false,
-        });
-        self.waits.spawn(async move { (idx, child.wait().await) });
-        Ok(())
-    }
-
-    /// When the next removed worker is due to be signalled.
-    fn next_removal(&self) -> Option<Instant> {
-        self.procs
-            .iter()
-            .filter(|p| p.alive)
-            .filter_map(|p| p.removed.map(|(at, _)| at))
-            .min()
-    }
-
-    fn running(&self, addr: &str) -> bool {
-        self.procs
-            .iter()
-            .any(|p| p.alive && p.addr.as_deref() == Some(addr))
-    }
 }
 
 /// The identity of one worker of one cluster version.
@@ -328,18 +235,6 @@ async fn config_server(
     Ok((ConfigServer::start(listener, initial, rules)?, pending))
 }
 
-fn describe(status: &ExitStatus) -> (String, i32) {
-    if let Some(code) = status.code() {
-        (format!("exited with status {code}"), code)
-    } else if let Some(sig) = status.signal() {
-        let name = Signal::try_from(sig)
-            .map_or_else(|_| format!("signal {sig}"), |s| s.as_str().to_string());
-        (format!("was killed by signal {sig} ({name})"), 128 + sig)
-    } else {
-        ("ended in an unknown way".into(), 1)
-    }
-}
-
 fn job_id() -> u64 {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -348,45 +243,6 @@ fn job_id() -> u64 {
         fnv1a64(0xcbf2_9ce4_8422_2325, &now.to_le_bytes()),
         &std::process::id().to_le_bytes(),
     )
-}
-
-async fn relay<R: AsyncRead + Unpin>(pipe: R, prefix: String, to_stderr: bool) {
-    let mut r = BufReader::new(pipe);
-    let mut line = Vec::new();
-    loop {
-        line.clear();
-        match (&mut r).take(MAX_LINE).read_until(b'\n', &mut line).await {
-            Ok(0) | Err(_) => return,
-            Ok(_) => {
-                if line.last() != Some(&b'\n') {
-                    line.push(b'\n');
-                }
-                let res = if to_stderr {
-                    let mut e = std::io::stderr().lock();
-                    e.write_all(prefix.as_bytes())
-                        .and_then(|_| e.write_all(&line))
-                } else {
-                    let mut o = std::io::stdout().lock();
-                    o.write_all(prefix.as_bytes())
-                        .and_then(|_| o.write_all(&line))
-                        .and_then(|_| o.flush())
-                };
-                if res.is_err() {
-                    return;
-                }
-            }
-        }
-    }
-}
-
-fn signal_all(procs: &[Proc], sig: Signal) {
-    for p in procs.iter().filter(|p| p.alive) {
-        if let Some(pid) = p.pid {
-            // The worker leads its own process group, so its children get
-            // the signal too. It may have exited in the meantime: ignore.
-            let _ = killpg(Pid::from_raw(pid), sig);
-        }
-    }
 }
 
 /// Removes this host's shared-memory ring files of the job when dropped.
@@ -470,6 +326,19 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
     let tls = job_tls(opts.transport, opts.quic.as_ref(), one_host, cluster_id)?;
     let mut job = Job::default();
     let width = (opts.np - 1).to_string().len();
+    // A worker's name in messages, and the prefix of its output lines: its
+    // rank, and its host too when the job spans more than one.
+    let many_hosts = opts.hosts.len() > 1;
+    let tags = |rank: usize, host: &str| {
+        if many_hosts {
+            (
+                format!("rank {rank} on {host}"),
+                format!("[{rank:>width$}@{host}] "),
+            )
+        } else {
+            (format!("rank {rank}"), format!("[{rank:>width$}] "))
+        }
+    };
     let allowed = allowed_cpus();
     for s in slots.iter().filter(|s| mine(&s.host)) {
         let w = WorkerSpec {
@@ -486,13 +355,8 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
             t.apply(&mut cmd, s.rank)?;
         }
         let addr = peers.peer(Rank(s.rank as u32)).map(|p| p.to_string());
-        job.spawn(
-            cmd,
-            format!("rank {}", s.rank),
-            format!("[{:>width$}] ", s.rank),
-            addr,
-            None,
-        )?;
+        let (label, prefix) = tags(s.rank, &s.host);
+        job.spawn(cmd, label, prefix, addr, None)?;
     }
     if opts.self_host.is_none() {
         // Workers of other machines: the same launcher there, through ssh.
@@ -502,8 +366,10 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                 continue;
             }
             let line = remote::remote_command(&opts, &h.host, cluster_id, &exe);
-            let mut cmd = Command::new("ssh");
-            cmd.args(["-o", "BatchMode=yes", &h.host, &line]);
+            let (ssh, ssh_args) = opts.ssh.split_first().context("--ssh: no command")?;
+            let mut cmd = Command::new(ssh);
+            cmd.args(ssh_args)
+                .args(["-o", "BatchMode=yes", &h.host, &line]);
             // the secret on ssh's standard input (see `remote`)
             let secret = Some(keys.secret.as_str());
             job.spawn(
@@ -516,6 +382,8 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
         }
     }
 
+    // started through ssh by a launcher on another host: its orders
+    let mut control = opts.controlled.then(control_channel);
     let job_deadline = opts.timeout.map(|d| Instant::now() + d);
     let far = Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600);
     // (when the next stop phase starts, the signal it sends)
@@ -615,7 +483,10 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                                 }
                                 Ok(cmd)
                             })
-                            .and_then(|cmd| job.spawn(cmd, format!("worker {addr}"), format!("[{rank:>width$}] "), Some(addr), None));
+                            .and_then(|cmd| {
+                                let (_, prefix) = tags(rank, &p.host);
+                                job.spawn(cmd, format!("worker {addr}"), prefix, Some(addr), None)
+                            });
                         match started {
                             Ok(()) => remaining += 1,
                             Err(e) => {
@@ -645,6 +516,26 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                     signal_all(std::slice::from_ref(p), sig);
                     p.removed = (sig == Signal::SIGTERM).then(|| (now + TERM_TO_KILL, Signal::SIGKILL));
                 }
+            }
+            Some(c) = async { control.as_mut().expect("guarded").recv().await }, if control.is_some() => {
+                let me = opts.self_host.as_deref().unwrap_or("this host");
+                let sig = match c {
+                    Control::Signal(sig) => {
+                        eprintln!("kungfu-run on {me}: {} from the launcher; forwarding it to the workers", sig.as_str());
+                        sig
+                    }
+                    Control::Gone => {
+                        control = None;
+                        if exit_code.is_some() {
+                            continue;
+                        }
+                        eprintln!("kungfu-run on {me}: the launcher that started this one is gone; stopping the workers");
+                        Signal::SIGTERM
+                    }
+                };
+                signal_all(&job.procs, sig);
+                exit_code.get_or_insert(128 + sig as i32);
+                next_phase = Some((Instant::now() + TERM_TO_KILL, Signal::SIGKILL));
             }
             _ = sigint.recv() => {
                 eprintln!("kungfu-run: interrupted; forwarding SIGINT to the workers");
@@ -720,20 +611,4 @@ struct Survived {
     failed: Option<i32>,
     /// Failed workers a replacement is still to be started for.
     to_replace: usize,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn statuses() {
-        assert_eq!(
-            describe(&ExitStatus::from_raw(3 << 8)),
-            ("exited with status 3".into(), 3)
-        );
-        let (what, code) = describe(&ExitStatus::from_raw(9));
-        assert_eq!(code, 137);
-        assert!(what.contains("SIGKILL"), "{what}");
-    }
 }

@@ -13,6 +13,7 @@ pub mod certs;
 pub mod launch;
 pub mod options;
 pub mod plot;
+mod procs;
 pub mod remote;
 
 /// Parses `90s`, `5m`, `1h`, `250ms`, or a plain number of seconds.
@@ -95,16 +96,45 @@ pub fn parse_hosts(s: &str) -> anyhow::Result<Vec<HostSlots>> {
     Ok(out)
 }
 
-/// Whether `host` names this machine: a loopback address (all of
-/// 127.0.0.0/8 is local on Linux), `localhost`, or this host's name.
+/// Whether `host` names this machine, as mpirun decides it: `localhost`,
+/// a loopback address (all of 127.0.0.0/8 is local on Linux), an address
+/// of one of this machine's network interfaces, this machine's name, or a
+/// name that resolves to one of those addresses.
 pub fn is_local_host(host: &str) -> bool {
-    if let Ok(ip) = host.parse::<IpAddr>() {
-        return ip.is_loopback();
-    }
     if host == "localhost" {
         return true;
     }
-    std::fs::read_to_string("/proc/sys/kernel/hostname").is_ok_and(|h| h.trim() == host)
+    if let Ok(ip) = host.trim_matches(['[', ']']).parse::<IpAddr>() {
+        return is_local_ip(ip, &interface_addrs());
+    }
+    if std::fs::read_to_string("/proc/sys/kernel/hostname").is_ok_and(|h| h.trim() == host) {
+        return true;
+    }
+    use std::net::ToSocketAddrs;
+    let own = interface_addrs();
+    (host, 0)
+        .to_socket_addrs()
+        .is_ok_and(|mut addrs| addrs.any(|a| is_local_ip(a.ip(), &own)))
+}
+
+fn is_local_ip(ip: IpAddr, own: &[IpAddr]) -> bool {
+    ip.is_loopback() || own.contains(&ip)
+}
+
+/// The addresses of this machine's network interfaces (of its network
+/// namespace), IPv4 and IPv6; none if they cannot be listed.
+pub fn interface_addrs() -> Vec<IpAddr> {
+    let Ok(ifaces) = nix::ifaddrs::getifaddrs() else {
+        return Vec::new();
+    };
+    ifaces
+        .filter_map(|i| i.address)
+        .filter_map(|a| {
+            a.as_sockaddr_in()
+                .map(|v4| IpAddr::V4(v4.ip()))
+                .or_else(|| a.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip())))
+        })
+        .collect()
 }
 
 /// One worker of a job.
@@ -249,7 +279,13 @@ mod tests {
         assert!(is_local_host("127.0.0.2"));
         assert!(is_local_host("localhost"));
         assert!(is_local_host("::1"));
-        assert!(!is_local_host("10.1.1.1"));
+        assert!(
+            !is_local_host("10.1.1.1") || interface_addrs().contains(&"10.1.1.1".parse().unwrap())
+        );
+        // every address of an interface is this machine, as for mpirun
+        for ip in interface_addrs() {
+            assert!(is_local_host(&ip.to_string()), "{ip}");
+        }
     }
 
     #[test]

@@ -47,6 +47,13 @@ pub struct LaunchOptions {
     pub detach_timeout: Duration,
     /// What a worker's failure does to the others (`--on-failure`).
     pub on_failure: OnFailure,
+    /// The command that reaches another host (`--ssh`, default `ssh`),
+    /// with its options; the host and the remote command follow them.
+    pub ssh: Vec<String>,
+    /// Started through ssh by a launcher on another host
+    /// (`--control-stdin`): after the secret, standard input is the
+    /// control channel it sends signals on (see `procs`).
+    pub controlled: bool,
     pub program: Vec<String>,
 }
 

@@ -7,7 +7,12 @@
 //! machines (`ps`), and ssh forwards environment variables only where the
 //! server's `AcceptEnv` allows. It goes through ssh's standard input
 //! instead, one line that the remote launcher reads (`--secret-stdin`)
-//! before it starts anything.
+//! before it starts anything. The rest of ssh's standard input is the
+//! control channel (`--control-stdin`): the starting launcher writes there
+//! the signals it forwards (its own SIGINT, SIGTERM or SIGHUP, a stop
+//! after a failure elsewhere), which a signal to the ssh client could not
+//! carry, and its end (the starting launcher died, or the connection did)
+//! stops the workers of that host, so that none is left behind.
 
 use std::path::Path;
 
@@ -16,6 +21,12 @@ use crate::launch::{Bind, LaunchOptions};
 /// The flag that makes `kungfu-run` read the job secret from its standard
 /// input (one line).
 pub const SECRET_STDIN: &str = "--secret-stdin";
+
+/// The flag that makes `kungfu-run` take the rest of its standard input as
+/// the control channel of the launcher that started it: the names of the
+/// signals to forward to its workers, one per line, and at its end (that
+/// launcher, or the connection to it, is gone) it stops its workers.
+pub const CONTROL_STDIN: &str = "--control-stdin";
 
 /// The command line of the launcher on `host`, `exe` the path of
 /// `kungfu-run` (the same on every host), as one shell-quoted string for
@@ -31,6 +42,7 @@ pub fn remote_command(opts: &LaunchOptions, host: &str, cluster_id: u64, exe: &P
         "--self".into(),
         host.into(),
         SECRET_STDIN.into(),
+        CONTROL_STDIN.into(),
         "--cluster-id".into(),
         format!("{cluster_id:x}"),
         "-np".into(),
@@ -141,12 +153,14 @@ mod tests {
             on_failure: crate::launch::OnFailure::Stop,
             max_np: 4,
             detach_timeout: Duration::from_secs(60),
+            ssh: vec!["ssh".into()],
+            controlled: false,
             program: vec!["prog".into(), "arg".into()],
         };
         let line = remote_command(&opts, "b", 0xabc, Path::new("/bin/kungfu-run"));
         assert_eq!(
             line,
-            "/bin/kungfu-run --self b --secret-stdin --cluster-id abc -np 4 -H a:2,b:2 \
+            "/bin/kungfu-run --self b --secret-stdin --control-stdin --cluster-id abc -np 4 -H a:2,b:2 \
              --port-base 38000 --transport tcp --bind-to auto -x 'X=1 2' -- prog arg"
         );
         assert!(!line.contains("0123456789abcdef"));

@@ -11,7 +11,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use kungfu_tools::certs::QuicFiles;
 use kungfu_tools::launch::{run, Bind, LaunchOptions, OnFailure};
-use kungfu_tools::remote::{read_secret, SECRET_STDIN};
+use kungfu_tools::remote::{read_secret, CONTROL_STDIN, SECRET_STDIN};
 use kungfu_tools::{parse_duration, parse_hosts, HostSlots};
 use kungfu_transport::any::TransportKind;
 use kungfu_transport::auth::JobSecret;
@@ -29,7 +29,10 @@ random bytes; set it in the environment, never with -x, which shows it on
 the command line).
 When every host is this machine, each worker also inherits its listening
 socket, already bound at a port the kernel chose (KUNGFU_LISTEN_FD).
-Each output line is prefixed with the worker's rank. If a worker fails, the
+Each output line is prefixed with the worker's rank ([3]), and its host when
+the job has more than one ([3@node2]). The hosts of -H that are this machine
+(loopback, an address of its interfaces, or its name) start here; the others
+start through ssh, or by a kungfu-run started on each host (--self). If a worker fails, the
 others are stopped and kungfu-run exits non-zero, naming it (unless
 --on-failure says otherwise).
 
@@ -54,6 +57,15 @@ options:
   --grace DUR           after a worker fails, how long the others may take to
                         exit by themselves before SIGTERM (default 2s)
   --port-base P         first port on each host of a multi-machine job (38000)
+  --ssh CMD             how to reach the other hosts (default ssh; split at
+                        spaces, e.g. 'ssh -i KEY -p 2222'); kungfu-run runs
+                        itself there (the same path) with --self HOST
+  --self HOST           per-node mode: start only HOST's workers of the -H
+                        list (run the same command on every host, each with
+                        its own --self, one --cluster-id and one
+                        KUNGFU_JOB_SECRET in the environment)
+  --cluster-id ID       the job's id (hex), the same on every host; made up
+                        when not given
   --bind-to B           auto (default: pin each worker to one CPU when a host has
                         at least as many CPUs as workers), core (always pin,
                         wrapping around), or none
@@ -134,6 +146,8 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
         max_np: 0,
         detach_timeout: Duration::from_secs(60),
         on_failure: OnFailure::Stop,
+        ssh: vec!["ssh".into()],
+        controlled: false,
         program: Vec::new(),
     };
     let mut max_np = None;
@@ -160,6 +174,16 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
             }
             // after --self: the launcher that ran us through ssh writes it
             SECRET_STDIN => o.secret = Some(read_secret(&mut std::io::stdin().lock())?),
+            CONTROL_STDIN => o.controlled = true,
+            "--ssh" => {
+                o.ssh = value(&mut i, a)?
+                    .split_whitespace()
+                    .map(str::to_string)
+                    .collect();
+                if o.ssh.is_empty() {
+                    bail!("--ssh needs a command");
+                }
+            }
             "-np" | "-n" | "--np" => {
                 np = Some(value(&mut i, a)?.parse().context("-np needs a number")?)
             }
@@ -244,6 +268,26 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
     });
     if o.program.is_empty() {
         bail!("no program given");
+    }
+    if let Some(me) = &o.self_host {
+        // Launchers started apart must agree on both, or their workers
+        // refuse each other's handshakes: say so now, not after a wait.
+        if !o.hosts.iter().any(|h| &h.host == me) {
+            bail!("--self {me}: not a host of -H");
+        }
+        if o.cluster_id.is_none() {
+            bail!(
+                "--self (per-node mode) needs --cluster-id ID (hex), the same on every host, \
+                 so that the workers the launchers start form one job"
+            );
+        }
+        let from_env = std::env::var(kungfu::env::SECRET_VAR).is_ok_and(|s| !s.is_empty());
+        if o.secret.is_none() && !from_env {
+            bail!(
+                "--self (per-node mode) needs the job secret in {}, the same on every host",
+                kungfu::env::SECRET_VAR
+            );
+        }
     }
     Ok(Some(o))
 }

@@ -12,6 +12,10 @@ use std::time::{Duration, Instant};
 
 use kungfu_topology::Strategy;
 
+#[path = "../common/bounded.rs"]
+mod bounded;
+use bounded::run_bounded;
+
 mod auth;
 mod bench;
 mod chaos;
@@ -45,30 +49,6 @@ impl Drop for Guard {
                 let _ = c.kill();
                 let _ = c.wait();
             }
-        }
-    }
-}
-
-/// Runs a command to completion within `limit`.
-fn run_bounded(mut cmd: Command, limit: Duration) -> Output {
-    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-    let child = cmd.spawn().expect("spawn");
-    let (tx, rx) = mpsc::channel();
-    let pid = child.id();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    match rx.recv_timeout(limit) {
-        Ok(out) => out.expect("wait"),
-        Err(_) => {
-            // SIGTERM first: kungfu-run passes it on to its workers (and
-            // kills them 3 s later), which SIGKILL would leave running
-            let pid = nix::unistd::Pid::from_raw(pid as i32);
-            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-            if rx.recv_timeout(Duration::from_secs(10)).is_err() {
-                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
-            }
-            panic!("command did not finish within {limit:?}: {cmd:?}");
         }
     }
 }

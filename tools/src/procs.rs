@@ -1,0 +1,257 @@
+//! The processes of a job: started with their output relayed line by
+//! line under a prefix, waited for, and signalled; and the control channel
+//! between a launcher and the launchers it starts on other hosts through
+//! ssh (their standard input: the job secret, then the names of the
+//! signals to forward, one per line; its end means the starting launcher
+//! is gone).
+
+use std::io::Write;
+use std::os::unix::process::ExitStatusExt;
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
+
+use anyhow::Context;
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, BufReader};
+use tokio::process::Command;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+pub(crate) const TERM_TO_KILL: Duration = Duration::from_secs(3);
+/// Longest line relayed at once; longer lines are split.
+const MAX_LINE: u64 = 64 * 1024;
+
+pub(crate) struct Proc {
+    pub label: String,
+    pub pid: Option<i32>,
+    pub alive: bool,
+    /// The worker's address (watch mode tracks workers by it).
+    pub addr: Option<String>,
+    /// Left out of the cluster: when it is stopped if still running, and
+    /// the signal it gets then.
+    pub removed: Option<(Instant, Signal)>,
+    /// Stopped for not leaving when removed: its exit is no failure.
+    pub stopped: bool,
+    /// Exited with status 0.
+    pub succeeded: bool,
+    /// The control channel of a launcher on another host (the standard
+    /// input of its ssh): signals go there as lines, not to the ssh.
+    control: Option<std::fs::File>,
+}
+
+/// The processes of a job and the tasks that wait for them and relay
+/// their output.
+#[derive(Default)]
+pub(crate) struct Job {
+    pub procs: Vec<Proc>,
+    pub waits: JoinSet<(usize, std::io::Result<ExitStatus>)>,
+    pub relays: JoinSet<()>,
+}
+
+impl Job {
+    /// Starts `cmd` as a process of the job, its output relayed line by
+    /// line under `prefix`. With `secret`, `cmd` is a launcher on another
+    /// host (ssh): it gets the secret as the first line of its standard
+    /// input, which then stays open as its control channel (see
+    /// [`signal_all`]) until it exits.
+    pub fn spawn(
+        &mut self,
+        mut cmd: Command,
+        label: String,
+        prefix: String,
+        addr: Option<String>,
+        secret: Option<&str>,
+    ) -> anyhow::Result<()> {
+        cmd.stdin(if secret.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true);
+        let mut child = cmd.spawn().with_context(|| format!("starting {label}"))?;
+        let control = match (secret, child.stdin.take()) {
+            (Some(secret), Some(stdin)) => {
+                let mut pipe = std::fs::File::from(
+                    stdin
+                        .into_owned_fd()
+                        .context("the standard input of a remote launcher")?,
+                );
+                // a few bytes into an empty pipe: never blocks
+                pipe.write_all(format!("{secret}\n").as_bytes())
+                    .with_context(|| format!("writing to {label}"))?;
+                Some(pipe)
+            }
+            _ => None,
+        };
+        let out = child.stdout.take().expect("piped");
+        let err = child.stderr.take().expect("piped");
+        self.relays.spawn(relay(out, prefix.clone(), false));
+        self.relays.spawn(relay(err, prefix, true));
+        let idx = self.procs.len();
+        self.procs.push(Proc {
+            label,
+            pid: child.id().map(|p| p as i32),
+            alive: true,
+            addr,
+            removed: None,
+            stopped: false,
+            succeeded: false,
+            control,
+        });
+        self.waits.spawn(async move { (idx, child.wait().await) });
+        Ok(())
+    }
+
+    /// When the next removed worker is due to be signalled.
+    pub fn next_removal(&self) -> Option<Instant> {
+        self.procs
+            .iter()
+            .filter(|p| p.alive)
+            .filter_map(|p| p.removed.map(|(at, _)| at))
+            .min()
+    }
+
+    pub fn running(&self, addr: &str) -> bool {
+        self.procs
+            .iter()
+            .any(|p| p.alive && p.addr.as_deref() == Some(addr))
+    }
+}
+
+pub(crate) fn describe(status: &ExitStatus) -> (String, i32) {
+    if let Some(code) = status.code() {
+        (format!("exited with status {code}"), code)
+    } else if let Some(sig) = status.signal() {
+        let name = Signal::try_from(sig)
+            .map_or_else(|_| format!("signal {sig}"), |s| s.as_str().to_string());
+        (format!("was killed by signal {sig} ({name})"), 128 + sig)
+    } else {
+        ("ended in an unknown way".into(), 1)
+    }
+}
+
+pub(crate) async fn relay<R: AsyncRead + Unpin>(pipe: R, prefix: String, to_stderr: bool) {
+    let mut r = BufReader::new(pipe);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        match (&mut r).take(MAX_LINE).read_until(b'\n', &mut line).await {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {
+                if line.last() != Some(&b'\n') {
+                    line.push(b'\n');
+                }
+                let res = if to_stderr {
+                    let mut e = std::io::stderr().lock();
+                    e.write_all(prefix.as_bytes())
+                        .and_then(|_| e.write_all(&line))
+                } else {
+                    let mut o = std::io::stdout().lock();
+                    o.write_all(prefix.as_bytes())
+                        .and_then(|_| o.write_all(&line))
+                        .and_then(|_| o.flush())
+                };
+                if res.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Sends `sig` to every live process of `procs` (to its whole process
+/// group: a worker's children get it too). A launcher on another host gets
+/// it as a line on its control channel instead, and forwards it to its
+/// own workers: signalling its ssh would only cut the connection. SIGKILL
+/// alone goes to the ssh itself (the last resort must not depend on the
+/// other host): the launcher there sees its channel close and stops its
+/// workers in turn.
+pub(crate) fn signal_all(procs: &[Proc], sig: Signal) {
+    for p in procs.iter().filter(|p| p.alive) {
+        if let (Some(mut c), true) = (p.control.as_ref(), sig != Signal::SIGKILL) {
+            // the peer may be gone already: its exit is reported anyway
+            let _ = c.write_all(format!("{}\n", sig.as_str()).as_bytes());
+        } else if let Some(pid) = p.pid {
+            // It may have exited in the meantime: ignore.
+            let _ = killpg(Pid::from_raw(pid), sig);
+        }
+    }
+}
+
+/// What the control channel of a launcher started through ssh says.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Control {
+    /// Forward this signal to the workers.
+    Signal(Signal),
+    /// The channel closed: the launcher that started this one is gone.
+    Gone,
+}
+
+/// Parses a line of the control channel: the name of a signal the
+/// launcher forwards (`SIGINT`, `SIGTERM` or `SIGHUP`).
+pub(crate) fn control_line(line: &str) -> Option<Signal> {
+    match line.trim() {
+        "SIGINT" => Some(Signal::SIGINT),
+        "SIGTERM" => Some(Signal::SIGTERM),
+        "SIGHUP" => Some(Signal::SIGHUP),
+        _ => None,
+    }
+}
+
+/// Reads the control channel (this process's standard input, after the
+/// secret line `--secret-stdin` took) on a thread of its own, as messages.
+pub(crate) fn control_channel() -> tokio::sync::mpsc::UnboundedReceiver<Control> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let read = move || {
+        use std::io::BufRead;
+        for line in std::io::stdin().lock().lines() {
+            let Ok(line) = line else { break };
+            match control_line(&line) {
+                Some(sig) => {
+                    if tx.send(Control::Signal(sig)).is_err() {
+                        return;
+                    }
+                }
+                None => eprintln!("kungfu-run: ignoring {line:?} on the control channel"),
+            }
+        }
+        let _ = tx.send(Control::Gone);
+    };
+    if let Err(e) = std::thread::Builder::new()
+        .name("kungfu-run-control".into())
+        .spawn(read)
+    {
+        eprintln!("kungfu-run: cannot read the control channel: {e}");
+    }
+    rx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_lines() {
+        assert_eq!(control_line("SIGTERM"), Some(Signal::SIGTERM));
+        assert_eq!(control_line("SIGINT\r"), Some(Signal::SIGINT));
+        assert_eq!(control_line(Signal::SIGHUP.as_str()), Some(Signal::SIGHUP));
+        // no remote kill through the channel: that is the ssh's death
+        assert_eq!(control_line("SIGKILL"), None);
+        assert_eq!(control_line("rm -rf /"), None);
+    }
+
+    #[test]
+    fn statuses() {
+        assert_eq!(
+            describe(&ExitStatus::from_raw(3 << 8)),
+            ("exited with status 3".into(), 3)
+        );
+        let (what, code) = describe(&ExitStatus::from_raw(9));
+        assert_eq!(code, 137);
+        assert!(what.contains("SIGKILL"), "{what}");
+    }
+}

@@ -1,0 +1,199 @@
+//! Launching one job on two hosts: ssh mode (started on one of them, which
+//! must know itself by its interface address) and per-node mode (the same
+//! command on each, with `--self`).
+
+use super::*;
+
+const HOSTS: &str = "198.18.0.1:2,198.18.0.2:2";
+/// The job secret of the per-node tests (32 hex digits).
+const SECRET: &str = "00112233445566778899aabbccddeeff";
+
+/// kungfu-run in ssh mode on host 1, for the 2 x 2 job.
+fn ssh_job(c: &Cluster, extra: &[&str], program: &[&str]) -> Command {
+    let ssh = c.ssh();
+    let mut args = vec!["--timeout", "90s", "-np", "4", "-H", HOSTS, "--ssh", &ssh];
+    args.extend(extra);
+    args.push("--");
+    args.extend(program);
+    c.on(1, RUN, &args)
+}
+
+#[test]
+fn ssh_mode_runs_a_job_on_two_hosts_started_on_one_of_them() {
+    let Some(mut c) = cluster(2, "ssh_mode") else {
+        return;
+    };
+    c.start_sshd(&[2]);
+    let out = run_bounded(
+        ssh_job(&c, &[], &[SELFTEST, "--steps", "3"]),
+        Duration::from_secs(120),
+    );
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    // host 1 started its own workers (no ssh to itself), host 2's came
+    // through ssh; every line says which host and rank it is from
+    for (rank, host, local) in [(0, 1, 0), (1, 1, 1), (2, 2, 0), (3, 2, 1)] {
+        let tag = format!("[{rank}@198.18.0.{host}] ");
+        let me = format!("rank {rank}/4 local {local}/2");
+        assert!(
+            t.lines().any(|l| l.starts_with(&tag) && l.contains(&me)),
+            "no line {tag}... {me}:\n{t}"
+        );
+    }
+    assert!(!t.contains("Connection refused"), "{t}");
+}
+
+#[test]
+fn a_worker_failing_on_the_remote_host_stops_the_job_and_is_named() {
+    let Some(mut c) = cluster(2, "remote_failure") else {
+        return;
+    };
+    c.start_sshd(&[2]);
+    let out = run_bounded(
+        ssh_job(
+            &c,
+            &["--grace", "5s"],
+            &[SELFTEST, "--steps", "50", "--exit", "3:2:7"],
+        ),
+        Duration::from_secs(120),
+    );
+    let t = text(&out);
+    // The status is the first failure this launcher sees: rank 3's (7),
+    // through ssh, or a survivor's here that noticed it first (1).
+    assert!(matches!(out.status.code(), Some(7 | 1)), "{t}");
+    assert!(
+        t.contains("rank 3 on 198.18.0.2 exited with status 7"),
+        "the failure is not named with its host and rank:\n{t}"
+    );
+    for h in [1, 2] {
+        assert!(c.pids_of(h, "kungfu-selftest").is_empty(), "host {h}: {t}");
+    }
+}
+
+#[test]
+fn a_signal_to_the_launcher_reaches_the_workers_on_every_host() {
+    let Some(mut c) = cluster(2, "signals") else {
+        return;
+    };
+    c.start_sshd(&[2]);
+    let mut cmd = ssh_job(&c, &[], &["sh", "-c", "echo up; exec sleep 300"]);
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = lines_of(&mut child);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut up = 0;
+    while up < 4 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match lines.recv_timeout(left) {
+            Ok(l) if l.ends_with("] up") => up += 1,
+            Ok(_) => {}
+            Err(_) => {
+                let _ = child.kill();
+                panic!("only {up} of 4 workers started");
+            }
+        }
+    }
+    assert_eq!(c.pids_of(2, "sleep").len(), 2);
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if t0.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            panic!("kungfu-run did not exit within 30 s of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    let _ = std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err);
+    assert_eq!(status.code(), Some(143), "{err}");
+    assert!(
+        err.contains("kungfu-run on 198.18.0.2: SIGTERM from the launcher"),
+        "{err}"
+    );
+    // the remote workers got it (not left behind by a cut connection)
+    let t0 = Instant::now();
+    while !c.pids_of(2, "sleep").is_empty() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "workers left on host 2:\n{err}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(c.pids_of(1, "sleep").is_empty(), "{err}");
+}
+
+/// Per-node mode: every host runs the same command with its own `--self`,
+/// one `--cluster-id` and one secret.
+#[test]
+fn per_node_mode_runs_one_job_from_launchers_started_apart() {
+    let Some(c) = cluster(2, "per_node") else {
+        return;
+    };
+    let launch = |host: usize| {
+        let me = Cluster::addr(host);
+        let mut cmd = c.on(
+            host,
+            RUN,
+            &[
+                "--timeout",
+                "90s",
+                "-np",
+                "4",
+                "-H",
+                HOSTS,
+                "--self",
+                &me,
+                "--cluster-id",
+                "c0ffee",
+                SELFTEST,
+                "--steps",
+                "3",
+            ],
+        );
+        cmd.env("KUNGFU_JOB_SECRET", SECRET);
+        cmd
+    };
+    let (tx, rx) = mpsc::channel();
+    for host in [1, 2] {
+        let cmd = launch(host);
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send((host, run_bounded(cmd, Duration::from_secs(120))));
+        });
+    }
+    for _ in 0..2 {
+        let (host, out) = rx.recv_timeout(Duration::from_secs(150)).unwrap();
+        let t = text(&out);
+        assert!(out.status.success(), "host {host}: {t}");
+        let rank = 2 * (host - 1) + 1;
+        assert!(
+            t.contains(&format!("[{rank}@198.18.0.{host}] "))
+                && t.contains(&format!("rank {rank}/4")),
+            "host {host}: {t}"
+        );
+    }
+    // without a cluster id, or without the secret, a clear error at once
+    for (drop_arg, what) in [("--cluster-id", "--cluster-id"), ("", "KUNGFU_JOB_SECRET")] {
+        let me = Cluster::addr(1);
+        let mut args = vec!["-np", "4", "-H", HOSTS, "--self", &me];
+        if drop_arg.is_empty() {
+            args.extend(["--cluster-id", "c0ffee"]);
+        }
+        args.extend([SELFTEST, "--steps", "1"]);
+        let mut cmd = c.on(1, RUN, &args);
+        cmd.env_remove("KUNGFU_JOB_SECRET");
+        if !drop_arg.is_empty() {
+            cmd.env("KUNGFU_JOB_SECRET", SECRET);
+        }
+        let out = run_bounded(cmd, Duration::from_secs(20));
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+        assert!(text(&out).contains(what), "{}", text(&out));
+    }
+}
