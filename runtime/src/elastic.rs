@@ -40,7 +40,7 @@ use kungfu_topology::{Peer, PeerList};
 use kungfu_transport::auth::{eq_constant_time, JobSecret};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
 /// The longest request or response head accepted.
@@ -100,9 +100,9 @@ pub type NewPeer = Box<dyn Fn(&[Peer]) -> Result<Peer, String> + Send + Sync>;
 pub struct ServerRules {
     /// The largest cluster.
     pub max_size: usize,
-    /// If set, every peer must be on this host (a launcher that starts
-    /// workers only here).
-    pub only_host: Option<String>,
+    /// If set, every peer must be on one of these hosts (the hosts a
+    /// launcher starts workers on).
+    pub hosts: Option<Vec<String>>,
     /// Makes the address of a new peer when `size N` grows the cluster;
     /// given the peers so far.
     pub new_peer: NewPeer,
@@ -177,13 +177,89 @@ impl ConfigServer {
     /// between (a launcher must start the workers a version adds even when
     /// a later one came before it looked: workers may connect it).
     pub fn since(&self, version: u32) -> Vec<ClusterConfig> {
-        let history = self.state.write.lock().unwrap_or_else(|e| e.into_inner());
-        history
-            .iter()
-            .filter(|c| c.version > version)
-            .cloned()
-            .collect()
+        self.state.since(version)
     }
+}
+
+impl ConfigServer {
+    /// Every version after `after`, in order, as it is made: a launcher
+    /// must see each one (see [`ConfigServer::since`]), not only the
+    /// latest. Ends when the server is dropped.
+    /// (Always `Ok`: the type is [`follow`]'s.)
+    pub fn versions(&self, after: u32) -> mpsc::UnboundedReceiver<Result<ClusterConfig, String>> {
+        let (tx, out) = mpsc::unbounded_channel();
+        let mut rx = self.rx.clone();
+        let state = Arc::downgrade(&self.state);
+        tokio::spawn(async move {
+            let mut seen = after;
+            loop {
+                let Some(state) = state.upgrade() else { return };
+                for c in state.since(seen) {
+                    seen = c.version;
+                    if tx.send(Ok(c)).is_err() {
+                        return;
+                    }
+                }
+                drop(state);
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
+        out
+    }
+}
+
+/// Follows the config server at `url` from another host: every version
+/// after `after`, in order, as a poll every `period` finds it (each
+/// version between two polls is fetched from the server's history; one it
+/// forgot already is skipped). A server unreachable for `give_up` ends it
+/// with the error.
+pub fn follow(
+    url: String,
+    after: u32,
+    period: Duration,
+    give_up: Duration,
+) -> mpsc::UnboundedReceiver<Result<ClusterConfig, String>> {
+    let (tx, out) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut seen = after;
+        let mut reached = Instant::now();
+        loop {
+            let deadline = Instant::now() + period.max(Duration::from_secs(2));
+            match get_config(&url, deadline).await {
+                Ok(latest) => {
+                    reached = Instant::now();
+                    while seen < latest.version {
+                        let v = seen + 1;
+                        let c = if v == latest.version {
+                            Some(latest.clone())
+                        } else {
+                            get_version(&url, v, deadline).await.unwrap_or(None)
+                        };
+                        seen = v;
+                        if let Some(c) = c {
+                            if tx.send(Ok(c)).is_err() {
+                                return;
+                            }
+                        }
+                    }
+                }
+                Err(e) if reached.elapsed() > give_up => {
+                    let _ = tx.send(Err(format!(
+                        "the config server {url} is unreachable for {give_up:?}: {e}"
+                    )));
+                    return;
+                }
+                Err(_) => {}
+            }
+            if tx.is_closed() {
+                return;
+            }
+            tokio::time::sleep(period).await;
+        }
+    });
+    out
 }
 
 struct ServerState {
@@ -198,6 +274,15 @@ struct ServerState {
 const HISTORY: usize = 64;
 
 impl ServerState {
+    fn since(&self, version: u32) -> Vec<ClusterConfig> {
+        let history = self.write.lock().unwrap_or_else(|e| e.into_inner());
+        history
+            .iter()
+            .filter(|c| c.version > version)
+            .cloned()
+            .collect()
+    }
+
     fn put(&self, body: &str) -> Result<ClusterConfig, (u16, String)> {
         let mut history = self.write.lock().unwrap_or_else(|e| e.into_inner());
         let cur = self.tx.borrow().clone();
@@ -247,9 +332,12 @@ impl ServerState {
             }
             c
         };
-        if let Some(h) = &self.rules.only_host {
-            if let Some(p) = next.peers.peers().iter().find(|p| &p.host != h) {
-                return Err(bad(format!("{p} is not on {h}, the only host served")));
+        if let Some(hosts) = &self.rules.hosts {
+            if let Some(p) = next.peers.peers().iter().find(|p| !hosts.contains(&p.host)) {
+                return Err(bad(format!(
+                    "{p} is not on a host of the job ({})",
+                    hosts.join(", ")
+                )));
             }
         }
         self.tx.send_replace(next.clone());
@@ -529,7 +617,7 @@ pub(crate) fn fuzz_http(data: &[u8]) {
             max_size: 64,
             // the credential check has its own tests; here, what follows it
             credential: None,
-            only_host: Some("127.0.0.1".into()),
+            hosts: Some(vec!["127.0.0.1".into()]),
             new_peer: Box::new(move |_| {
                 Ok(Peer {
                     host: "127.0.0.1".into(),
@@ -558,6 +646,22 @@ mod tests {
         Instant::now() + Duration::from_secs(5)
     }
 
+    /// Up to `max_size` peers on 127.0.0.1, new ones from port 2000.
+    fn rules(max_size: usize, job: Option<&JobSecret>) -> ServerRules {
+        let next_port = std::sync::atomic::AtomicU16::new(2000);
+        ServerRules {
+            max_size,
+            hosts: Some(vec!["127.0.0.1".into()]),
+            new_peer: Box::new(move |_| {
+                Ok(Peer {
+                    host: "127.0.0.1".into(),
+                    port: next_port.fetch_add(1, std::sync::atomic::Ordering::SeqCst),
+                })
+            }),
+            credential: job.map(JobSecret::config_token),
+        }
+    }
+
     #[tokio::test]
     async fn serves_gets_and_puts_and_refuses_bad_ones() {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -566,23 +670,7 @@ mod tests {
             version: 0,
             peers: "127.0.0.1:1000,127.0.0.1:1001".parse().unwrap(),
         };
-        let next_port = std::sync::atomic::AtomicU16::new(2000);
-        let server = ConfigServer::start(
-            l,
-            initial.clone(),
-            ServerRules {
-                max_size: 4,
-                only_host: Some("127.0.0.1".into()),
-                new_peer: Box::new(move |_| {
-                    Ok(Peer {
-                        host: "127.0.0.1".into(),
-                        port: next_port.fetch_add(1, std::sync::atomic::Ordering::SeqCst),
-                    })
-                }),
-                credential: Some(job.config_token()),
-            },
-        )
-        .unwrap();
+        let server = ConfigServer::start(l, initial.clone(), rules(4, Some(&job))).unwrap();
         let url = server.url();
         let mut rx = server.subscribe();
         assert_eq!(get_config(&url, soon()).await.unwrap(), initial);
@@ -643,5 +731,54 @@ mod tests {
         let _ = s.read_to_string(&mut out).await;
         assert!(out.starts_with("HTTP/1.1 400"), "{out}");
         assert!(get_config("ftp://x/cluster", soon()).await.is_err());
+    }
+
+    /// A launcher of another host sees every version in order, also those
+    /// made between two of its polls, and a server that stops answering
+    /// ends its watch with an error, in bounded time.
+    #[tokio::test]
+    async fn followers_see_every_version_and_a_lost_server() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let initial = ClusterConfig {
+            version: 0,
+            peers: "127.0.0.1:1000".parse().unwrap(),
+        };
+        let server = ConfigServer::start(l, initial, rules(8, None)).unwrap();
+        let url = server.url();
+        let mut local = server.versions(0);
+        let mut remote = follow(
+            url.clone(),
+            0,
+            Duration::from_millis(300),
+            Duration::from_secs(1),
+        );
+        // three versions at once, well within one poll
+        for n in [3, 2, 5] {
+            put_config(&url, &format!("size {n}"), None, soon())
+                .await
+                .unwrap();
+        }
+        for rx in [&mut local, &mut remote] {
+            for (v, n) in [(1, 3), (2, 2), (3, 5)] {
+                let c = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+                    .await
+                    .unwrap()
+                    .unwrap()
+                    .unwrap();
+                assert_eq!((c.version, c.peers.len()), (v, n));
+            }
+        }
+        // a peer outside the hosts served is refused
+        let e = put_config(&url, "version 4\npeers 10.0.0.1:1", None, soon())
+            .await
+            .unwrap_err();
+        assert!(e.contains("is not on a host of the job (127.0.0.1)"), "{e}");
+        drop(server);
+        let last = tokio::time::timeout(Duration::from_secs(10), remote.recv())
+            .await
+            .expect("the follower gives up in bounded time")
+            .unwrap();
+        assert!(last.unwrap_err().contains("unreachable"));
+        assert!(local.recv().await.is_none(), "ends with the server");
     }
 }

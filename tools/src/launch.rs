@@ -20,7 +20,9 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::time::Instant;
 
 use crate::certs::job_tls;
-use crate::procs::{control_channel, describe, signal_all, Control, Job, TERM_TO_KILL};
+use crate::procs::{
+    control_channel, describe, report_live, signal_all, Control, Job, TERM_TO_KILL,
+};
 use crate::remote;
 use crate::{assign_ranks, bind_listener, is_local_host, job_ports, JobPorts};
 use kungfu::elastic::{ClusterConfig, ConfigServer, ServerRules};
@@ -173,44 +175,82 @@ fn listener_for(pending: &Pending, p: &Peer) -> anyhow::Result<std::net::TcpList
     }
 }
 
-/// Starts the config server of a watched job on this host. A new peer gets
-/// a port bound here and held until its worker starts with it (see
-/// `pass_listener`). Every worker of a watched job is on this host, so the
-/// server listens on the loopback only, and wants the job's credential for
-/// every change (see `kungfu::elastic`).
+/// Starts the config server of a watched job, with the job's credential
+/// wanted for every change (see `kungfu::elastic`).
+///
+/// On one machine (`all_local`) it listens on the loopback, and a new peer
+/// goes on the first host of `-H` with a port bound here and held until
+/// its worker starts with it (see `pass_listener`). Across hosts it listens
+/// on this host's address of `-H` (`here`), for the launchers and workers
+/// of the other hosts; a new peer goes on the first host of `-H` with a
+/// free slot, at the first port from `--port-base` the job has not used on
+/// that host, which its launcher binds when it starts the worker.
 async fn config_server(
     opts: &LaunchOptions,
     peers: &PeerList,
     secret: &JobSecret,
+    here: Option<&str>,
 ) -> anyhow::Result<(ConfigServer, Pending)> {
-    let host = peers.peers()[0].host.clone();
-    let listener = tokio::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0))
-        .await
-        .context("binding the config server")?;
+    let listener = match here {
+        None => tokio::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0)).await,
+        Some(host) => tokio::net::TcpListener::bind((host, 0)).await,
+    }
+    .context("binding the config server")?;
     let used = std::sync::Mutex::new(
         peers
             .peers()
             .iter()
-            .map(|p| p.port)
-            .collect::<HashSet<u16>>(),
+            .map(|p| (p.host.clone(), p.port))
+            .collect::<HashSet<(String, u16)>>(),
     );
     let pending = Pending::default();
     let bound = pending.clone();
-    let new_host = host.clone();
+    let hosts = opts.hosts.clone();
+    let across = here.is_some();
+    let port_base = opts.port_base;
+    let total: usize = hosts.iter().map(|h| h.slots).sum();
     let rules = ServerRules {
-        max_size: opts.max_np,
-        only_host: Some(host),
+        // on one host the slots do not bound a watched job; across hosts
+        // they say where new workers can go
+        max_size: if across {
+            opts.max_np.min(total)
+        } else {
+            opts.max_np
+        },
+        hosts: Some(hosts.iter().map(|h| h.host.clone()).collect()),
         // A port never used in this job, so that an address names one
         // worker only (the kernel may offer the port of one that exited).
         // The refused sockets stay bound until one is found, so the
         // kernel offers another port each time.
-        new_peer: Box::new(move |_| {
+        new_peer: Box::new(move |so_far| {
             let mut used = used.lock().unwrap_or_else(|e| e.into_inner());
+            let new_host = if across {
+                let room = |h: &&crate::HostSlots| {
+                    so_far.iter().filter(|p| p.host == h.host).count() < h.slots
+                };
+                let Some(h) = hosts.iter().find(room) else {
+                    return Err(format!("all {total} slots of the job's hosts are taken"));
+                };
+                h.host.clone()
+            } else {
+                hosts[0].host.clone()
+            };
+            if across {
+                for port in port_base..=u16::MAX {
+                    if used.insert((new_host.clone(), port)) {
+                        return Ok(Peer {
+                            host: new_host,
+                            port,
+                        });
+                    }
+                }
+                return Err(format!("no port left on {new_host}"));
+            }
             let mut refused = Vec::new();
             for _ in 0..100 {
                 let l = bind_listener(&new_host).map_err(|e| format!("{e:#}"))?;
                 let port = l.local_addr().map_err(|e| e.to_string())?.port();
-                if !used.insert(port) {
+                if !used.insert((new_host.clone(), port)) {
                     refused.push(l);
                     continue;
                 }
@@ -234,6 +274,11 @@ async fn config_server(
     };
     Ok((ConfigServer::start(listener, initial, rules)?, pending))
 }
+
+/// How often a launcher that follows another's config server asks it for
+/// the config, and how long it goes on when the server does not answer.
+const FOLLOW_EVERY: Duration = Duration::from_millis(100);
+const FOLLOW_GIVE_UP: Duration = Duration::from_secs(30);
 
 fn job_id() -> u64 {
     let now = std::time::SystemTime::now()
@@ -296,28 +341,57 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
         torch_port: free_port()?,
     };
     let secret = JobSecret::new(keys.secret.as_bytes())?;
-    // the config server: for -w, and for the survivors' recovery
-    let serves = opts.watch || opts.on_failure != OnFailure::Stop;
     let mine = |host: &str| match &opts.self_host {
         Some(me) => host == me,
         None => is_local_host(host),
     };
-
     anyhow::ensure!(
-        !serves || (opts.hosts.len() == 1 && all_local && opts.self_host.is_none()),
-        "watch mode (-w) and --on-failure shrink|replace start workers on this host only: \
-         give one local host"
+        opts.on_failure == OnFailure::Stop
+            || (opts.hosts.len() == 1 && all_local && opts.self_host.is_none()),
+        "--on-failure shrink|replace start workers on this host only: give one local host"
     );
+    // The config server: for -w (the launcher that starts the job serves
+    // it; those it starts on other hosts follow it), and for the
+    // survivors' recovery.
+    let serves = (opts.watch || opts.on_failure != OnFailure::Stop) && opts.self_host.is_none();
+    let follows = opts.watch && opts.self_host.is_some();
+    let here = if serves && !all_local {
+        let h = opts.hosts.iter().find(|h| mine(&h.host)).with_context(|| {
+            "-w across hosts: start kungfu-run on one of the hosts of -H (its config \
+             server listens there, for the other hosts)"
+        })?;
+        Some(h.host.as_str())
+    } else {
+        None
+    };
     let (server, pending) = if serves {
-        let (s, p) = config_server(&opts, &peers, &secret).await?;
+        let (s, p) = config_server(&opts, &peers, &secret, here).await?;
         (Some(s), p)
     } else {
         (None, Pending::default())
     };
-    let mut config = server.as_ref().map(|s| s.subscribe());
-    // the last config version the loop below handled
-    let mut seen = config.as_ref().map_or(0, |c| c.borrow().version);
-    let url = server.as_ref().map(|s| s.url());
+    let url = match (&server, &opts.config_server) {
+        (Some(s), _) => Some(s.url()),
+        (None, Some(u)) if follows => Some(u.clone()),
+        (None, _) if follows => anyhow::bail!("-w with --self needs --config-server URL"),
+        _ => None,
+    };
+    // every version of the config after the first, in order
+    let mut versions = match (&server, &url) {
+        (Some(s), _) => Some(s.versions(0)),
+        (None, Some(u)) => Some(kungfu::elastic::follow(
+            u.clone(),
+            0,
+            FOLLOW_EVERY,
+            FOLLOW_GIVE_UP,
+        )),
+        _ => None,
+    };
+    // the latest version handled
+    let mut latest = versions.as_ref().map(|_| ClusterConfig {
+        version: 0,
+        peers: peers.clone(),
+    });
     // Before `job`, so that it is dropped after it: the workers are gone
     // first (reaped when the loop below ends; on an early error, sent
     // SIGKILL by the job's drop, which does not wait for them).
@@ -359,13 +433,14 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
         job.spawn(cmd, label, prefix, addr, None)?;
     }
     if opts.self_host.is_none() {
-        // Workers of other machines: the same launcher there, through ssh.
+        // Workers of other machines: the same launcher there, through ssh
+        // (in a watched job on every host, as any may get workers later).
         let exe = std::env::current_exe().context("locating kungfu-run")?;
         for h in opts.hosts.iter().filter(|h| !mine(&h.host)) {
-            if !slots.iter().any(|s| s.host == h.host) {
+            if !serves && !slots.iter().any(|s| s.host == h.host) {
                 continue;
             }
-            let line = remote::remote_command(&opts, &h.host, cluster_id, &exe);
+            let line = remote::remote_command(&opts, &h.host, cluster_id, &exe, url.as_deref());
             let (ssh, ssh_args) = opts.ssh.split_first().context("--ssh: no command")?;
             let mut cmd = Command::new(ssh);
             cmd.args(ssh_args)
@@ -393,7 +468,22 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
     let mut timed_out = false;
     let mut survived = Survived::default();
 
-    while remaining > 0 {
+    // A launcher that follows another reports how many of its workers
+    // run; the one it follows ends the job when none runs anywhere.
+    let mut reported: Option<usize> = None;
+    let mut ending = false;
+    let mut status = job.take_status();
+    while remaining > 0 || (follows && control.is_some() && exit_code.is_none()) {
+        let live = job.live_workers();
+        if follows && opts.controlled && reported != Some(live) {
+            report_live(live);
+            reported = Some(live);
+        }
+        if serves && !ending && live == 0 && job.remotes_idle() {
+            // every worker of every host has exited: the job is over
+            ending = true;
+            job.close_controls();
+        }
         let phase_at = next_phase.map_or(far, |(t, _)| t);
         let removal = job.next_removal();
         tokio::select! {
@@ -420,7 +510,7 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                     // exited (a frozen one exits only once it runs again
                     // and learns it was left out): grow back now, as no
                     // later config change may come to do it.
-                    let shrunk = config.as_ref().is_some_and(|c| c.borrow().peers.len() < opts.np);
+                    let shrunk = latest.as_ref().is_some_and(|c| c.peers.len() < opts.np);
                     if survived.to_replace > 0 && shrunk {
                         survived.to_replace = 0;
                         replace_lost(url.clone(), secret.clone(), opts.np);
@@ -436,19 +526,25 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                     }
                 }
             }
-            Ok(()) = async { config.as_mut().expect("guarded").changed().await }, if config.is_some() && exit_code.is_none() => {
-                let latest = config.as_mut().expect("guarded").borrow_and_update().clone();
-                // Every version since the last one handled, not only the
-                // latest: a version that added workers and was replaced
-                // before this looked may still be the one the workers
-                // connect (the resize model found that hang).
-                let mut versions = server.as_ref().map_or_else(Vec::new, |s| s.since(seen));
-                if versions.last().map(|c| c.version) != Some(latest.version) {
-                    versions.push(latest);
-                }
-                for c in versions {
-                    seen = c.version;
-                    eprintln!("kungfu-run: cluster version {}: {} workers", c.version, c.peers.len());
+            // Every version, not only the latest: a version that added
+            // workers and was replaced before this looked may still be the
+            // one the workers connect (the resize model found that hang).
+            Some(next) = async { versions.as_mut().expect("guarded").recv().await }, if versions.is_some() && exit_code.is_none() => {
+                let c = match next {
+                    Ok(c) => c,
+                    Err(e) => {
+                        eprintln!("kungfu-run: {e}; stopping the workers");
+                        versions = None;
+                        exit_code = Some(1);
+                        signal_all(&job.procs, Signal::SIGTERM);
+                        next_phase = Some((Instant::now() + TERM_TO_KILL, Signal::SIGKILL));
+                        continue;
+                    }
+                };
+                latest = Some(c.clone());
+                {
+                    let who = opts.self_host.as_ref().map_or_else(String::new, |h| format!(" on {h}"));
+                    eprintln!("kungfu-run{who}: cluster version {}: {} workers", c.version, c.peers.len());
                     if survived.to_replace > 0 && c.peers.len() < opts.np {
                         // the survivors shrank: grow back with new workers
                         survived.to_replace = 0;
@@ -463,7 +559,7 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                     }
                     for (rank, p) in c.peers.peers().iter().enumerate() {
                         let addr = p.to_string();
-                        if job.running(&addr) {
+                        if !mine(&p.host) || job.running(&addr) {
                             continue;
                         }
                         let r = Rank(rank as u32);
@@ -526,7 +622,8 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                     }
                     Control::Gone => {
                         control = None;
-                        if exit_code.is_some() {
+                        // none running (a watched job ends so): done
+                        if exit_code.is_some() || job.live_workers() == 0 {
                             continue;
                         }
                         eprintln!("kungfu-run on {me}: the launcher that started this one is gone; stopping the workers");
@@ -537,6 +634,7 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                 exit_code.get_or_insert(128 + sig as i32);
                 next_phase = Some((Instant::now() + TERM_TO_KILL, Signal::SIGKILL));
             }
+            Some((idx, n)) = status.recv() => job.procs[idx].remote_live = Some(n),
             _ = sigint.recv() => {
                 eprintln!("kungfu-run: interrupted; forwarding SIGINT to the workers");
                 signal_all(&job.procs, Signal::SIGINT);

@@ -54,6 +54,9 @@ pub struct LaunchOptions {
     /// (`--control-stdin`): after the secret, standard input is the
     /// control channel it sends signals on (see `procs`).
     pub controlled: bool,
+    /// The config server a watched job's launcher on another host follows
+    /// (`--config-server URL`, with `--self`).
+    pub config_server: Option<String>,
     pub program: Vec<String>,
 }
 

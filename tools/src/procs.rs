@@ -15,6 +15,7 @@ use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, BufReader};
 use tokio::process::Command;
+use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
@@ -38,15 +39,34 @@ pub(crate) struct Proc {
     /// The control channel of a launcher on another host (the standard
     /// input of its ssh): signals go there as lines, not to the ssh.
     control: Option<std::fs::File>,
+    /// A launcher on another host: whether it is one, and how many
+    /// workers it said run there (none said yet: `None`).
+    remote: bool,
+    pub remote_live: Option<usize>,
 }
 
 /// The processes of a job and the tasks that wait for them and relay
 /// their output.
-#[derive(Default)]
 pub(crate) struct Job {
     pub procs: Vec<Proc>,
     pub waits: JoinSet<(usize, std::io::Result<ExitStatus>)>,
     pub relays: JoinSet<()>,
+    /// What the launchers on other hosts report: (process, live workers).
+    status: (Status, Option<mpsc::UnboundedReceiver<(usize, usize)>>),
+}
+
+type Status = mpsc::UnboundedSender<(usize, usize)>;
+
+impl Default for Job {
+    fn default() -> Job {
+        let (tx, rx) = mpsc::unbounded_channel();
+        Job {
+            procs: Vec::new(),
+            waits: JoinSet::new(),
+            relays: JoinSet::new(),
+            status: (tx, Some(rx)),
+        }
+    }
 }
 
 impl Job {
@@ -89,9 +109,10 @@ impl Job {
         };
         let out = child.stdout.take().expect("piped");
         let err = child.stderr.take().expect("piped");
-        self.relays.spawn(relay(out, prefix.clone(), false));
-        self.relays.spawn(relay(err, prefix, true));
         let idx = self.procs.len();
+        let status = secret.map(|_| (idx, self.status.0.clone()));
+        self.relays.spawn(relay(out, prefix.clone(), false, status));
+        self.relays.spawn(relay(err, prefix, true, None));
         self.procs.push(Proc {
             label,
             pid: child.id().map(|p| p as i32),
@@ -100,7 +121,9 @@ impl Job {
             removed: None,
             stopped: false,
             succeeded: false,
+            remote: control.is_some(),
             control,
+            remote_live: None,
         });
         self.waits.spawn(async move { (idx, child.wait().await) });
         Ok(())
@@ -113,6 +136,32 @@ impl Job {
             .filter(|p| p.alive)
             .filter_map(|p| p.removed.map(|(at, _)| at))
             .min()
+    }
+
+    /// What the launchers on other hosts report (once; see
+    /// [`report_live`]).
+    pub fn take_status(&mut self) -> mpsc::UnboundedReceiver<(usize, usize)> {
+        self.status.1.take().expect("taken once")
+    }
+
+    /// How many workers of this host run.
+    pub fn live_workers(&self) -> usize {
+        self.procs.iter().filter(|p| p.alive && !p.remote).count()
+    }
+
+    /// Whether some launcher of another host runs, and each that does has
+    /// said that none of its workers runs.
+    pub fn remotes_idle(&self) -> bool {
+        let mut remotes = self.procs.iter().filter(|p| p.alive && p.remote).peekable();
+        remotes.peek().is_some() && remotes.all(|p| p.remote_live == Some(0))
+    }
+
+    /// Closes the control channels: the launchers of the other hosts stop
+    /// (their workers too, if any still runs) and exit.
+    pub fn close_controls(&mut self) {
+        for p in &mut self.procs {
+            p.control = None;
+        }
     }
 
     pub fn running(&self, addr: &str) -> bool {
@@ -134,7 +183,25 @@ pub(crate) fn describe(status: &ExitStatus) -> (String, i32) {
     }
 }
 
-pub(crate) async fn relay<R: AsyncRead + Unpin>(pipe: R, prefix: String, to_stderr: bool) {
+/// The mark of a launcher's report line (see [`report_live`]): it starts
+/// with a control character, so that no worker's line is taken for one.
+const STATUS_MARK: &str = "\u{1}kungfu-run live ";
+
+/// Says, on standard output (which reaches the launcher that started this
+/// one through ssh), how many workers of this host run.
+pub(crate) fn report_live(n: usize) {
+    let mut o = std::io::stdout().lock();
+    let _ = writeln!(o, "{STATUS_MARK}{n}").and_then(|_| o.flush());
+}
+
+/// Relays the lines of `pipe` under `prefix`; with `status`, a launcher's
+/// output, whose reports go to `status` instead, with its index.
+async fn relay<R: AsyncRead + Unpin>(
+    pipe: R,
+    prefix: String,
+    to_stderr: bool,
+    status: Option<(usize, Status)>,
+) {
     let mut r = BufReader::new(pipe);
     let mut line = Vec::new();
     loop {
@@ -142,6 +209,15 @@ pub(crate) async fn relay<R: AsyncRead + Unpin>(pipe: R, prefix: String, to_stde
         match (&mut r).take(MAX_LINE).read_until(b'\n', &mut line).await {
             Ok(0) | Err(_) => return,
             Ok(_) => {
+                if let Some((idx, tx)) = &status {
+                    let text = String::from_utf8_lossy(&line);
+                    if let Some(n) = text.strip_prefix(STATUS_MARK) {
+                        if let Ok(n) = n.trim().parse() {
+                            let _ = tx.send((*idx, n));
+                        }
+                        continue;
+                    }
+                }
                 if line.last() != Some(&b'\n') {
                     line.push(b'\n');
                 }

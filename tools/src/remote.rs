@@ -31,7 +31,14 @@ pub const CONTROL_STDIN: &str = "--control-stdin";
 /// The command line of the launcher on `host`, `exe` the path of
 /// `kungfu-run` (the same on every host), as one shell-quoted string for
 /// `ssh`.
-pub fn remote_command(opts: &LaunchOptions, host: &str, cluster_id: u64, exe: &Path) -> String {
+/// A watched job's launcher there follows the config server at `url`.
+pub fn remote_command(
+    opts: &LaunchOptions,
+    host: &str,
+    cluster_id: u64,
+    exe: &Path,
+    url: Option<&str>,
+) -> String {
     let hosts: Vec<String> = opts
         .hosts
         .iter()
@@ -72,6 +79,17 @@ pub fn remote_command(opts: &LaunchOptions, host: &str, cluster_id: u64, exe: &P
         Bind::None => "none",
     };
     remote.extend(["--bind-to".into(), bind.into()]);
+    if let (true, Some(url)) = (opts.watch, url) {
+        remote.extend([
+            "-w".into(),
+            "--config-server".into(),
+            url.into(),
+            "--max-np".into(),
+            opts.max_np.to_string(),
+            "--detach-timeout".into(),
+            format!("{}ms", opts.detach_timeout.as_millis()),
+        ]);
+    }
     for (k, v) in &opts.env {
         remote.extend(["-x".into(), format!("{k}={v}")]);
     }
@@ -155,9 +173,10 @@ mod tests {
             detach_timeout: Duration::from_secs(60),
             ssh: vec!["ssh".into()],
             controlled: false,
+            config_server: None,
             program: vec!["prog".into(), "arg".into()],
         };
-        let line = remote_command(&opts, "b", 0xabc, Path::new("/bin/kungfu-run"));
+        let line = remote_command(&opts, "b", 0xabc, Path::new("/bin/kungfu-run"), None);
         assert_eq!(
             line,
             "/bin/kungfu-run --self b --secret-stdin --control-stdin --cluster-id abc -np 4 -H a:2,b:2 \

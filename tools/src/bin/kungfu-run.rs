@@ -73,7 +73,9 @@ options:
                         in KUNGFU_CONFIG_SERVER; GET it, PUT 'size N' or a whole
                         config) and start the workers each new version adds;
                         removed workers are told by the library and exit.
-                        The server listens on 127.0.0.1; a PUT needs
+                        The server listens on 127.0.0.1 (across hosts on
+                        this host's address of -H, and the launchers started
+                        on the others follow it); a PUT needs
                         'Authorization: Bearer TOKEN' (--config-token)
   --on-failure F        what a worker's failure does: stop (default: stop the
                         others, exit with its status), shrink (the others go
@@ -148,6 +150,7 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
         on_failure: OnFailure::Stop,
         ssh: vec!["ssh".into()],
         controlled: false,
+        config_server: None,
         program: Vec::new(),
     };
     let mut max_np = None;
@@ -175,6 +178,7 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
             // after --self: the launcher that ran us through ssh writes it
             SECRET_STDIN => o.secret = Some(read_secret(&mut std::io::stdin().lock())?),
             CONTROL_STDIN => o.controlled = true,
+            "--config-server" => o.config_server = Some(value(&mut i, a)?),
             "--ssh" => {
                 o.ssh = value(&mut i, a)?
                     .split_whitespace()

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 mod bounded;
 use bounded::run_bounded;
 
+mod elastic;
 mod launch;
 
 const RUN: &str = env!("CARGO_BIN_EXE_kungfu-run");
