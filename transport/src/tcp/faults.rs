@@ -98,14 +98,16 @@ impl Faults {
         }
     }
 
-    /// After a frame of `bytes` was written: waits for the end of its turn
-    /// on the shaped egress (at once if the egress is not shaped).
-    pub(super) async fn pace(&self, bytes: usize) {
+    /// After a frame of `bytes` was written, the write begun at `began`:
+    /// waits for the end of its turn on the shaped egress (at once if the
+    /// egress is not shaped). The turn starts when the write began, or when
+    /// the frame before it ended, so that the time of the write itself is
+    /// not added to the line's.
+    pub(super) async fn pace(&self, bytes: usize, began: Instant) {
         let Some(rate) = self.rate else { return };
         let until = {
             let mut free = self.egress_free.lock().unwrap_or_else(|e| e.into_inner());
-            let now = Instant::now();
-            let start = free.filter(|&t| t > now).unwrap_or(now);
+            let start = free.filter(|&t| t > began).unwrap_or(began);
             let end = start + Duration::from_secs_f64(bytes as f64 / rate);
             *free = Some(end);
             end
@@ -219,11 +221,11 @@ mod tests {
         // two writers sharing the egress: 4 x 10 KB at 1 MB/s is 40 ms
         let a = tokio::spawn(async move {
             for _ in 0..2 {
-                f.pace(10_000).await;
+                f.pace(10_000, Instant::now()).await;
             }
         });
         for _ in 0..2 {
-            f.pace(10_000).await;
+            f.pace(10_000, Instant::now()).await;
         }
         a.await.unwrap();
         assert!(
@@ -233,7 +235,7 @@ mod tests {
         );
         let none = Faults::parse("on").unwrap();
         let t1 = Instant::now();
-        none.pace(1 << 30).await;
+        none.pace(1 << 30, Instant::now()).await;
         assert!(t1.elapsed() < Duration::from_millis(40), "not shaped");
     }
 }

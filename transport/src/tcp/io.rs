@@ -156,6 +156,7 @@ pub(super) async fn write_loop(
                 }
             };
             if lost.is_none() {
+                let began = crate::Instant::now();
                 let res = async {
                     wr.write_all(&msg.header).await?;
                     wr.write_all(&msg.payload).await
@@ -165,7 +166,7 @@ pub(super) async fn write_loop(
                     lost = Some(matcher.lose_writer(peer, e));
                 }
                 if let Some(f) = faults {
-                    f.pace(msg.header.len() + msg.payload.len()).await;
+                    f.pace(msg.header.len() + msg.payload.len(), began).await;
                 }
             }
             batch.push(msg.done);
