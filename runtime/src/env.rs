@@ -376,6 +376,7 @@ impl WorkerEnv {
         let def = AutoThresholds::default();
         let auto = AutoThresholds {
             large_bytes: bytes("KUNGFU_AUTO_LARGE_BYTES", def.large_bytes)?,
+            ring_min_share: bytes("KUNGFU_AUTO_RING_MIN_SHARE", def.ring_min_share)?,
         };
         let buffer_pool_bytes = bytes("KUNGFU_BUFFER_POOL_BYTES", BufferPool::DEFAULT_BUDGET)?;
         let fast_max_bytes = bytes(

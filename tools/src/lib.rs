@@ -15,6 +15,7 @@ pub mod options;
 pub mod plot;
 mod procs;
 pub mod remote;
+pub mod sim;
 
 /// Parses `90s`, `5m`, `1h`, `250ms`, or a plain number of seconds.
 pub fn parse_duration(s: &str) -> anyhow::Result<Duration> {

@@ -1,5 +1,6 @@
 //! A dependency-free SVG line plot of bus bandwidth against message size
-//! (log2 x axis), for `kungfu-bench --plot`.
+//! (log2 x axis), for `kungfu-bench --plot`, or against another quantity
+//! on a log2 axis (`kungfu-sim`: workers).
 
 use std::fmt::Write;
 
@@ -18,8 +19,9 @@ const L: f64 = 70.0;
 const R: f64 = 20.0;
 const T: f64 = 40.0;
 const B: f64 = 50.0;
-const COLORS: [&str; 6] = [
-    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b",
+const COLORS: [&str; 10] = [
+    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+    "#bcbd22", "#17becf",
 ];
 
 fn esc(s: &str) -> String {
@@ -30,6 +32,17 @@ fn esc(s: &str) -> String {
 
 /// Renders `series` as an SVG document.
 pub fn svg(title: &str, series: &[Series]) -> String {
+    svg_axes(title, "message size", &fmt_size, series)
+}
+
+/// Renders `series` as an SVG document, the x axis named `xlabel` with
+/// its ticks written by `tick`.
+pub fn svg_axes(
+    title: &str,
+    xlabel: &str,
+    tick: &dyn Fn(usize) -> String,
+    series: &[Series],
+) -> String {
     let pts = series
         .iter()
         .flat_map(|s| s.points.iter())
@@ -88,7 +101,7 @@ pub fn svg(title: &str, series: &[Series]) -> String {
             o,
             r#"<text x="{x:.1}" y="{}" text-anchor="middle">{}</text>"#,
             H - B + 16.0,
-            fmt_size(1usize << e.clamp(0, 62))
+            tick(1usize << e.clamp(0, 62))
         );
         e += step;
     }
@@ -109,9 +122,10 @@ pub fn svg(title: &str, series: &[Series]) -> String {
     }
     let _ = writeln!(
         o,
-        r#"<text x="{}" y="{}" text-anchor="middle">message size</text>"#,
+        r#"<text x="{}" y="{}" text-anchor="middle">{}</text>"#,
         (L + W - R) / 2.0,
-        H - 12.0
+        H - 12.0,
+        esc(xlabel)
     );
     let _ = writeln!(
         o,

@@ -51,4 +51,5 @@ pub use graph::{Graph, GraphPair, TopologyError};
 pub use peers::{Peer, PeerList, PeerListError, Rank};
 pub use strategy::{
     AutoThresholds, Root, Shape, Strategy, StrategyParseError, Topology, AUTO_LARGE_BYTES,
+    AUTO_RING_MIN_SHARE,
 };

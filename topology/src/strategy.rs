@@ -9,6 +9,14 @@ use crate::{Digest, Graph, GraphPair, PeerList, Rank, TopologyError};
 /// (the default of [`AutoThresholds::large_bytes`]).
 pub const AUTO_LARGE_BYTES: usize = 64 * 1024;
 
+/// [`Strategy::Auto`] takes the ring only while each worker's share of a
+/// message (bytes / workers) is at least this many bytes (the default of
+/// [`AutoThresholds::ring_min_share`]): below it a ring's 2(n-1) steps
+/// of tiny frames cost more in latency than a tree's log n steps of whole
+/// ones. `kungfu-sim` puts the cross-over between 1 and 4 KiB (1 MiB on
+/// 1024 and on 256 workers, 100 Gbit/s links, 5 us latency).
+pub const AUTO_RING_MIN_SHARE: usize = 2 * 1024;
+
 /// Where [`Strategy::Auto`] switches algorithms, by message size in bytes.
 /// Every worker of a cluster must use the same values (a difference shows
 /// as a mismatch error on the first op it affects).
@@ -18,13 +26,17 @@ pub struct AutoThresholds {
     /// ops a chain along it); below it, recursive doubling inside a host
     /// and a binary tree of stars across hosts (latency-optimal).
     pub large_bytes: usize,
+    /// The ring also needs at least this many bytes per worker
+    /// (bytes / n); see [`AUTO_RING_MIN_SHARE`].
+    pub ring_min_share: usize,
 }
 
 impl Default for AutoThresholds {
-    /// 64 KiB.
+    /// 64 KiB, and 2 KiB per worker.
     fn default() -> AutoThresholds {
         AutoThresholds {
             large_bytes: AUTO_LARGE_BYTES,
+            ring_min_share: AUTO_RING_MIN_SHARE,
         }
     }
 }
@@ -188,7 +200,8 @@ impl Strategy {
         Strategy::auto_choice_with(peers, Root::Any, bytes, &AutoThresholds::default())
     }
 
-    /// `AUTO`'s choice: a ring for large messages (bandwidth-optimal; the
+    /// `AUTO`'s choice: a ring for large messages, as long as each worker's
+    /// share is not tiny (bandwidth-optimal; the
     /// ring order keeps each host's workers adjacent so only one link per
     /// host crosses the network; rooted ops get a pipelined chain). For
     /// small messages: inside one host, recursive doubling (unrooted) or a
@@ -202,7 +215,8 @@ impl Strategy {
     ) -> Strategy {
         let n = peers.len();
         let one_host = peers.hosts().len() <= 1;
-        if bytes >= th.large_bytes && (n > 2 || root == Root::Any) {
+        let share = bytes / n.max(1);
+        if bytes >= th.large_bytes && share >= th.ring_min_share && (n > 2 || root == Root::Any) {
             Strategy::Ring
         } else if !one_host {
             Strategy::BinaryTreeStar
@@ -468,7 +482,19 @@ mod tests {
             Strategy::Auto.resolve(&pair, Root::Any, 1 << 30).strategy(),
             Strategy::Ring
         );
-        let th = AutoThresholds { large_bytes: 100 };
+        // at scale, a share of 1 KiB is too small for a ring: a tree of
+        // stars across hosts, as kungfu-sim found faster
+        let big = PeerList::with_hosts(&[8; 128]);
+        assert_eq!(
+            Strategy::auto_choice(&big, 1 << 20),
+            Strategy::BinaryTreeStar
+        );
+        assert_eq!(Strategy::auto_choice(&big, 2 << 20), Strategy::Ring);
+        assert_eq!(Strategy::auto_choice(&two, 1 << 20), Strategy::Ring);
+        let th = AutoThresholds {
+            large_bytes: 100,
+            ring_min_share: 0,
+        };
         let at = |p: &PeerList, b| Strategy::Auto.resolve_with(p, Root::Any, b, &th).strategy();
         assert_eq!(at(&pair, 99), Strategy::RecursiveDoubling);
         assert_eq!(at(&pair, 100), Strategy::Ring);

@@ -232,3 +232,41 @@ fn plans_fit_together_on_a_fixed_grid() {
         }
     }
 }
+
+/// A ring allreduce sends frames of a chunk / n (at most 16 workers at the
+/// default 1 MiB chunk), and on larger rings frames of RING_MIN_FRAME
+/// bytes, not 2(n-1) tiny frames per chunk.
+#[test]
+fn large_rings_send_frames_of_at_least_the_ring_minimum() {
+    use super::build::RING_MIN_FRAME;
+    let frames = |n: usize, bytes: usize| -> HashSet<usize> {
+        let peers = PeerList::local(n);
+        let spec = OpSpec {
+            kind: OpKind::Allreduce(ReduceOp::Sum),
+            dtype: DType::F32,
+            count: bytes / 4,
+        };
+        let topo = |root: Root| Arc::new(Strategy::Ring.resolve(&peers, root, bytes));
+        let plan = build(&PlanInput {
+            spec: &spec,
+            me: Rank(0),
+            size: n,
+            chunk_bytes: 1 << 20,
+            topology: &topo,
+        })
+        .unwrap();
+        plan.graph
+            .actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Send { range, .. } => Some(range.len()),
+                Action::Recv { .. } => None,
+            })
+            .collect()
+    };
+    assert_eq!(frames(4, 8 << 20), HashSet::from([256 << 10]));
+    assert_eq!(frames(16, 8 << 20), HashSet::from([RING_MIN_FRAME]));
+    assert_eq!(frames(64, 8 << 20), HashSet::from([RING_MIN_FRAME]));
+    // a buffer smaller than the ring's minimum pieces: its n segments
+    assert_eq!(frames(64, 1 << 20), HashSet::from([16 << 10]));
+}
