@@ -280,7 +280,8 @@ async fn config_server(
 const FOLLOW_EVERY: Duration = Duration::from_millis(100);
 const FOLLOW_GIVE_UP: Duration = Duration::from_secs(30);
 
-fn job_id() -> u64 {
+/// A fresh cluster id: from the clock and the process id.
+pub fn job_id() -> u64 {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);

@@ -14,6 +14,7 @@ pub mod launch;
 pub mod options;
 pub mod plot;
 mod procs;
+pub mod rdzv;
 pub mod remote;
 pub mod sim;
 

@@ -66,6 +66,14 @@ options:
                         KUNGFU_JOB_SECRET in the environment)
   --cluster-id ID       the job's id (hex), the same on every host; made up
                         when not given
+  --rdzv HOST:PORT      per-node mode without a host list (torchrun's
+                        --rdzv-endpoint): every node runs the same command;
+                        the one on HOST serves the rendezvous, all join it
+                        with their --slots, and once N slots joined each
+                        starts its workers (KUNGFU_JOB_SECRET, the same on
+                        every node, proves the joins)
+  --slots S             this node's workers with --rdzv (1)
+  --rdzv-timeout DUR    how long to wait for the nodes (5m)
   --bind-to B           auto (default: pin each worker to one CPU when a host has
                         at least as many CPUs as workers), core (always pin,
                         wrapping around), or none
@@ -127,7 +135,15 @@ fn usage() -> String {
     USAGE.replace("{strategies}", &list)
 }
 
-fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
+/// `--rdzv`: the rendezvous to join, this node's slots, and how long to
+/// wait for the others.
+struct Rdzv {
+    endpoint: String,
+    slots: usize,
+    timeout: Duration,
+}
+
+fn parse_args(args: &[String]) -> anyhow::Result<Option<(LaunchOptions, Option<Rdzv>)>> {
     let mut np: Option<usize> = None;
     let mut hosts: Option<Vec<HostSlots>> = None;
     let mut o = LaunchOptions {
@@ -154,6 +170,9 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
         program: Vec::new(),
     };
     let mut max_np = None;
+    let mut rdzv: Option<String> = None;
+    let mut slots: Option<usize> = None;
+    let mut rdzv_timeout = Duration::from_secs(300);
     let mut quic: [Option<String>; 3] = [None, None, None];
     let mut i = 0;
     let value = |i: &mut usize, flag: &str| -> anyhow::Result<String> {
@@ -179,6 +198,17 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
             SECRET_STDIN => o.secret = Some(read_secret(&mut std::io::stdin().lock())?),
             CONTROL_STDIN => o.controlled = true,
             "--config-server" => o.config_server = Some(value(&mut i, a)?),
+            "--rdzv" => rdzv = Some(value(&mut i, a)?),
+            "--slots" => {
+                slots = Some(
+                    value(&mut i, a)?
+                        .parse()
+                        .ok()
+                        .filter(|&n| n > 0)
+                        .context("--slots needs a number of at least 1")?,
+                )
+            }
+            "--rdzv-timeout" => rdzv_timeout = parse_duration(&value(&mut i, a)?)?,
             "--ssh" => {
                 o.ssh = value(&mut i, a)?
                     .split_whitespace()
@@ -264,6 +294,31 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
         _ => bail!("--quic-ca, --quic-cert and --quic-key go together"),
     };
     o.max_np = max_np.unwrap_or(64).max(o.np);
+    let rdzv = match rdzv {
+        None => None,
+        Some(endpoint) => {
+            if hosts.is_some() || o.self_host.is_some() || o.watch {
+                bail!("--rdzv finds the hosts itself: not with -H, --self or -w");
+            }
+            if !std::env::var(kungfu::env::SECRET_VAR).is_ok_and(|s| !s.is_empty()) {
+                bail!(
+                    "--rdzv needs the job secret in {}, the same on every node",
+                    kungfu::env::SECRET_VAR
+                );
+            }
+            if !endpoint.contains(':') {
+                bail!("--rdzv HOST:PORT, not {endpoint:?}");
+            }
+            Some(Rdzv {
+                endpoint,
+                slots: slots.unwrap_or(1),
+                timeout: rdzv_timeout,
+            })
+        }
+    };
+    if rdzv.is_none() && slots.is_some() {
+        bail!("--slots goes with --rdzv (with -H, give host:slots)");
+    }
     o.hosts = hosts.unwrap_or_else(|| {
         vec![HostSlots {
             host: "127.0.0.1".into(),
@@ -293,12 +348,58 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<LaunchOptions>> {
             );
         }
     }
-    Ok(Some(o))
+    Ok(Some((o, rdzv)))
+}
+
+/// Joins the rendezvous (serving it if its host is this machine), then
+/// runs the job as in per-node mode with the hosts it gave.
+async fn run_rdzv(mut opts: LaunchOptions, r: Rdzv) -> anyhow::Result<i32> {
+    use kungfu_tools::rdzv;
+    let deadline = tokio::time::Instant::now() + r.timeout;
+    let secret = JobSecret::new(kungfu_tools::launch::job_secret(None)?.as_bytes())?;
+    let (host, _) = r.endpoint.rsplit_once(':').context("--rdzv HOST:PORT")?;
+    let server = if kungfu_tools::is_local_host(host.trim_matches(['[', ']'])) {
+        let l = tokio::net::TcpListener::bind(&r.endpoint)
+            .await
+            .with_context(|| format!("serving the rendezvous at {}", r.endpoint))?;
+        let id = kungfu_tools::launch::job_id();
+        Some(tokio::spawn(rdzv::serve(
+            l,
+            opts.np,
+            secret.clone(),
+            id,
+            deadline,
+        )))
+    } else {
+        None
+    };
+    // the serving node waits a little longer, to hear why its server ended
+    let mine = deadline + Duration::from_secs(if server.is_some() { 2 } else { 0 });
+    let joined = rdzv::join(&r.endpoint, r.slots, &secret, mine).await?;
+    if let Some(s) = server {
+        // every node has its answer once ours came: the server is done
+        s.await.context("the rendezvous server")??;
+    }
+    eprintln!(
+        "kungfu-run: rendezvous at {}: hosts {}, this one {}",
+        r.endpoint,
+        joined
+            .hosts
+            .iter()
+            .map(|h| format!("{}:{}", h.host, h.slots))
+            .collect::<Vec<_>>()
+            .join(","),
+        joined.me
+    );
+    opts.hosts = joined.hosts;
+    opts.self_host = Some(joined.me);
+    opts.cluster_id = Some(joined.cluster_id);
+    run(opts).await
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let opts = match parse_args(&args) {
+    let (opts, rdzv) = match parse_args(&args) {
         Ok(Some(o)) => o,
         Ok(None) => {
             print!("{}", usage());
@@ -314,7 +415,13 @@ fn main() {
         .enable_all()
         .build()
         .expect("tokio runtime");
-    match rt.block_on(run(opts)) {
+    let job = async {
+        match rdzv {
+            Some(r) => run_rdzv(opts, r).await,
+            None => run(opts).await,
+        }
+    };
+    match rt.block_on(job) {
         Ok(code) => std::process::exit(code),
         Err(e) => {
             eprintln!("kungfu-run: {e:#}");

@@ -129,6 +129,22 @@ fn a_signal_to_the_launcher_reaches_the_workers_on_every_host() {
     assert!(c.pids_of(1, "sleep").is_empty(), "{err}");
 }
 
+/// Runs `cmds` (host, command) at the same time, in the order given;
+/// their outputs by host.
+fn at_once(cmds: Vec<(usize, Command)>) -> Vec<(usize, Output)> {
+    let runs: Vec<_> = cmds
+        .into_iter()
+        .map(|(host, cmd)| {
+            let run = std::thread::spawn(move || run_bounded(cmd, Duration::from_secs(120)));
+            std::thread::sleep(Duration::from_millis(200));
+            (host, run)
+        })
+        .collect();
+    runs.into_iter()
+        .map(|(host, run)| (host, run.join().expect("a runner thread")))
+        .collect()
+}
+
 /// Per-node mode: every host runs the same command with its own `--self`,
 /// one `--cluster-id` and one secret.
 #[test]
@@ -160,16 +176,7 @@ fn per_node_mode_runs_one_job_from_launchers_started_apart() {
         cmd.env("KUNGFU_JOB_SECRET", SECRET);
         cmd
     };
-    let (tx, rx) = mpsc::channel();
-    for host in [1, 2] {
-        let cmd = launch(host);
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            let _ = tx.send((host, run_bounded(cmd, Duration::from_secs(120))));
-        });
-    }
-    for _ in 0..2 {
-        let (host, out) = rx.recv_timeout(Duration::from_secs(150)).unwrap();
+    for (host, out) in at_once(vec![(1, launch(1)), (2, launch(2))]) {
         let t = text(&out);
         assert!(out.status.success(), "host {host}: {t}");
         let rank = 2 * (host - 1) + 1;
@@ -196,4 +203,69 @@ fn per_node_mode_runs_one_job_from_launchers_started_apart() {
         assert_eq!(out.status.code(), Some(2), "{}", text(&out));
         assert!(text(&out).contains(what), "{}", text(&out));
     }
+}
+
+/// The rendezvous form: no host list; every node runs the same command,
+/// host 1 serves the rendezvous, and the job is the 2 x 2 one.
+#[test]
+fn the_rendezvous_finds_the_hosts() {
+    let Some(c) = cluster(2, "rdzv") else {
+        return;
+    };
+    let launch = |host: usize, secret: &str, timeout: &str| {
+        let mut cmd = c.on(
+            host,
+            RUN,
+            &[
+                "--timeout",
+                "90s",
+                "-np",
+                "4",
+                "--rdzv",
+                "198.18.0.1:29400",
+                "--slots",
+                "2",
+                "--rdzv-timeout",
+                timeout,
+                SELFTEST,
+                "--steps",
+                "3",
+            ],
+        );
+        cmd.env("KUNGFU_JOB_SECRET", secret);
+        cmd
+    };
+    // host 2 first: it waits for the rendezvous to come up
+    let cmds = [2, 1].map(|h| (h, launch(h, SECRET, "60s")));
+    for (host, out) in at_once(cmds.into()) {
+        let t = text(&out);
+        assert!(out.status.success(), "host {host}: {t}");
+        assert!(
+            t.contains("rendezvous at 198.18.0.1:29400: hosts 198.18.0.1:2,198.18.0.2:2"),
+            "host {host}: {t}"
+        );
+        for rank in [2 * host - 2, 2 * host - 1] {
+            let line = format!("[{rank}@198.18.0.{host}] ");
+            assert!(
+                t.contains(&line) && t.contains(&format!("rank {rank}/4")),
+                "{t}"
+            );
+        }
+    }
+    // another secret: refused at once, by name; the rendezvous then ends
+    // at its deadline, short of slots, and says so
+    let wrong = launch(2, "ffeeddccbbaa99887766554433221100", "10s");
+    let serve = launch(1, SECRET, "5s");
+    let server = std::thread::spawn(move || run_bounded(serve, Duration::from_secs(60)));
+    std::thread::sleep(Duration::from_millis(300));
+    let out = run_bounded(wrong, Duration::from_secs(60));
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("refused: bad credential"),
+        "{}",
+        text(&out)
+    );
+    let out = server.join().unwrap();
+    assert!(!out.status.success());
+    assert!(text(&out).contains("2 of 4 slots joined"), "{}", text(&out));
 }
