@@ -9,7 +9,8 @@
 #   scripts/netns-cluster.sh up N [PREFIX]    make hosts PREFIX-h1..PREFIX-hN
 #   scripts/netns-cluster.sh down [PREFIX]    remove them (and their bridge)
 #   scripts/netns-cluster.sh exec I CMD...    run CMD on host I (as `ip netns
-#                                             exec PREFIX-hI CMD...`)
+#                                             exec PREFIX-hI CMD...`; the
+#                                             prefix from $KUNGFU_NETNS_PREFIX)
 #   scripts/netns-cluster.sh check            exit 0 if namespaces can be made
 #
 # PREFIX (default: $KUNGFU_NETNS_PREFIX, else "kf") names the namespaces, so
@@ -40,6 +41,8 @@ up() {
     exit 1
   fi
   local sw="$p-sw"
+  # a step that fails leaves nothing behind
+  trap 'down "$p"' ERR
   ip netns add "$sw"
   ip -n "$sw" link set lo up
   ip -n "$sw" link add br0 type bridge
@@ -68,6 +71,7 @@ up() {
     down "$p"
     exit 1
   done
+  trap - ERR
   echo "netns-cluster: $n hosts up: $(ns_of "$p" 1) (198.18.0.1) .. $(ns_of "$p" "$n") (198.18.0.$n)"
 }
 

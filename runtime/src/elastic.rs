@@ -230,12 +230,19 @@ pub fn follow(
             match get_config(&url, deadline).await {
                 Ok(latest) => {
                     reached = Instant::now();
+                    // the server keeps the last HISTORY versions: older
+                    // ones are gone anyway
+                    seen = seen.max(latest.version.saturating_sub(HISTORY as u32));
                     while seen < latest.version {
                         let v = seen + 1;
                         let c = if v == latest.version {
                             Some(latest.clone())
                         } else {
-                            get_version(&url, v, deadline).await.unwrap_or(None)
+                            match get_version(&url, v, deadline).await {
+                                Ok(c) => c,
+                                // not skipped: tried again at the next poll
+                                Err(_) => break,
+                            }
                         };
                         seen = v;
                         if let Some(c) = c {

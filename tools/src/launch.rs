@@ -275,6 +275,19 @@ async fn config_server(
     Ok((ConfigServer::start(listener, initial, rules)?, pending))
 }
 
+/// `eprintln!` that ignores a closed standard error: a launcher started
+/// through ssh loses its output with the connection, and must still stop
+/// its workers then.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
+/// How long the launchers of other hosts have, once the job is over, to
+/// exit before their ssh is killed.
+const ENDING_TO_KILL: Duration = Duration::from_secs(10);
+
 /// How often a launcher that follows another's config server asks it for
 /// the config, and how long it goes on when the server does not answer.
 const FOLLOW_EVERY: Duration = Duration::from_millis(100);
@@ -444,8 +457,18 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
             let line = remote::remote_command(&opts, &h.host, cluster_id, &exe, url.as_deref());
             let (ssh, ssh_args) = opts.ssh.split_first().context("--ssh: no command")?;
             let mut cmd = Command::new(ssh);
-            cmd.args(ssh_args)
-                .args(["-o", "BatchMode=yes", &h.host, &line]);
+            // keepalives: a connection that dies silently ends the ssh,
+            // and so the remote launcher's control channel
+            cmd.args(ssh_args).args([
+                "-o",
+                "BatchMode=yes",
+                "-o",
+                "ServerAliveInterval=5",
+                "-o",
+                "ServerAliveCountMax=3",
+                &h.host,
+                &line,
+            ]);
             // the secret on ssh's standard input (see `remote`)
             let secret = Some(keys.secret.as_str());
             job.spawn(
@@ -471,19 +494,23 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
 
     // A launcher that follows another reports how many of its workers
     // run; the one it follows ends the job when none runs anywhere.
-    let mut reported: Option<usize> = None;
+    let mut reported: Option<(usize, u32)> = None;
     let mut ending = false;
     let mut status = job.take_status();
     while remaining > 0 || (follows && control.is_some() && exit_code.is_none()) {
         let live = job.live_workers();
-        if follows && opts.controlled && reported != Some(live) {
-            report_live(live);
-            reported = Some(live);
+        let version = latest.as_ref().map_or(0, |c| c.version);
+        if follows && opts.controlled && reported != Some((live, version)) {
+            report_live(live, version);
+            reported = Some((live, version));
         }
-        if serves && !ending && live == 0 && job.remotes_idle() {
-            // every worker of every host has exited: the job is over
+        if serves && !ending && live == 0 && job.remotes_idle(version) {
+            // every worker of every host has exited, none is to start:
+            // the job is over; the other hosts' launchers get a bounded
+            // time to see their channels close
             ending = true;
             job.close_controls();
+            next_phase = Some((Instant::now() + ENDING_TO_KILL, Signal::SIGKILL));
         }
         let phase_at = next_phase.map_or(far, |(t, _)| t);
         let removal = job.next_removal();
@@ -498,9 +525,13 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                 };
                 job.procs[idx].succeeded = code == 0;
                 if job.procs[idx].stopped {
-                    eprintln!("kungfu-run: {} (removed from the cluster) {what}", job.procs[idx].label);
+                    if !job.is_remote(idx) {
+                        say!("kungfu-run: {} (removed from the cluster) {what}", job.procs[idx].label);
+                    } else if code != 0 {
+                        say!("kungfu-run: {} {what} after the job was over", job.procs[idx].label);
+                    }
                 } else if code != 0 && opts.on_failure != OnFailure::Stop && exit_code.is_none() {
-                    eprintln!(
+                    say!(
                         "kungfu-run: {} {what}; the others go on without it (--on-failure {})",
                         job.procs[idx].label,
                         if opts.on_failure == OnFailure::Shrink { "shrink" } else { "replace" },
@@ -519,22 +550,22 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                 } else if code != 0 {
                     let msg = format!("{} {what}", job.procs[idx].label);
                     if exit_code.is_none() {
-                        eprintln!("kungfu-run: {msg}; stopping the other workers");
+                        say!("kungfu-run: {msg}; stopping the other workers");
                         exit_code = Some(code);
                         next_phase = Some((Instant::now() + opts.grace, Signal::SIGTERM));
                     } else {
-                        eprintln!("kungfu-run: {msg}");
+                        say!("kungfu-run: {msg}");
                     }
                 }
             }
             // Every version, not only the latest: a version that added
             // workers and was replaced before this looked may still be the
             // one the workers connect (the resize model found that hang).
-            Some(next) = async { versions.as_mut().expect("guarded").recv().await }, if versions.is_some() && exit_code.is_none() => {
+            Some(next) = async { versions.as_mut().expect("guarded").recv().await }, if versions.is_some() && exit_code.is_none() && !ending => {
                 let c = match next {
                     Ok(c) => c,
                     Err(e) => {
-                        eprintln!("kungfu-run: {e}; stopping the workers");
+                        say!("kungfu-run: {e}; stopping the workers");
                         versions = None;
                         exit_code = Some(1);
                         signal_all(&job.procs, Signal::SIGTERM);
@@ -545,7 +576,7 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                 latest = Some(c.clone());
                 {
                     let who = opts.self_host.as_ref().map_or_else(String::new, |h| format!(" on {h}"));
-                    eprintln!("kungfu-run{who}: cluster version {}: {} workers", c.version, c.peers.len());
+                    say!("kungfu-run{who}: cluster version {}: {} workers", c.version, c.peers.len());
                     if survived.to_replace > 0 && c.peers.len() < opts.np {
                         // the survivors shrank: grow back with new workers
                         survived.to_replace = 0;
@@ -587,7 +618,7 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                         match started {
                             Ok(()) => remaining += 1,
                             Err(e) => {
-                                eprintln!("kungfu-run: {e:#}; stopping the workers");
+                                say!("kungfu-run: {e:#}; stopping the workers");
                                 exit_code = Some(1);
                                 signal_all(&job.procs, Signal::SIGTERM);
                                 next_phase = Some((Instant::now() + TERM_TO_KILL, Signal::SIGKILL));
@@ -604,7 +635,7 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                         continue;
                     }
                     if sig == Signal::SIGTERM {
-                        eprintln!(
+                        say!(
                             "kungfu-run: {} left the cluster {:?} ago and is still running; stopping it",
                             p.label, opts.detach_timeout
                         );
@@ -618,7 +649,8 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                 let me = opts.self_host.as_deref().unwrap_or("this host");
                 let sig = match c {
                     Control::Signal(sig) => {
-                        eprintln!("kungfu-run on {me}: {} from the launcher; forwarding it to the workers", sig.as_str());
+                        signal_all(&job.procs, sig);
+                        say!("kungfu-run on {me}: {} from the launcher; forwarded it to the workers", sig.as_str());
                         sig
                     }
                     Control::Gone => {
@@ -627,23 +659,25 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                         if exit_code.is_some() || job.live_workers() == 0 {
                             continue;
                         }
-                        eprintln!("kungfu-run on {me}: the launcher that started this one is gone; stopping the workers");
+                        // signal first: this host's output may be gone
+                        // with the connection
+                        signal_all(&job.procs, Signal::SIGTERM);
+                        say!("kungfu-run on {me}: the launcher that started this one is gone; stopped the workers");
                         Signal::SIGTERM
                     }
                 };
-                signal_all(&job.procs, sig);
                 exit_code.get_or_insert(128 + sig as i32);
                 next_phase = Some((Instant::now() + TERM_TO_KILL, Signal::SIGKILL));
             }
             Some((idx, n)) = status.recv() => job.procs[idx].remote_live = Some(n),
             _ = sigint.recv() => {
-                eprintln!("kungfu-run: interrupted; forwarding SIGINT to the workers");
+                say!("kungfu-run: interrupted; forwarding SIGINT to the workers");
                 signal_all(&job.procs, Signal::SIGINT);
                 exit_code.get_or_insert(130);
                 next_phase = Some((Instant::now() + TERM_TO_KILL, Signal::SIGKILL));
             }
             _ = sigterm.recv() => {
-                eprintln!("kungfu-run: terminated; forwarding SIGTERM to the workers");
+                say!("kungfu-run: terminated; forwarding SIGTERM to the workers");
                 signal_all(&job.procs, Signal::SIGTERM);
                 exit_code.get_or_insert(143);
                 next_phase = Some((Instant::now() + TERM_TO_KILL, Signal::SIGKILL));
@@ -655,7 +689,7 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
             }
             _ = tokio::time::sleep_until(job_deadline.unwrap_or(far)), if !timed_out && job_deadline.is_some() => {
                 timed_out = true;
-                eprintln!(
+                say!(
                     "kungfu-run: the job did not finish within {:?}; stopping the workers",
                     opts.timeout.unwrap_or_default()
                 );
@@ -693,12 +727,12 @@ fn replace_lost(url: Option<String>, secret: JobSecret, np: usize) {
         let deadline = Instant::now() + Duration::from_secs(30);
         let body = format!("size {np}");
         match kungfu::elastic::put_config(&url, &body, Some(&secret), deadline).await {
-            Ok(c) => eprintln!(
+            Ok(c) => say!(
                 "kungfu-run: replacing the lost: version {} of {} workers",
                 c.version,
                 c.peers.len()
             ),
-            Err(e) => eprintln!("kungfu-run: could not start replacements: {e}"),
+            Err(e) => say!("kungfu-run: could not start replacements: {e}"),
         }
     });
 }

@@ -42,7 +42,8 @@ pub(crate) struct Proc {
     /// A launcher on another host: whether it is one, and how many
     /// workers it said run there (none said yet: `None`).
     remote: bool,
-    pub remote_live: Option<usize>,
+    /// (live workers, the latest config version it had seen).
+    pub remote_live: Option<(usize, u32)>,
 }
 
 /// The processes of a job and the tasks that wait for them and relay
@@ -52,10 +53,12 @@ pub(crate) struct Job {
     pub waits: JoinSet<(usize, std::io::Result<ExitStatus>)>,
     pub relays: JoinSet<()>,
     /// What the launchers on other hosts report: (process, live workers).
-    status: (Status, Option<mpsc::UnboundedReceiver<(usize, usize)>>),
+    status: (Status, Option<mpsc::UnboundedReceiver<Report>>),
 }
 
-type Status = mpsc::UnboundedSender<(usize, usize)>;
+/// (process, (live workers, config version)), as a remote launcher reports.
+type Report = (usize, (usize, u32));
+type Status = mpsc::UnboundedSender<Report>;
 
 impl Default for Job {
     fn default() -> Job {
@@ -140,7 +143,7 @@ impl Job {
 
     /// What the launchers on other hosts report (once; see
     /// [`report_live`]).
-    pub fn take_status(&mut self) -> mpsc::UnboundedReceiver<(usize, usize)> {
+    pub fn take_status(&mut self) -> mpsc::UnboundedReceiver<Report> {
         self.status.1.take().expect("taken once")
     }
 
@@ -150,18 +153,29 @@ impl Job {
     }
 
     /// Whether some launcher of another host runs, and each that does has
-    /// said that none of its workers runs.
-    pub fn remotes_idle(&self) -> bool {
+    /// said that none of its workers runs, having seen config `version`
+    /// (so that one about to start the workers of a new version is not
+    /// taken for idle).
+    pub fn remotes_idle(&self, version: u32) -> bool {
         let mut remotes = self.procs.iter().filter(|p| p.alive && p.remote).peekable();
-        remotes.peek().is_some() && remotes.all(|p| p.remote_live == Some(0))
+        remotes.peek().is_some()
+            && remotes.all(|p| p.remote_live.is_some_and(|(n, v)| n == 0 && v >= version))
     }
 
     /// Closes the control channels: the launchers of the other hosts stop
     /// (their workers too, if any still runs) and exit.
+    /// Their exit is then no failure, whatever it is (their ssh may be
+    /// killed if they take too long).
     pub fn close_controls(&mut self) {
-        for p in &mut self.procs {
+        for p in self.procs.iter_mut().filter(|p| p.remote) {
             p.control = None;
+            p.stopped = true;
         }
+    }
+
+    /// Whether process `idx` is a launcher of another host.
+    pub fn is_remote(&self, idx: usize) -> bool {
+        self.procs[idx].remote
     }
 
     pub fn running(&self, addr: &str) -> bool {
@@ -188,10 +202,11 @@ pub(crate) fn describe(status: &ExitStatus) -> (String, i32) {
 const STATUS_MARK: &str = "\u{1}kungfu-run live ";
 
 /// Says, on standard output (which reaches the launcher that started this
-/// one through ssh), how many workers of this host run.
-pub(crate) fn report_live(n: usize) {
+/// one through ssh), how many workers of this host run, and the latest
+/// config version it has handled.
+pub(crate) fn report_live(n: usize, version: u32) {
     let mut o = std::io::stdout().lock();
-    let _ = writeln!(o, "{STATUS_MARK}{n}").and_then(|_| o.flush());
+    let _ = writeln!(o, "{STATUS_MARK}{n} {version}").and_then(|_| o.flush());
 }
 
 /// Relays the lines of `pipe` under `prefix`; with `status`, a launcher's
@@ -211,9 +226,11 @@ async fn relay<R: AsyncRead + Unpin>(
             Ok(_) => {
                 if let Some((idx, tx)) = &status {
                     let text = String::from_utf8_lossy(&line);
-                    if let Some(n) = text.strip_prefix(STATUS_MARK) {
-                        if let Ok(n) = n.trim().parse() {
-                            let _ = tx.send((*idx, n));
+                    if let Some(report) = text.strip_prefix(STATUS_MARK) {
+                        let mut f = report.split_whitespace().map(str::parse::<u64>);
+                        if let (Some(Ok(n)), Some(Ok(v))) = (f.next(), f.next()) {
+                            let v = u32::try_from(v).unwrap_or(u32::MAX);
+                            let _ = tx.send((*idx, (n as usize, v)));
                         }
                         continue;
                     }

@@ -33,6 +33,8 @@ use tokio::time::Instant;
 use crate::{parse_hosts, HostSlots};
 
 const MAC_LABEL: &[u8] = b"kungfu-run rendezvous v1";
+/// The most workers a node may bring.
+const MAX_SLOTS: usize = 1 << 16;
 /// The longest line either side reads (a host list of a few thousand).
 const MAX_LINE: u64 = 256 << 10;
 
@@ -43,6 +45,12 @@ pub struct Joined {
     /// This launcher's host in `hosts`.
     pub me: String,
     pub cluster_id: u64,
+}
+
+/// A host's name in the job's host list: its address as the rendezvous
+/// saw it (`-H` reads an IPv6 one in brackets, as the list writes it).
+fn host_name(ip: std::net::IpAddr) -> String {
+    ip.to_string()
 }
 
 fn join_mac(secret: &JobSecret, nonce: &str, slots: usize) -> String {
@@ -93,7 +101,7 @@ pub async fn serve(
         let one = Instant::now() + Duration::from_secs(10);
         let mut s = BufReader::new(s);
         match handshake(&mut s, from, &secret, one.min(deadline)).await {
-            Ok(slots) if joined.iter().any(|(h, _)| h.host == from.ip().to_string()) => {
+            Ok(slots) if joined.iter().any(|(h, _)| h.host == host_name(from.ip())) => {
                 let _ = s
                     .get_mut()
                     .write_all(b"ERR this host joined already\n")
@@ -102,7 +110,7 @@ pub async fn serve(
             }
             Ok(slots) => {
                 let host = HostSlots {
-                    host: from.ip().to_string(),
+                    host: host_name(from.ip()),
                     slots,
                 };
                 joined.push((host, s));
@@ -118,7 +126,13 @@ pub async fn serve(
     }
     let list: Vec<String> = joined
         .iter()
-        .map(|(h, _)| format!("{}:{}", h.host, h.slots))
+        .map(|(h, _)| {
+            if h.host.contains(':') {
+                format!("[{}]:{}", h.host, h.slots)
+            } else {
+                format!("{}:{}", h.host, h.slots)
+            }
+        })
         .collect();
     let ok = format!("OK {cluster_id:x} {}\n", list.join(","));
     for (_, s) in &mut joined {
@@ -152,7 +166,7 @@ async fn handshake(
         );
     };
     let slots: usize = slots.parse().context("bad slot count")?;
-    if slots == 0 || slots > 1 << 16 {
+    if slots == 0 || slots > MAX_SLOTS {
         bail!("bad slot count {slots}");
     }
     if !eq_constant_time(join_mac(secret, &nonce, slots).as_bytes(), mac.as_bytes()) {
@@ -206,7 +220,7 @@ async fn join_from(
             Err(_) => bail!("cannot reach the rendezvous at {endpoint} before the deadline"),
         }
     };
-    let me = s.local_addr()?.ip().to_string();
+    let me = host_name(s.local_addr()?.ip());
     let mut s = BufReader::new(s);
     let hello = read_line(&mut s, deadline)
         .await
@@ -232,6 +246,23 @@ async fn join_from(
     let hosts = parse_hosts(hosts)?;
     if !hosts.iter().any(|h| h.host == me) {
         bail!("the rendezvous's host list leaves this host ({me}) out");
+    }
+    if hosts.iter().any(|h| h.slots > MAX_SLOTS) {
+        bail!("the rendezvous's host list asks for more than {MAX_SLOTS} slots on a host");
+    }
+    let loopback = |h: &HostSlots| {
+        h.host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+    };
+    // all on loopback: one machine (tests); some: this node reached its
+    // own rendezvous over loopback, and the others cannot
+    if hosts.iter().any(loopback) && !hosts.iter().all(loopback) {
+        bail!(
+            "the rendezvous at {endpoint} is reached over a loopback address, which the other \
+             nodes cannot reach: give --rdzv an address of the network (a name that resolves to \
+             127.0.1.1, as Debian's /etc/hosts has it for this machine's own name, will not do)"
+        );
     }
     Ok(Joined {
         hosts,

@@ -58,6 +58,8 @@ pub fn remote_command(
         hosts.join(","),
         "--port-base".into(),
         opts.port_base.to_string(),
+        "--grace".into(),
+        format!("{}ms", opts.grace.as_millis()),
         "--transport".into(),
         opts.transport.name().into(),
     ];
@@ -180,7 +182,7 @@ mod tests {
         assert_eq!(
             line,
             "/bin/kungfu-run --self b --secret-stdin --control-stdin --cluster-id abc -np 4 -H a:2,b:2 \
-             --port-base 38000 --transport tcp --bind-to auto -x 'X=1 2' -- prog arg"
+             --port-base 38000 --grace 2000ms --transport tcp --bind-to auto -x 'X=1 2' -- prog arg"
         );
         assert!(!line.contains("0123456789abcdef"));
         let mut input = std::io::Cursor::new(b"0123456789abcdef\nrest".to_vec());
