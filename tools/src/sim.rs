@@ -63,17 +63,14 @@ pub struct Model {
 pub struct Outcome {
     /// From the start until the last worker's plan is done, in seconds.
     pub time: f64,
-    /// Per host link (egress), the most bytes and frames any carried, and
-    /// the mean over the links that carried any.
+    /// Per host link (egress), the most bytes and frames any carried.
     pub link_bytes_max: u64,
     pub link_msgs_max: u64,
-    pub link_bytes_mean: f64,
     /// Per worker (sent), the most bytes and frames.
     pub worker_bytes_max: u64,
     pub worker_msgs_max: u64,
-    /// Every frame of the op, and those between hosts.
+    /// Every frame of the op.
     pub msgs: u64,
-    pub inter_msgs: u64,
 }
 
 /// Writes nothing: the simulation needs the plans' bookkeeping only.
@@ -140,6 +137,13 @@ impl<'a> Topologies<'a> {
             .clone()
     }
 
+    /// Every worker's plan for `spec` (see [`Topologies::plan`]).
+    pub fn plans(&self, spec: &OpSpec, chunk_bytes: usize) -> Result<Vec<Plan>, String> {
+        (0..self.peers.len())
+            .map(|r| self.plan(spec, chunk_bytes, r))
+            .collect()
+    }
+
     /// Worker `me`'s plan for `spec`, as the workers build it.
     pub fn plan(&self, spec: &OpSpec, chunk_bytes: usize, me: usize) -> Result<Plan, String> {
         build(&PlanInput {
@@ -160,10 +164,7 @@ pub fn plans(
     spec: &OpSpec,
     chunk_bytes: usize,
 ) -> Result<Vec<Plan>, String> {
-    let topologies = Topologies::new(peers, strategy, spec)?;
-    (0..peers.len())
-        .map(|r| topologies.plan(spec, chunk_bytes, r))
-        .collect()
+    Topologies::new(peers, strategy, spec)?.plans(spec, chunk_bytes)
 }
 
 /// A time, totally ordered (times are never NaN).
@@ -286,7 +287,6 @@ pub fn run(model: &Model, mut plans: Vec<Plan>) -> Result<Outcome, String> {
                     let end = s + len as f64 / model.intra_bw;
                     (end, end + model.intra_latency)
                 } else {
-                    out.inter_msgs += 1;
                     link_bytes[ha] += len as u64;
                     link_msgs[ha] += 1;
                     let s = egress[port(r)].take(start, len, model.link_bw);
@@ -368,12 +368,6 @@ pub fn run(model: &Model, mut plans: Vec<Plan>) -> Result<Outcome, String> {
     out.time = done_at.iter().map(|t| t.unwrap_or(0.0)).fold(0.0, f64::max);
     out.link_bytes_max = link_bytes.iter().copied().max().unwrap_or(0);
     out.link_msgs_max = link_msgs.iter().copied().max().unwrap_or(0);
-    let used: Vec<u64> = link_bytes.iter().copied().filter(|&b| b > 0).collect();
-    out.link_bytes_mean = if used.is_empty() {
-        0.0
-    } else {
-        used.iter().sum::<u64>() as f64 / used.len() as f64
-    };
     out.worker_bytes_max = sent_bytes.iter().copied().max().unwrap_or(0);
     out.worker_msgs_max = sent_msgs.iter().copied().max().unwrap_or(0);
     Ok(out)

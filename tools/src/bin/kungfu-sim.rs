@@ -157,10 +157,7 @@ fn simulate(a: &Args, strategy: Strategy, n: usize, bytes: usize) -> Cell {
             "about {estimate} plan actions (more than --max-actions)"
         ));
     }
-    let plans = (0..n)
-        .map(|r| topologies.plan(&spec, chunk, r))
-        .collect::<Result<Vec<_>, _>>()?;
-    sim::run(&a.model, plans)
+    sim::run(&a.model, topologies.plans(&spec, chunk)?)
 }
 
 fn main() {
