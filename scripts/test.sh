@@ -27,6 +27,8 @@ ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need+=(libclang-dev)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
 [ -x /usr/sbin/sshd ] || need+=(openssh-server)
 command -v ssh >/dev/null 2>&1 || need+=(openssh-client)
+# the config store in etcd (kungfu-run --config-store; tools/tests/etcd.rs)
+command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 # scripts/doc-commands.py runs the docs' commands
 command -v python3 >/dev/null 2>&1 || need+=(python3)
 scripts/apt-need.sh ${need[@]+"${need[@]}"}
@@ -52,6 +54,8 @@ cargo build --workspace --locked
 echo "== cargo test"
 # as root (CI is), the many-host tests must run, not skip
 [ "$(id -u)" != 0 ] || export KUNGFU_REQUIRE_NETNS=1
+# installed above: the etcd tests must run, not skip
+export KUNGFU_REQUIRE_ETCD=1
 cargo test --workspace --locked
 echo "== the verbs wire (feature verbs): lints with the runtime, tests over the fake fabric and the clear error here"
 cargo clippy -p kungfu-transport -p kungfu --all-targets --locked \

@@ -36,6 +36,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::store::{parse_change, Change, PutError};
 use kungfu_topology::{Peer, PeerList};
 use kungfu_transport::auth::{eq_constant_time, JobSecret};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
@@ -294,50 +295,25 @@ impl ServerState {
         let mut history = self.write.lock().unwrap_or_else(|e| e.into_inner());
         let cur = self.tx.borrow().clone();
         let bad = |why: String| (400, why);
-        let next_version = cur
-            .version
-            .checked_add(1)
-            .ok_or_else(|| bad("the version cannot grow further".into()))?;
-        let body = body.trim();
-        let next = if let Some(n) = body.strip_prefix("size ") {
-            let n: usize = n
-                .trim()
-                .parse()
-                .map_err(|_| bad(format!("bad size {n:?}")))?;
-            if n == 0 || n > self.rules.max_size {
-                return Err(bad(format!(
-                    "size {n} is outside 1..={}",
-                    self.rules.max_size
-                )));
+        let refused = |e: PutError| match e {
+            PutError::Conflict(why) => (409, why),
+            PutError::Failed(why) => (400, why),
+        };
+        let (next_version, change) =
+            parse_change(body, cur.version, self.rules.max_size).map_err(refused)?;
+        let next = match change {
+            Change::Size(n) => {
+                let mut peers: Vec<Peer> = cur.peers.peers().iter().take(n).cloned().collect();
+                while peers.len() < n {
+                    let p = (self.rules.new_peer)(&peers).map_err(|e| (503, e))?;
+                    peers.push(p);
+                }
+                ClusterConfig {
+                    version: next_version,
+                    peers: PeerList::new(peers).map_err(|e| bad(e.to_string()))?,
+                }
             }
-            let mut peers: Vec<Peer> = cur.peers.peers().iter().take(n).cloned().collect();
-            while peers.len() < n {
-                let p = (self.rules.new_peer)(&peers).map_err(|e| (503, e))?;
-                peers.push(p);
-            }
-            ClusterConfig {
-                version: next_version,
-                peers: PeerList::new(peers).map_err(|e| bad(e.to_string()))?,
-            }
-        } else {
-            let c = ClusterConfig::parse(body).map_err(bad)?;
-            if c.version != next_version {
-                return Err((
-                    409,
-                    format!(
-                        "version {} given; the next version is {next_version}",
-                        c.version
-                    ),
-                ));
-            }
-            if c.peers.len() > self.rules.max_size {
-                return Err(bad(format!(
-                    "{} peers; at most {}",
-                    c.peers.len(),
-                    self.rules.max_size
-                )));
-            }
-            c
+            Change::Whole(c) => c,
         };
         if let Some(hosts) = &self.rules.hosts {
             if let Some(p) = next.peers.peers().iter().find(|p| !hosts.contains(&p.host)) {

@@ -34,11 +34,13 @@ use tokio::time::Instant;
 mod connect;
 pub mod elastic;
 pub mod env;
+pub mod etcd;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod listen;
 pub mod recover;
 pub mod rendezvous;
+pub mod store;
 mod swap;
 pub use recover::Recovered;
 pub use swap::TransportSwap;
@@ -98,6 +100,10 @@ pub struct Worker {
     carry: Option<Strategy>,
     /// The transport in use: the environment's, or the last one swapped to.
     current: Arc<std::sync::Mutex<TransportKind>>,
+    /// This worker's key in an etcd config store (`P/members/HOST:PORT`),
+    /// under a lease it renews: gone within [`store::MEMBER_TTL_S`] of
+    /// its death.
+    membership: Option<store::Membership>,
 }
 
 /// What a resize did to this worker.
@@ -172,6 +178,20 @@ impl Worker {
         let env_transport = env.transport;
         let session = connect::connect(&env, &peers, cluster_id, &pool, listener, deadline).await?;
         let fresh = env.config_server.is_some() && env.cluster_version > 0;
+        let membership = match env.config_server.as_deref().map(store::ConfigStore::open) {
+            Some(Ok(store::ConfigStore::Etcd(etcd))) => {
+                let me = peers.peer(Rank(env.rank as u32)).expect("validated rank");
+                let value = format!(
+                    "rank {} version {} pid {}",
+                    env.rank,
+                    env.cluster_version,
+                    std::process::id()
+                );
+                let m = etcd.register(&me.to_string(), &value, deadline).await;
+                Some(m.map_err(|e| BootstrapError::Elastic(format!("registering in etcd: {e}")))?)
+            }
+            _ => None,
+        };
         let mut w = Worker {
             env,
             peers,
@@ -183,6 +203,7 @@ impl Worker {
             detached: false,
             carry: None,
             current: Arc::new(std::sync::Mutex::new(env_transport)),
+            membership,
         };
         w.auto_across_hosts().await;
         w.joined.1 = SystemTime::now();
@@ -210,8 +231,17 @@ impl Worker {
 
     /// Closes the connections gracefully, waiting up to `linger` for the
     /// peers to finish with this worker. Call it before exiting.
-    pub async fn close(self, linger: std::time::Duration) {
+    pub async fn close(mut self, linger: std::time::Duration) {
+        self.leave_store().await;
         self.session.close(linger).await;
+    }
+
+    /// Removes this worker's member key, if it has one (it exits, or left
+    /// the cluster).
+    async fn leave_store(&mut self) {
+        if let Some(m) = self.membership.take() {
+            m.leave(Instant::now() + self.env.connect_timeout).await;
+        }
     }
 
     /// The session of the current cluster version. A resize replaces it:
@@ -309,12 +339,13 @@ impl Worker {
         self.detached
     }
 
-    fn config_url(&self) -> Result<&str, BootstrapError> {
-        self.env.config_server.as_deref().ok_or_else(|| {
+    fn config_store(&self) -> Result<store::ConfigStore, BootstrapError> {
+        let url = self.env.config_server.as_deref().ok_or_else(|| {
             BootstrapError::Elastic(
                 "no config server (KUNGFU_CONFIG_SERVER; run with kungfu-run -w)".into(),
             )
-        })
+        })?;
+        store::ConfigStore::open(url).map_err(BootstrapError::Elastic)
     }
 
     /// Asks the config server for a cluster of `n` workers (the first `n`
@@ -324,15 +355,14 @@ impl Worker {
         &self,
         n: usize,
     ) -> Result<elastic::ClusterConfig, BootstrapError> {
-        let url = self.config_url()?;
-        elastic::put_config(
-            url,
-            &format!("size {n}"),
-            self.env.secret.as_ref(),
-            Instant::now() + self.env.connect_timeout,
-        )
-        .await
-        .map_err(BootstrapError::Elastic)
+        self.config_store()?
+            .put(
+                &format!("size {n}"),
+                self.env.secret.as_ref(),
+                Instant::now() + self.env.connect_timeout,
+            )
+            .await
+            .map_err(|e| BootstrapError::Elastic(e.to_string()))
     }
 
     /// Resizes the cluster to `n` workers: rank 0 proposes, then every
@@ -364,7 +394,7 @@ impl Worker {
         if self.detached {
             return Err(BootstrapError::Elastic("this worker is detached".into()));
         }
-        let url = self.config_url()?.to_string();
+        let store = self.config_store()?;
         let deadline = Instant::now() + self.env.connect_timeout;
         // Rank 0 reads; its text (or its error) goes to everyone, as the
         // maximum of an allreduce to which the others give zeros rather
@@ -377,7 +407,7 @@ impl Worker {
         if self.rank() == 0 {
             let got = match failed {
                 Some(e) => Err(e),
-                None => elastic::get_config(&url, deadline).await,
+                None => store.get(deadline).await,
             };
             text = match got {
                 Ok(c) => [b"+".as_slice(), c.encode().as_bytes()].concat(),
@@ -418,6 +448,7 @@ impl Worker {
         let linger = Duration::from_secs(2);
         let Some(rank) = cfg.peers.rank_of(&me).map(Rank::idx) else {
             self.detached = true;
+            self.leave_store().await;
             self.session.close(linger).await;
             return Ok(Resized {
                 changed: true,

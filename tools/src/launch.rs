@@ -7,7 +7,7 @@
 //! fail with an error naming the lost rank, and that error is worth
 //! seeing), then SIGTERM, then SIGKILL three seconds later.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::time::Duration;
@@ -24,10 +24,12 @@ use crate::procs::{
     control_channel, describe, report_live, signal_all, Control, Job, TERM_TO_KILL,
 };
 use crate::remote;
-use crate::{assign_ranks, bind_listener, is_local_host, job_ports, JobPorts};
-use kungfu::elastic::{ClusterConfig, ConfigServer, ServerRules};
+use crate::served::{config_server, listener_for, Pending};
+use crate::{assign_ranks, is_local_host, job_ports, JobPorts};
+use kungfu::elastic::ClusterConfig;
 use kungfu::env::SECRET_VAR;
-use kungfu_topology::{Peer, PeerList, Rank};
+use kungfu::store::ConfigStore;
+use kungfu_topology::{PeerList, Rank};
 use kungfu_transport::auth::JobSecret;
 
 pub use crate::bind::cpu_for;
@@ -156,125 +158,6 @@ pub fn job_secret(given: Option<&str>) -> anyhow::Result<String> {
     Ok(secret)
 }
 
-/// Sockets bound for the workers a watched job has not started yet, by
-/// address.
-type Pending = std::sync::Arc<std::sync::Mutex<HashMap<String, std::net::TcpListener>>>;
-
-/// Takes the socket bound for a new worker at `addr`, or binds `addr` (a
-/// whole config PUT may name any address): either way the worker gets its
-/// socket from the launcher, as the first ones did.
-fn listener_for(pending: &Pending, p: &Peer) -> anyhow::Result<std::net::TcpListener> {
-    let bound = pending
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .remove(&p.to_string());
-    match bound {
-        Some(l) => Ok(l),
-        None => std::net::TcpListener::bind((p.host.as_str(), p.port))
-            .with_context(|| format!("cannot listen on {p} for a new worker")),
-    }
-}
-
-/// Starts the config server of a watched job, with the job's credential
-/// wanted for every change (see `kungfu::elastic`).
-///
-/// On one machine (`all_local`) it listens on the loopback, and a new peer
-/// goes on the first host of `-H` with a port bound here and held until
-/// its worker starts with it (see `pass_listener`). Across hosts it listens
-/// on this host's address of `-H` (`here`), for the launchers and workers
-/// of the other hosts; a new peer goes on the first host of `-H` with a
-/// free slot, at the first port from `--port-base` the job has not used on
-/// that host, which its launcher binds when it starts the worker.
-async fn config_server(
-    opts: &LaunchOptions,
-    peers: &PeerList,
-    secret: &JobSecret,
-    here: Option<&str>,
-) -> anyhow::Result<(ConfigServer, Pending)> {
-    let listener = match here {
-        None => tokio::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0)).await,
-        Some(host) => tokio::net::TcpListener::bind((host, 0)).await,
-    }
-    .context("binding the config server")?;
-    let used = std::sync::Mutex::new(
-        peers
-            .peers()
-            .iter()
-            .map(|p| (p.host.clone(), p.port))
-            .collect::<HashSet<(String, u16)>>(),
-    );
-    let pending = Pending::default();
-    let bound = pending.clone();
-    let hosts = opts.hosts.clone();
-    let across = here.is_some();
-    let port_base = opts.port_base;
-    let total: usize = hosts.iter().map(|h| h.slots).sum();
-    let rules = ServerRules {
-        // on one host the slots do not bound a watched job; across hosts
-        // they say where new workers can go
-        max_size: if across {
-            opts.max_np.min(total)
-        } else {
-            opts.max_np
-        },
-        hosts: Some(hosts.iter().map(|h| h.host.clone()).collect()),
-        // A port never used in this job, so that an address names one
-        // worker only (the kernel may offer the port of one that exited).
-        // The refused sockets stay bound until one is found, so the
-        // kernel offers another port each time.
-        new_peer: Box::new(move |so_far| {
-            let mut used = used.lock().unwrap_or_else(|e| e.into_inner());
-            let new_host = if across {
-                let room = |h: &&crate::HostSlots| {
-                    so_far.iter().filter(|p| p.host == h.host).count() < h.slots
-                };
-                let Some(h) = hosts.iter().find(room) else {
-                    return Err(format!("all {total} slots of the job's hosts are taken"));
-                };
-                h.host.clone()
-            } else {
-                hosts[0].host.clone()
-            };
-            if across {
-                for port in port_base..=u16::MAX {
-                    if used.insert((new_host.clone(), port)) {
-                        return Ok(Peer {
-                            host: new_host,
-                            port,
-                        });
-                    }
-                }
-                return Err(format!("no port left on {new_host}"));
-            }
-            let mut refused = Vec::new();
-            for _ in 0..100 {
-                let l = bind_listener(&new_host).map_err(|e| format!("{e:#}"))?;
-                let port = l.local_addr().map_err(|e| e.to_string())?.port();
-                if !used.insert((new_host.clone(), port)) {
-                    refused.push(l);
-                    continue;
-                }
-                let p = Peer {
-                    host: new_host.clone(),
-                    port,
-                };
-                bound
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(p.to_string(), l);
-                return Ok(p);
-            }
-            Err("no free port".into())
-        }),
-        credential: Some(secret.config_token()),
-    };
-    let initial = ClusterConfig {
-        version: 0,
-        peers: peers.clone(),
-    };
-    Ok((ConfigServer::start(listener, initial, rules)?, pending))
-}
-
 /// `eprintln!` that ignores a closed standard error: a launcher started
 /// through ssh loses its output with the connection, and must still stop
 /// its workers then.
@@ -344,10 +227,14 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
     let mut sighup = signal(SignalKind::hangup())?;
     let slots = assign_ranks(opts.np, &opts.hosts)?;
     let all_local = opts.hosts.iter().all(|h| is_local_host(&h.host));
+    // in etcd, the config is changed without this launcher, which then
+    // cannot hold sockets for new workers: ports from --port-base, bound
+    // when a worker starts
+    let in_etcd = opts.config_store.is_some();
     let JobPorts {
         peers,
         mut listeners,
-    } = job_ports(&slots, all_local, opts.port_base)?;
+    } = job_ports(&slots, all_local && !in_etcd, opts.port_base)?;
     let cluster_id = opts.cluster_id.unwrap_or_else(job_id);
     let keys = JobKeys {
         cluster_id,
@@ -359,46 +246,65 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
         Some(me) => host == me,
         None => is_local_host(host),
     };
+    // per-node mode, elastic: every launcher makes or finds the job's keys
+    // in etcd and follows them
+    let per_node = opts.self_host.is_some() && !opts.controlled;
     anyhow::ensure!(
-        opts.on_failure == OnFailure::Stop
-            || (opts.hosts.len() == 1 && all_local && opts.self_host.is_none()),
-        "--on-failure shrink|replace start workers on this host only: give one local host"
+        opts.on_failure == OnFailure::Stop || !per_node || in_etcd,
+        "--on-failure shrink|replace needs a config store, which no launcher serves in \
+         per-node mode (--self, --rdzv): give --config-store etcd://..., or start the job \
+         from one host (ssh mode)"
     );
     // The config server: for -w (the launcher that starts the job serves
     // it; those it starts on other hosts follow it), and for the
     // survivors' recovery.
-    let serves = (opts.watch || opts.on_failure != OnFailure::Stop) && opts.self_host.is_none();
-    let follows = opts.watch && opts.self_host.is_some();
-    let here = if serves && !all_local {
+    let elastic = opts.watch || opts.on_failure != OnFailure::Stop;
+    let serves = elastic && opts.self_host.is_none();
+    let follows = elastic && opts.self_host.is_some();
+    let here = if serves && !all_local && !in_etcd {
         let h = opts.hosts.iter().find(|h| mine(&h.host)).with_context(|| {
-            "-w across hosts: start kungfu-run on one of the hosts of -H (its config \
-             server listens there, for the other hosts)"
+            "-w or --on-failure across hosts: start kungfu-run on one of the hosts of -H \
+             (its config server listens there, for the other hosts), or give --config-store"
         })?;
         Some(h.host.as_str())
     } else {
         None
     };
-    let (server, pending) = if serves {
+    let (server, pending) = if serves && !in_etcd {
         let (s, p) = config_server(&opts, &peers, &secret, here).await?;
         (Some(s), p)
     } else {
         (None, Pending::default())
     };
-    let url = match (&server, &opts.config_server) {
-        (Some(s), _) => Some(s.url()),
-        (None, Some(u)) if follows => Some(u.clone()),
-        (None, _) if follows => anyhow::bail!("-w with --self needs --config-server URL"),
+    let store = match (&server, &opts.config_server) {
+        (Some(s), _) => Some(ConfigStore::Http(s.url())),
+        (None, _) if serves || (follows && per_node && in_etcd) => {
+            Some(crate::config_store::create(&opts, &peers, cluster_id, !all_local).await?)
+        }
+        (None, Some(u)) if follows => Some(ConfigStore::open(u).map_err(anyhow::Error::msg)?),
+        (None, _) if follows => {
+            anyhow::bail!("-w or --on-failure with --self needs --config-server URL")
+        }
         _ => None,
     };
+    let url = store.as_ref().map(ConfigStore::url);
+    // a job's keys in etcd go with it, however it ends
+    let _keys = crate::config_store::RemoveOnDrop(match &store {
+        Some(ConfigStore::Etcd(e)) if serves => Some(e.clone()),
+        _ => None,
+    });
+    let mut node = match (&store, &opts.self_host) {
+        (Some(ConfigStore::Etcd(e)), Some(me)) if per_node => {
+            Some(crate::config_store::PerNode::new(e.clone(), me, &opts))
+        }
+        _ => None,
+    };
+    let mut node_tick = tokio::time::interval(crate::config_store::PER_NODE_EVERY);
+    let mut job_over = false;
     // every version of the config after the first, in order
-    let mut versions = match (&server, &url) {
+    let mut versions = match (&server, &store) {
         (Some(s), _) => Some(s.versions(0)),
-        (None, Some(u)) => Some(kungfu::elastic::follow(
-            u.clone(),
-            0,
-            FOLLOW_EVERY,
-            FOLLOW_GIVE_UP,
-        )),
+        (None, Some(st)) => Some(st.follow(0, FOLLOW_EVERY, FOLLOW_GIVE_UP)),
         _ => None,
     };
     // the latest version handled
@@ -497,7 +403,10 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
     let mut reported: Option<(usize, u32)> = None;
     let mut ending = false;
     let mut status = job.take_status();
-    while remaining > 0 || (follows && control.is_some() && exit_code.is_none()) {
+    while remaining > 0
+        || (follows && control.is_some() && exit_code.is_none())
+        || (node.is_some() && !job_over && exit_code.is_none())
+    {
         let live = job.live_workers();
         let version = latest.as_ref().map_or(0, |c| c.version);
         if follows && opts.controlled && reported != Some((live, version)) {
@@ -530,6 +439,12 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                     } else if code != 0 {
                         say!("kungfu-run: {} {what} after the job was over", job.procs[idx].label);
                     }
+                } else if code != 0 && opts.on_failure != OnFailure::Stop && exit_code.is_none() && job.is_remote(idx) {
+                    // that host's launcher gave up (its own output says
+                    // why); its workers are gone, and the others recover
+                    // as from any lost worker
+                    say!("kungfu-run: {} {what}; the others go on without that host", job.procs[idx].label);
+                    survived.failed.get_or_insert(code);
                 } else if code != 0 && opts.on_failure != OnFailure::Stop && exit_code.is_none() {
                     say!(
                         "kungfu-run: {} {what}; the others go on without it (--on-failure {})",
@@ -545,7 +460,7 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                     let shrunk = latest.as_ref().is_some_and(|c| c.peers.len() < opts.np);
                     if survived.to_replace > 0 && shrunk {
                         survived.to_replace = 0;
-                        replace_lost(url.clone(), secret.clone(), opts.np);
+                        replace_lost(store.clone(), secret.clone(), opts.np);
                     }
                 } else if code != 0 {
                     let msg = format!("{} {what}", job.procs[idx].label);
@@ -580,7 +495,7 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                     if survived.to_replace > 0 && c.peers.len() < opts.np {
                         // the survivors shrank: grow back with new workers
                         survived.to_replace = 0;
-                        replace_lost(url.clone(), secret.clone(), opts.np);
+                        replace_lost(store.clone(), secret.clone(), opts.np);
                     }
                     let members: HashSet<String> =
                         c.peers.peers().iter().map(|p| p.to_string()).collect();
@@ -670,6 +585,15 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                 next_phase = Some((Instant::now() + TERM_TO_KILL, Signal::SIGKILL));
             }
             Some((idx, n)) = status.recv() => job.procs[idx].remote_live = Some(n),
+            _ = node_tick.tick(), if node.is_some() && !job_over && exit_code.is_none() => {
+                let version = latest.as_ref().map_or(0, |c| c.version);
+                let live = job.live_workers();
+                match node.as_mut().expect("guarded").over(live, version).await {
+                    Ok(over) => job_over = over,
+                    // the store's watch gives up on a store gone for good
+                    Err(e) => say!("kungfu-run: telling etcd what this host runs: {e:#}"),
+                }
+            }
             _ = sigint.recv() => {
                 say!("kungfu-run: interrupted; forwarding SIGINT to the workers");
                 signal_all(&job.procs, Signal::SIGINT);
@@ -706,6 +630,10 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
             }
         }
     }
+    // a per-node launcher that stops the job says it is done, too
+    if let Some(n) = node.as_mut() {
+        n.finish().await;
+    }
     // Let the relays print what the workers wrote last.
     let _ = tokio::time::timeout(Duration::from_secs(2), async {
         while job.relays.join_next().await.is_some() {}
@@ -721,12 +649,12 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
 
 /// `--on-failure replace`: asks the config server for `np` workers again
 /// (the launcher starts the new ones when the config changes).
-fn replace_lost(url: Option<String>, secret: JobSecret, np: usize) {
-    let url = url.unwrap_or_default();
+fn replace_lost(store: Option<ConfigStore>, secret: JobSecret, np: usize) {
+    let Some(store) = store else { return };
     tokio::spawn(async move {
         let deadline = Instant::now() + Duration::from_secs(30);
         let body = format!("size {np}");
-        match kungfu::elastic::put_config(&url, &body, Some(&secret), deadline).await {
+        match store.put(&body, Some(&secret), deadline).await {
             Ok(c) => say!(
                 "kungfu-run: replacing the lost: version {} of {} workers",
                 c.version,

@@ -10,12 +10,14 @@ use kungfu_topology::{Peer, PeerList};
 
 pub mod bind;
 pub mod certs;
+pub mod config_store;
 pub mod launch;
 pub mod options;
 pub mod plot;
 mod procs;
 pub mod rdzv;
 pub mod remote;
+pub mod served;
 pub mod sim;
 
 /// Parses `90s`, `5m`, `1h`, `250ms`, or a plain number of seconds.

@@ -57,6 +57,10 @@ pub struct LaunchOptions {
     /// The config server a watched job's launcher on another host follows
     /// (`--config-server URL`, with `--self`).
     pub config_server: Option<String>,
+    /// Keep the watched job's config in etcd rather than serve it
+    /// (`--config-store etcd://HOST:PORT[/PREFIX]`; see
+    /// [`crate::config_store`]).
+    pub config_store: Option<String>,
     pub program: Vec<String>,
 }
 

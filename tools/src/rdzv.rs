@@ -10,16 +10,24 @@
 //! One line at a time, bounded in length, every read and the whole wait
 //! under the deadline:
 //! ```text
-//! server -> launcher:  KFRDZV1 <nonce, hex>\n
-//! launcher -> server:  JOIN <slots> <mac, hex>\n
-//! server -> launcher:  OK <cluster id, hex> <host:slots,host:slots,...>\n
+//! server -> launcher:  KFRDZV2 <server nonce, hex>\n
+//! launcher -> server:  JOIN <slots> <launcher nonce, hex> <join mac, hex>\n
+//! server -> launcher:  OK <cluster id, hex> <host:slots,host:slots,...> <answer mac, hex>\n
 //!                      ERR <reason>\n
 //!
-//! mac = HMAC-SHA256(job secret, "kungfu-run rendezvous v1" | nonce | slots)
+//! join mac   = HMAC-SHA256(job secret, "kungfu-run rendezvous v2"
+//!                          | server nonce | slots | launcher nonce)
+//! answer mac = HMAC-SHA256(job secret, "kungfu-run rendezvous answer v2"
+//!                          | launcher nonce | cluster id | host list)
 //! ```
 //! A join needs the job secret (`KUNGFU_JOB_SECRET`, the same on every
 //! node), over the server's fresh nonce, so that nobody without it can
-//! join and a recorded join cannot be replayed.
+//! join and a recorded join cannot be replayed; the answer proves the
+//! secret too, over the launcher's fresh nonce, so that nobody else can
+//! hand out a host list (an `ERR` is not proved: a forged one can only
+//! make the join fail, which whoever sits on the path can do anyway).
+//! Joins are read at once, each bounded on its own, so a slow or hostile
+//! one holds nobody up.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -32,7 +40,12 @@ use tokio::time::Instant;
 
 use crate::{parse_hosts, HostSlots};
 
-const MAC_LABEL: &[u8] = b"kungfu-run rendezvous v1";
+const MAC_LABEL: &[u8] = b"kungfu-run rendezvous v2";
+const ANSWER_LABEL: &[u8] = b"kungfu-run rendezvous answer v2";
+/// How long one join may take, from its connection to its JOIN line.
+const JOIN_WITHIN: Duration = Duration::from_secs(10);
+/// The most joins read at once (more wait in the listen backlog).
+const MAX_PENDING: usize = 256;
 /// The most workers a node may bring.
 const MAX_SLOTS: usize = 1 << 16;
 /// The longest line either side reads (a host list of a few thousand).
@@ -53,11 +66,31 @@ fn host_name(ip: std::net::IpAddr) -> String {
     ip.to_string()
 }
 
-fn join_mac(secret: &JobSecret, nonce: &str, slots: usize) -> String {
-    hex(&secret.mac(
-        MAC_LABEL,
-        &[nonce.as_bytes(), b" ", slots.to_string().as_bytes()],
-    ))
+fn join_mac(secret: &JobSecret, nonce: &str, slots: usize, theirs: &str) -> String {
+    let slots = slots.to_string();
+    let parts: [&[u8]; 5] = [
+        nonce.as_bytes(),
+        b" ",
+        slots.as_bytes(),
+        b" ",
+        theirs.as_bytes(),
+    ];
+    hex(&secret.mac(MAC_LABEL, &parts))
+}
+
+fn answer_mac(secret: &JobSecret, theirs: &str, id: &str, hosts: &str) -> String {
+    let parts: [&[u8]; 5] = [
+        theirs.as_bytes(),
+        b" ",
+        id.as_bytes(),
+        b" ",
+        hosts.as_bytes(),
+    ];
+    hex(&secret.mac(ANSWER_LABEL, &parts))
+}
+
+fn nonce() -> anyhow::Result<String> {
+    Ok(hex(&random::<32>().map_err(|e| anyhow::anyhow!("{e}"))?))
 }
 
 async fn read_line<R: tokio::io::AsyncRead + Unpin>(
@@ -74,6 +107,14 @@ async fn read_line<R: tokio::io::AsyncRead + Unpin>(
     Ok(line.trim_end().to_string())
 }
 
+/// One launcher that joined: its host, and the connection its answer goes
+/// on, with the nonce the answer proves.
+struct Joiner {
+    host: HostSlots,
+    s: BufReader<TcpStream>,
+    nonce: String,
+}
+
 /// Serves the rendezvous on `listener` for `np` slots: returns once every
 /// launcher that joined has its answer, or at `deadline` (when the joined
 /// are told why).
@@ -84,49 +125,61 @@ pub async fn serve(
     cluster_id: u64,
     deadline: Instant,
 ) -> anyhow::Result<()> {
-    let mut joined: Vec<(HostSlots, BufReader<TcpStream>)> = Vec::new();
-    while joined.iter().map(|(h, _)| h.slots).sum::<usize>() < np {
-        let accepted = tokio::time::timeout_at(deadline, listener.accept()).await;
-        let Ok(Ok((s, from))) = accepted else {
-            let why = format!(
-                "ERR {} of {np} slots joined the rendezvous before its deadline\n",
-                joined.iter().map(|(h, _)| h.slots).sum::<usize>()
-            );
-            for (_, s) in &mut joined {
-                let _ = s.get_mut().write_all(why.as_bytes()).await;
-            }
-            bail!("{}", why.trim_start_matches("ERR ").trim_end());
-        };
-        // one slow or hostile joiner may not hold the others up for long
-        let one = Instant::now() + Duration::from_secs(10);
-        let mut s = BufReader::new(s);
-        match handshake(&mut s, from, &secret, one.min(deadline)).await {
-            Ok(slots) if joined.iter().any(|(h, _)| h.host == host_name(from.ip())) => {
-                let _ = s
-                    .get_mut()
-                    .write_all(b"ERR this host joined already\n")
-                    .await;
-                let _ = slots;
-            }
-            Ok(slots) => {
-                let host = HostSlots {
-                    host: host_name(from.ip()),
-                    slots,
+    let mut joined: Vec<Joiner> = Vec::new();
+    let mut pending = tokio::task::JoinSet::new();
+    let slots = |joined: &[Joiner]| joined.iter().map(|j| j.host.slots).sum::<usize>();
+    while slots(&joined) < np {
+        tokio::select! {
+            accepted = listener.accept(), if pending.len() < MAX_PENDING => {
+                let Ok((s, from)) = accepted else {
+                    // out of descriptors, say: not in a spin
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
                 };
-                joined.push((host, s));
+                let secret = secret.clone();
+                pending.spawn(async move {
+                    let mut s = BufReader::new(s);
+                    let within = (Instant::now() + JOIN_WITHIN).min(deadline);
+                    let got = handshake(&mut s, from, &secret, within).await;
+                    (s, from, got)
+                });
             }
-            Err(e) => {
-                let _ = s
-                    .get_mut()
-                    .write_all(format!("ERR {e:#}\n").as_bytes())
-                    .await;
-                eprintln!("kungfu-run: rendezvous: refused {from}: {e:#}");
+            Some(done) = pending.join_next(), if !pending.is_empty() => {
+                let Ok((mut s, from, got)) = done else { continue };
+                let host = host_name(from.ip());
+                match got {
+                    Ok(_) if joined.iter().any(|j| j.host.host == host) => {
+                        let _ = s.get_mut().write_all(b"ERR this host joined already\n").await;
+                    }
+                    Ok((slots, nonce)) => joined.push(Joiner {
+                        host: HostSlots { host, slots },
+                        s,
+                        nonce,
+                    }),
+                    Err(e) => {
+                        let _ = s.get_mut().write_all(format!("ERR {e:#}\n").as_bytes()).await;
+                        eprintln!("kungfu-run: rendezvous: refused {from}: {e:#}");
+                    }
+                }
+            }
+            _ = tokio::time::sleep_until(deadline) => {
+                let why = format!(
+                    "ERR {} of {np} slots joined the rendezvous before its deadline\n",
+                    slots(&joined)
+                );
+                for j in &mut joined {
+                    let _ = j.s.get_mut().write_all(why.as_bytes()).await;
+                }
+                bail!("{}", why.trim_start_matches("ERR ").trim_end());
             }
         }
     }
+    // the joins still being read are refused by their drop
+    pending.abort_all();
     let list: Vec<String> = joined
         .iter()
-        .map(|(h, _)| {
+        .map(|j| {
+            let h = &j.host;
             if h.host.contains(':') {
                 format!("[{}]:{}", h.host, h.slots)
             } else {
@@ -134,31 +187,39 @@ pub async fn serve(
             }
         })
         .collect();
-    let ok = format!("OK {cluster_id:x} {}\n", list.join(","));
-    for (_, s) in &mut joined {
-        let _ = s.get_mut().write_all(ok.as_bytes()).await;
+    let (id, hosts) = (format!("{cluster_id:x}"), list.join(","));
+    for j in &mut joined {
+        let mac = answer_mac(&secret, &j.nonce, &id, &hosts);
+        let ok = format!("OK {id} {hosts} {mac}\n");
+        let _ = tokio::time::timeout_at(
+            Instant::now() + JOIN_WITHIN,
+            j.s.get_mut().write_all(ok.as_bytes()),
+        )
+        .await;
     }
     Ok(())
 }
 
-/// The server's side of one join: the slots asked for.
+/// The server's side of one join: the slots asked for, and the joiner's
+/// nonce.
 async fn handshake(
     s: &mut BufReader<TcpStream>,
     from: SocketAddr,
     secret: &JobSecret,
     deadline: Instant,
-) -> anyhow::Result<usize> {
-    let nonce = hex(&random::<32>().map_err(|e| anyhow::anyhow!("{e}"))?);
+) -> anyhow::Result<(usize, String)> {
+    let nonce = nonce()?;
     tokio::time::timeout_at(
         deadline,
         s.get_mut()
-            .write_all(format!("KFRDZV1 {nonce}\n").as_bytes()),
+            .write_all(format!("KFRDZV2 {nonce}\n").as_bytes()),
     )
     .await
     .context("timed out")??;
     let line = read_line(s, deadline).await?;
     let mut f = line.split(' ');
-    let (Some("JOIN"), Some(slots), Some(mac), None) = (f.next(), f.next(), f.next(), f.next())
+    let (Some("JOIN"), Some(slots), Some(theirs), Some(mac), None) =
+        (f.next(), f.next(), f.next(), f.next(), f.next())
     else {
         bail!(
             "not a join from {from}: {:?}",
@@ -169,10 +230,16 @@ async fn handshake(
     if slots == 0 || slots > MAX_SLOTS {
         bail!("bad slot count {slots}");
     }
-    if !eq_constant_time(join_mac(secret, &nonce, slots).as_bytes(), mac.as_bytes()) {
+    if theirs.len() != 64 || !theirs.bytes().all(|b| b.is_ascii_hexdigit()) {
+        bail!("a bad nonce");
+    }
+    if !eq_constant_time(
+        join_mac(secret, &nonce, slots, theirs).as_bytes(),
+        mac.as_bytes(),
+    ) {
         bail!("bad credential (another KUNGFU_JOB_SECRET?)");
     }
-    Ok(slots)
+    Ok((slots, theirs.to_string()))
 }
 
 /// Joins the rendezvous at `endpoint` with `slots`, retrying the
@@ -225,13 +292,15 @@ async fn join_from(
     let hello = read_line(&mut s, deadline)
         .await
         .context("the rendezvous's greeting")?;
-    let Some(nonce) = hello.strip_prefix("KFRDZV1 ") else {
-        bail!("{endpoint} is not a kungfu-run rendezvous");
+    let Some(theirs) = hello.strip_prefix("KFRDZV2 ") else {
+        bail!("{endpoint} is not a kungfu-run rendezvous (of this version)");
     };
-    let mac = join_mac(secret, nonce, slots);
-    s.get_mut()
-        .write_all(format!("JOIN {slots} {mac}\n").as_bytes())
-        .await?;
+    let ours = nonce()?;
+    let mac = join_mac(secret, theirs, slots, &ours);
+    let join = format!("JOIN {slots} {ours} {mac}\n");
+    tokio::time::timeout_at(deadline, s.get_mut().write_all(join.as_bytes()))
+        .await
+        .context("timed out joining the rendezvous")??;
     let answer = read_line(&mut s, deadline)
         .await
         .context("waiting for the other nodes at the rendezvous")?;
@@ -239,9 +308,17 @@ async fn join_from(
         bail!("the rendezvous at {endpoint} refused: {why}");
     }
     let mut f = answer.split(' ');
-    let (Some("OK"), Some(id), Some(hosts), None) = (f.next(), f.next(), f.next(), f.next()) else {
+    let (Some("OK"), Some(id), Some(hosts), Some(mac), None) =
+        (f.next(), f.next(), f.next(), f.next(), f.next())
+    else {
         bail!("a bad answer from the rendezvous at {endpoint}");
     };
+    if !eq_constant_time(
+        answer_mac(secret, &ours, id, hosts).as_bytes(),
+        mac.as_bytes(),
+    ) {
+        bail!("the answer of the rendezvous at {endpoint} is not proved by the job secret");
+    }
     let cluster_id = u64::from_str_radix(id, 16).context("a bad cluster id from the rendezvous")?;
     let hosts = parse_hosts(hosts)?;
     if !hosts.iter().any(|h| h.host == me) {
@@ -288,6 +365,16 @@ mod tests {
         let other = JobSecret::new(b"fedcba9876543210").unwrap();
         let e = join(&at, 1, &other, deadline).await.unwrap_err();
         assert!(format!("{e:#}").contains("bad credential"), "{e:#}");
+        // connections that say nothing hold nobody up (the joins below
+        // end long before the 10 s such a connection has)
+        let _silent: Vec<TcpStream> = {
+            let mut v = Vec::new();
+            for _ in 0..3 {
+                v.push(TcpStream::connect(&at).await.unwrap());
+            }
+            v
+        };
+        let began = Instant::now();
         let mut joins = Vec::new();
         for (ip, slots) in [("127.0.0.2", 2), ("127.0.0.3", 1), ("127.0.0.4", 2)] {
             let (at, k) = (at.clone(), k.clone());
@@ -307,7 +394,43 @@ mod tests {
         }
         assert!(lists.windows(2).all(|w| w[0] == w[1]));
         assert_eq!(lists[0].iter().map(|h| h.slots).sum::<usize>(), 5);
+        assert!(
+            began.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            began.elapsed()
+        );
         server.await.unwrap().unwrap();
+    }
+
+    /// A rendezvous that does not know the secret cannot hand out a host
+    /// list: its answer is refused.
+    #[tokio::test]
+    async fn an_answer_without_the_secret_is_refused() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let at = l.local_addr().unwrap().to_string();
+        let fake = tokio::spawn(async move {
+            let (s, _) = l.accept().await.unwrap();
+            let mut s = BufReader::new(s);
+            s.get_mut()
+                .write_all(format!("KFRDZV2 {}\n", "ab".repeat(32)).as_bytes())
+                .await
+                .unwrap();
+            let mut line = String::new();
+            s.read_line(&mut line).await.unwrap();
+            let mac = "00".repeat(32);
+            s.get_mut()
+                .write_all(format!("OK 1 127.0.0.1:1 {mac}\n").as_bytes())
+                .await
+                .unwrap();
+        });
+        let k = JobSecret::new(b"0123456789abcdef").unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let e = join(&at, 1, &k, deadline).await.unwrap_err();
+        assert!(
+            format!("{e:#}").contains("not proved by the job secret"),
+            "{e:#}"
+        );
+        fake.await.unwrap();
     }
 
     /// Too few slots by the deadline: everybody is told, nobody hangs.

@@ -16,7 +16,7 @@
 
 use std::path::Path;
 
-use crate::launch::{Bind, LaunchOptions};
+use crate::launch::{Bind, LaunchOptions, OnFailure};
 
 /// The flag that makes `kungfu-run` read the job secret from its standard
 /// input (one line).
@@ -31,7 +31,8 @@ pub const CONTROL_STDIN: &str = "--control-stdin";
 /// The command line of the launcher on `host`, `exe` the path of
 /// `kungfu-run` (the same on every host), as one shell-quoted string for
 /// `ssh`.
-/// A watched job's launcher there follows the config server at `url`.
+/// In an elastic job (`-w`, `--on-failure shrink|replace`) the launcher
+/// there follows the config store at `url`.
 pub fn remote_command(
     opts: &LaunchOptions,
     host: &str,
@@ -81,9 +82,8 @@ pub fn remote_command(
         Bind::None => "none",
     };
     remote.extend(["--bind-to".into(), bind.into()]);
-    if let (true, Some(url)) = (opts.watch, url) {
+    if let Some(url) = url {
         remote.extend([
-            "-w".into(),
             "--config-server".into(),
             url.into(),
             "--max-np".into(),
@@ -91,6 +91,17 @@ pub fn remote_command(
             "--detach-timeout".into(),
             format!("{}ms", opts.detach_timeout.as_millis()),
         ]);
+        if opts.watch {
+            remote.push("-w".into());
+        }
+        let on_failure = match opts.on_failure {
+            OnFailure::Stop => None,
+            OnFailure::Shrink => Some("shrink"),
+            OnFailure::Replace => Some("replace"),
+        };
+        if let Some(f) = on_failure {
+            remote.extend(["--on-failure".into(), f.into()]);
+        }
     }
     for (k, v) in &opts.env {
         remote.extend(["-x".into(), format!("{k}={v}")]);
@@ -176,6 +187,7 @@ mod tests {
             ssh: vec!["ssh".into()],
             controlled: false,
             config_server: None,
+            config_store: None,
             program: vec!["prog".into(), "arg".into()],
         };
         let line = remote_command(&opts, "b", 0xabc, Path::new("/bin/kungfu-run"), None);

@@ -20,7 +20,8 @@ use kungfu_transport::any::AnyTransport;
 use kungfu_transport::{FrameKind, Header, OpTag, PeerSet, Transport};
 use tokio::time::Instant;
 
-use crate::elastic::{self, ClusterConfig};
+use crate::elastic::ClusterConfig;
+use crate::store::PutError;
 use crate::{BootstrapError, Worker};
 
 pub mod machine;
@@ -68,16 +69,13 @@ impl Worker {
                 "this worker is detached",
             ));
         }
-        let url = self
-            .config_url()
-            .map_err(|_| {
-                BootstrapError::Elastic(
-                    "recover needs the job's config server (KUNGFU_CONFIG_SERVER): run under \
+        let store = self.config_store().map_err(|_| {
+            BootstrapError::Elastic(
+                "recover needs the job's config server (KUNGFU_CONFIG_SERVER): run under \
                      kungfu-run --on-failure shrink|replace, or -w"
-                        .into(),
-                )
-            })?
-            .to_string();
+                    .into(),
+            )
+        })?;
         let deadline = Instant::now() + self.env.connect_timeout;
         let old = self.session.transport();
         let old_peers = self.peers.clone();
@@ -110,13 +108,9 @@ impl Worker {
                             })?,
                             peers: members_of(&old_peers, &members)?,
                         };
-                        let put = elastic::put_config(
-                            &url,
-                            &next.encode(),
-                            self.env.secret.as_ref(),
-                            deadline,
-                        )
-                        .await;
+                        let put = store
+                            .put(&next.encode(), self.env.secret.as_ref(), deadline)
+                            .await;
                         match put {
                             Ok(c) => {
                                 feed(&mut m, &old_peers, &c);
@@ -124,8 +118,8 @@ impl Worker {
                             }
                             // another coordinator was first (409): its
                             // config is the decision, read below
-                            Err(e) if e.contains(": 409 ") => last_get = Instant::now() - POLL,
-                            Err(e) => return Err(BootstrapError::Elastic(e)),
+                            Err(PutError::Conflict(_)) => last_get = Instant::now() - POLL,
+                            Err(PutError::Failed(e)) => return Err(BootstrapError::Elastic(e)),
                         }
                     }
                     Step::Connect { version, .. } => {
@@ -203,7 +197,8 @@ impl Worker {
             if last_get.elapsed() >= POLL {
                 last_get = Instant::now();
                 let next = u32::try_from(m.base() + 1).unwrap_or(u32::MAX);
-                let got = elastic::get_version(&url, next, deadline)
+                let got = store
+                    .get_version(next, deadline)
                     .await
                     .map_err(BootstrapError::Elastic)?;
                 if let Some(c) = got {

@@ -85,13 +85,21 @@ options:
                         this host's address of -H, and the launchers started
                         on the others follow it); a PUT needs
                         'Authorization: Bearer TOKEN' (--config-token)
+  --config-store URL    with -w or --on-failure: keep the cluster config and
+                        the workers' membership in etcd instead
+                        (etcd://HOST:PORT[/PREFIX], prefix /kungfu: the job's
+                        keys go under PREFIX/<cluster id>); workers take new
+                        ports from --port-base. -w and --on-failure in
+                        per-node mode (--self, --rdzv) need it: every node's
+                        launcher then follows the job there
   --on-failure F        what a worker's failure does: stop (default: stop the
                         others, exit with its status), shrink (the others go
                         on; they agree on who is left and shrink the cluster,
                         with the library's recover step: kf_recover,
                         Worker::recover) or replace (shrink, then start a new
                         worker that joins as in -w); shrink and replace serve
-                        the config server as -w does (one local host)
+                        the config server as -w does (across hosts too, from
+                        the host that starts the job; not with --self)
   --max-np N            the largest size a watched job may grow to (64)
   --detach-timeout DUR  how long a worker a new version leaves out may run on
                         before it is stopped (60s; it exits by itself at its
@@ -167,6 +175,7 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<(LaunchOptions, Option<R
         ssh: vec!["ssh".into()],
         controlled: false,
         config_server: None,
+        config_store: None,
         program: Vec::new(),
     };
     let mut max_np = None;
@@ -198,6 +207,11 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<(LaunchOptions, Option<R
             SECRET_STDIN => o.secret = Some(read_secret(&mut std::io::stdin().lock())?),
             CONTROL_STDIN => o.controlled = true,
             "--config-server" => o.config_server = Some(value(&mut i, a)?),
+            "--config-store" => {
+                let url = value(&mut i, a)?;
+                kungfu_tools::config_store::check_url(&url)?;
+                o.config_store = Some(url);
+            }
             "--rdzv" => rdzv = Some(value(&mut i, a)?),
             "--slots" => {
                 slots = Some(
@@ -297,8 +311,8 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<(LaunchOptions, Option<R
     let rdzv = match rdzv {
         None => None,
         Some(endpoint) => {
-            if hosts.is_some() || o.self_host.is_some() || o.watch {
-                bail!("--rdzv finds the hosts itself: not with -H, --self or -w");
+            if hosts.is_some() || o.self_host.is_some() {
+                bail!("--rdzv finds the hosts itself: not with -H or --self");
             }
             if !std::env::var(kungfu::env::SECRET_VAR).is_ok_and(|s| !s.is_empty()) {
                 bail!(
@@ -316,6 +330,22 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<(LaunchOptions, Option<R
             })
         }
     };
+    let elastic = o.watch || o.on_failure != OnFailure::Stop;
+    if o.config_store.is_some() && !elastic {
+        bail!(
+            "--config-store holds an elastic job's config: give -w or --on-failure shrink|replace"
+        );
+    }
+    if elastic
+        && (o.self_host.is_some() || rdzv.is_some())
+        && !o.controlled
+        && o.config_store.is_none()
+    {
+        bail!(
+            "-w or --on-failure in per-node mode (--self, --rdzv) needs --config-store \
+             etcd://HOST:PORT: no launcher serves the config there"
+        );
+    }
     if rdzv.is_none() && slots.is_some() {
         bail!("--slots goes with --rdzv (with -H, give host:slots)");
     }

@@ -14,34 +14,51 @@ fn a_watched_job_grows_onto_a_third_host_and_shrinks_to_one() {
     let Some(mut c) = cluster(3, "elastic_hosts") else {
         return;
     };
+    watched_job(&mut c, &[]);
+}
+
+/// The same with the config in etcd (`--config-store`), which runs on
+/// host 1: the launchers of hosts 2 and 3 watch it there.
+#[test]
+fn a_watched_job_in_etcd_grows_onto_a_third_host_and_shrinks_to_one() {
+    if !etcd::etcd_present("elastic_hosts_etcd") {
+        return;
+    }
+    let Some(mut c) = cluster(3, "elastic_hosts_etcd") else {
+        return;
+    };
+    let server = c.start_etcd(1);
+    let store = format!("etcd://{}/kf", server.addr);
+    watched_job(&mut c, &["--config-store", &store]);
+    // the job's keys went with it
+    assert_eq!(c.etcd_keys(1, &server.addr, "/kf/"), 0);
+    drop(server);
+}
+
+fn watched_job(c: &mut Cluster, extra: &[&str]) {
     c.start_sshd(&[2, 3]);
     let ssh = c.ssh();
-    let out = run_bounded(
-        c.on(
-            1,
-            RUN,
-            &[
-                "--timeout",
-                "120s",
-                "-w",
-                "-np",
-                "4",
-                "-H",
-                "198.18.0.1:2,198.18.0.2:2,198.18.0.3:2",
-                "--ssh",
-                &ssh,
-                BENCH,
-                "resize",
-                "--sizes",
-                "6,2",
-                "-n",
-                "4",
-                "-b",
-                "64K",
-            ],
-        ),
-        Duration::from_secs(150),
-    );
+    let mut args = extra.to_vec();
+    args.extend([
+        "--timeout",
+        "120s",
+        "-w",
+        "-np",
+        "4",
+        "-H",
+        "198.18.0.1:2,198.18.0.2:2,198.18.0.3:2",
+        "--ssh",
+        &ssh,
+        BENCH,
+        "resize",
+        "--sizes",
+        "6,2",
+        "-n",
+        "4",
+        "-b",
+        "64K",
+    ]);
+    let out = run_bounded(c.on(1, RUN, &args), Duration::from_secs(150));
     let t = text(&out);
     if std::env::var_os("KUNGFU_TEST_SHOW").is_some() {
         eprintln!("{t}");

@@ -269,3 +269,77 @@ fn the_rendezvous_finds_the_hosts() {
     assert!(!out.status.success());
     assert!(text(&out).contains("2 of 4 slots joined"), "{}", text(&out));
 }
+
+/// Per-node mode, elastic, with the config in etcd (a pod per node on
+/// Kubernetes): a launcher started apart on each host, an etcd on host 1.
+/// Host 1's two workers grow to four, shrink to two and grow again: host
+/// 2's launcher, which had none at first, waits, starts two, lets them go
+/// and starts two new ones; both launchers end when the job does, and its
+/// keys are gone.
+#[test]
+fn per_node_launchers_follow_an_elastic_job_in_etcd() {
+    let args = ["-np", "2", "-H", HOSTS, "--cluster-id", "5eed"];
+    per_node_in_etcd("per_node_etcd", &args, true, "4,2,4");
+}
+
+/// The same with the hosts found by a rendezvous (`--rdzv`, torchrun's
+/// elastic form): 2 + 2 workers shrink to host 1's and grow back.
+#[test]
+fn rendezvous_launchers_follow_an_elastic_job_in_etcd() {
+    let args = ["-np", "4", "--rdzv", "198.18.0.1:29400", "--slots", "2"];
+    per_node_in_etcd("rdzv_etcd", &args, false, "2,4");
+}
+
+/// Runs `kungfu-bench resize --sizes sizes` on two hosts with per-node
+/// launchers (`args`, and `--self HOST` each if `own_self`), in an etcd on
+/// host 1, and checks every change on both hosts.
+fn per_node_in_etcd(test: &str, args: &[&str], own_self: bool, sizes: &str) {
+    if !etcd::etcd_present(test) {
+        return;
+    }
+    let Some(c) = cluster(2, test) else {
+        return;
+    };
+    let server = c.start_etcd(1);
+    let store = format!("etcd://{}", server.addr);
+    let bench = env!("CARGO_BIN_EXE_kungfu-bench");
+    let launch = |host: usize| {
+        let me = Cluster::addr(host);
+        let mut all = vec!["--timeout", "90s", "-w", "--config-store", &store];
+        all.extend_from_slice(args);
+        if own_self {
+            all.extend(["--self", &me]);
+        }
+        all.extend([bench, "resize", "--sizes", sizes, "-n", "4", "-b", "64K"]);
+        let mut cmd = c.on(host, RUN, &all);
+        cmd.env("KUNGFU_JOB_SECRET", SECRET);
+        cmd
+    };
+    let outs = at_once(vec![(1, launch(1)), (2, launch(2))]);
+    let t: Vec<String> = outs.iter().map(|(_, o)| text(o)).collect();
+    for (host, out) in &outs {
+        assert!(out.status.success(), "host {host}: {}", t[host - 1]);
+    }
+    let sizes: Vec<usize> = sizes.split(',').map(|n| n.parse().unwrap()).collect();
+    let start = if own_self { 2 } else { 4 };
+    let mut from = start;
+    for (i, &to) in sizes.iter().enumerate() {
+        let v = i + 1;
+        let line = format!("[0@198.18.0.1] # resize {from} -> {to} (version {v}): latency ");
+        assert!(t[0].contains(&line), "no {line:?} in\n{}", t[0]);
+        let line = format!("kungfu-run on 198.18.0.2: cluster version {v}: {to} workers");
+        assert!(t[1].contains(&line), "no {line:?} on host 2:\n{}", t[1]);
+        from = to;
+    }
+    // host 2's new workers joined: four checked the model at the end
+    let summary = format!(
+        "sizes {sizes:?}, model 65536 bytes, final size 4, version {}, model checked on every worker",
+        sizes.len()
+    );
+    assert!(t[0].contains(&summary), "{}", t[0]);
+    for rank in [2, 3] {
+        let line = format!("[{rank}@198.18.0.2] # detached at step");
+        assert!(t[1].contains(&line), "no {line:?} on host 2:\n{}", t[1]);
+    }
+    assert_eq!(c.etcd_keys(1, &server.addr, "/kungfu/"), 0);
+}

@@ -20,9 +20,12 @@ use std::time::{Duration, Instant};
 #[path = "../common/bounded.rs"]
 mod bounded;
 use bounded::run_bounded;
+#[path = "../common/etcd.rs"]
+mod etcd;
 
 mod elastic;
 mod launch;
+mod recover;
 
 const RUN: &str = env!("CARGO_BIN_EXE_kungfu-run");
 const SELFTEST: &str = env!("CARGO_BIN_EXE_kungfu-selftest");
@@ -181,6 +184,47 @@ impl Cluster {
                 std::thread::sleep(Duration::from_millis(200));
             }
         }
+    }
+
+    /// Starts an etcd on host `host`, at its address, port 2379.
+    fn start_etcd(&self, host: usize) -> etcd::EtcdServer {
+        let dir = self.dir.join(format!("etcd{host}"));
+        etcd::EtcdServer::start(
+            self.on(host, "etcd", &[]),
+            &Cluster::addr(host),
+            2379,
+            2380,
+            dir,
+        )
+    }
+
+    /// How many keys start with `prefix` in the etcd at `addr`, asked
+    /// from host `host` (an etcd inside the cluster is not reachable from
+    /// outside it) through its JSON gateway.
+    fn etcd_keys(&self, host: usize, addr: &str, prefix: &str) -> usize {
+        let (key, end) = (
+            kungfu::etcd::b64(prefix),
+            kungfu::etcd::b64(kungfu::etcd::prefix_end(prefix)),
+        );
+        let body = format!(r#"{{"key":"{key}","range_end":"{end}","count_only":true}}"#);
+        let (h, p) = addr.rsplit_once(':').unwrap();
+        let script = format!(
+            "exec 3<>/dev/tcp/{h}/{p}; printf 'POST /v3/kv/range HTTP/1.0\r\nContent-Length: {}\r\n\r\n%s' '{body}' >&3; cat <&3",
+            body.len()
+        );
+        let out = run_bounded(
+            self.on(host, "bash", &["-c", &script]),
+            Duration::from_secs(20),
+        );
+        let reply = String::from_utf8_lossy(&out.stdout);
+        let json = reply.split("\r\n\r\n").nth(1).unwrap_or_default();
+        let v: serde_json::Value =
+            serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}: {reply}"));
+        assert!(v.get("header").is_some(), "{reply}");
+        // etcd's JSON leaves out a count of 0, and gives int64 as strings
+        v.get("count")
+            .and_then(|c| c.as_str())
+            .map_or(0, |c| c.parse().unwrap())
     }
 
     /// The pids of processes named `comm` on host `host`.

@@ -37,22 +37,7 @@ fn elastic_job(transport: &str) {
     );
     let t = text(&out);
     assert!(out.status.success(), "{t}");
-    for (from, to, v) in [(2, 4, 1), (4, 3, 2), (3, 1, 3), (1, 3, 4)] {
-        let line = format!("[0] # resize {from} -> {to} (version {v}): latency ");
-        assert!(t.contains(&line), "no {line:?} in\n{t}");
-        let launched = format!("kungfu-run: cluster version {v}: {to} workers");
-        assert!(t.contains(&launched), "{t}");
-    }
-    // 4 -> 3 detaches one worker, 3 -> 1 two more
-    assert_eq!(t.matches("# detached at step").count(), 3, "{t}");
-    assert!(
-        t.contains("steps, sizes [4, 3, 1, 3], model 65536 bytes, final size 3, version 4, model checked on every worker"),
-        "{t}"
-    );
-    assert!(
-        t.contains("# resize latency (process start excluded): mean"),
-        "{t}"
-    );
+    assert_resized_2_4_3_1_3(&t);
 }
 
 /// Watch mode stops the workers a new version leaves out if they do not

@@ -15,6 +15,9 @@ use kungfu_topology::Strategy;
 #[path = "../common/bounded.rs"]
 mod bounded;
 use bounded::run_bounded;
+#[path = "../common/resize.rs"]
+mod resize;
+use resize::assert_resized_2_4_3_1_3;
 
 mod auth;
 mod bench;

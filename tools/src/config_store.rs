@@ -1,0 +1,247 @@
+//! `kungfu-run --config-store etcd://HOST:PORT[/PREFIX]`: a watched job's
+//! cluster config and its workers' membership in etcd rather than in the
+//! launcher's built-in server (see `kungfu::store` for the keys).
+//!
+//! The launcher that starts the job makes its keys under
+//! `PREFIX/<cluster id>` (`/kungfu` when the URL has no path): version 0
+//! and the rules of `size N` (the hosts of `-H` and their slots, `--max-np`,
+//! `--port-base`). Every launcher of the job, and every worker, reads and
+//! changes the config there; the launchers watch it.
+
+use anyhow::Context;
+use kungfu::elastic::ClusterConfig;
+use kungfu::store::{ConfigStore, Created, EtcdStore, Placement};
+use kungfu_topology::PeerList;
+use tokio::time::{Duration, Instant};
+
+use crate::options::LaunchOptions;
+
+/// The prefix of a job's keys when the URL gives none.
+pub const DEFAULT_PREFIX: &str = "/kungfu";
+
+/// How long making the job's keys may take.
+const CREATE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Refuses what is not `etcd://HOST:PORT[/PREFIX]`.
+pub fn check_url(url: &str) -> anyhow::Result<()> {
+    job_url(url, 0).map(|_| ())
+}
+
+/// The store URL of job `cluster_id` under `base`.
+pub fn job_url(base: &str, cluster_id: u64) -> anyhow::Result<String> {
+    let rest = base
+        .strip_prefix("etcd://")
+        .with_context(|| format!("--config-store {base:?}: expected etcd://HOST:PORT[/PREFIX]"))?;
+    let (addr, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    let port_ok = addr
+        .rsplit_once(':')
+        .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
+    anyhow::ensure!(
+        port_ok,
+        "--config-store {base:?}: expected etcd://HOST:PORT[/PREFIX]"
+    );
+    let path = match path.trim_end_matches('/') {
+        "" => DEFAULT_PREFIX,
+        p => p,
+    };
+    Ok(format!("etcd://{addr}{path}/{cluster_id:x}"))
+}
+
+/// Makes job `cluster_id`'s keys in the etcd `opts.config_store` names,
+/// with `peers` as version 0; `across` when the job spans hosts (their
+/// slots then bound where new workers go, as with the built-in server).
+/// In per-node mode (`opts.self_host`) the launcher of another host may
+/// have made them: the same first version is then the same job.
+pub async fn create(
+    opts: &LaunchOptions,
+    peers: &PeerList,
+    cluster_id: u64,
+    across: bool,
+) -> anyhow::Result<ConfigStore> {
+    let per_node = opts.self_host.is_some();
+    let base = opts.config_store.as_deref().context("no --config-store")?;
+    let url = job_url(base, cluster_id)?;
+    let store = ConfigStore::open(&url).map_err(anyhow::Error::msg)?;
+    let ConfigStore::Etcd(etcd) = &store else {
+        anyhow::bail!("--config-store {base:?} is not etcd");
+    };
+    let total: usize = opts.hosts.iter().map(|h| h.slots).sum();
+    let rules = Placement {
+        max_size: if across {
+            opts.max_np.min(total)
+        } else {
+            opts.max_np
+        },
+        hosts: opts
+            .hosts
+            .iter()
+            .map(|h| (h.host.clone(), h.slots))
+            .collect(),
+        bounded: across,
+        port_base: opts.port_base,
+    };
+    let initial = ClusterConfig {
+        version: 0,
+        peers: peers.clone(),
+    };
+    let created = etcd
+        .create(&initial, &rules, Instant::now() + CREATE_TIMEOUT)
+        .await
+        .map_err(anyhow::Error::msg)
+        .with_context(|| format!("making the keys of cluster id {cluster_id:x} in etcd ({url})"))?;
+    // a fresh cluster id is the job's own; one given twice names a job
+    // that ran (or runs) already
+    anyhow::ensure!(
+        created == Created::New || per_node,
+        "{url}: the job's keys exist already (cluster id {cluster_id:x} was used): give \
+         another --cluster-id, or remove them (etcdctl del --prefix ...)"
+    );
+    Ok(store)
+}
+
+/// How often a per-node launcher says what it runs, and looks whether the
+/// job is over.
+pub const PER_NODE_EVERY: Duration = Duration::from_millis(500);
+
+/// A launcher of per-node mode in etcd (`--self`, `--rdzv`): no launcher
+/// sees the others' workers, so each says in `P/launchers/HOST` how many
+/// of its own run at which version (`run N V`), and the job is over when
+/// every host of `-H` says none at the current version (none of them
+/// will start another). Each then says `done`, and the one that finds
+/// every host done removes the job's keys. A host whose launcher never
+/// starts keeps the others until `--timeout`.
+pub struct PerNode {
+    etcd: EtcdStore,
+    me: String,
+    hosts: Vec<String>,
+    said: Option<(usize, u32)>,
+    done: bool,
+}
+
+impl PerNode {
+    pub fn new(etcd: EtcdStore, me: &str, opts: &LaunchOptions) -> PerNode {
+        PerNode {
+            etcd,
+            me: me.to_string(),
+            hosts: opts.hosts.iter().map(|h| h.host.clone()).collect(),
+            said: None,
+            done: false,
+        }
+    }
+
+    /// Says that `live` of this host's workers run, at `version` (the
+    /// latest this launcher handled); whether the job is over.
+    pub async fn over(&mut self, live: usize, version: u32) -> anyhow::Result<bool> {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        if self.said != Some((live, version)) {
+            let state = format!("run {live} {version}");
+            self.etcd
+                .set_launcher(&self.me, &state, deadline)
+                .await
+                .map_err(anyhow::Error::msg)?;
+            self.said = Some((live, version));
+        }
+        if live > 0 {
+            return Ok(false);
+        }
+        let (states, current) = self
+            .etcd
+            .launchers(deadline)
+            .await
+            .map_err(anyhow::Error::msg)?;
+        let idle = |host: &String| {
+            states.iter().any(|(h, st)| {
+                h == host
+                    && (st == "done"
+                        || st
+                            .strip_prefix("run 0 ")
+                            .and_then(|v| v.parse::<u32>().ok())
+                            .is_some_and(|v| v >= current))
+            })
+        };
+        if !self.hosts.iter().all(idle) {
+            return Ok(false);
+        }
+        self.finish().await;
+        Ok(true)
+    }
+
+    /// Says `done` (once the job is over, or this launcher stops it), and
+    /// removes the job's keys if every host is done.
+    pub async fn finish(&mut self) {
+        if std::mem::replace(&mut self.done, true) {
+            return;
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        if self
+            .etcd
+            .set_launcher(&self.me, "done", deadline)
+            .await
+            .is_err()
+        {
+            return;
+        }
+        if let Ok((states, _)) = self.etcd.launchers(deadline).await {
+            let done = |host: &String| states.iter().any(|(h, st)| h == host && st == "done");
+            if self.hosts.iter().all(done) {
+                let _ = self.etcd.remove(deadline).await;
+            }
+        }
+    }
+}
+
+/// Removes a job's keys from etcd when dropped: once the job is over, or
+/// when the launcher fails after making them.
+pub struct RemoveOnDrop(pub Option<EtcdStore>);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let Some(etcd) = self.0.take() else { return };
+        // a drop cannot await: a thread of its own, with a runtime of its own
+        let removed = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())?;
+            rt.block_on(etcd.remove(Instant::now() + Duration::from_secs(10)))
+        })
+        .join();
+        let why = match removed {
+            Ok(Ok(())) => return,
+            Ok(Err(e)) => e,
+            Err(_) => "the removal panicked".into(),
+        };
+        // stderr may be closed; a drop must not panic
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "kungfu-run: could not remove the job's keys from etcd: {why}"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls() {
+        assert_eq!(
+            job_url("etcd://127.0.0.1:2379", 0xab).unwrap(),
+            "etcd://127.0.0.1:2379/kungfu/ab"
+        );
+        assert_eq!(
+            job_url("etcd://e:2379/team/a/", 1).unwrap(),
+            "etcd://e:2379/team/a/1"
+        );
+        for bad in [
+            "http://e:1",
+            "etcd://e",
+            "etcd://:1/x",
+            "etcd://e:0",
+            "etcd://e:x/p",
+        ] {
+            assert!(check_url(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,428 @@
+//! The cluster config and the membership of an elastic job in a real etcd
+//! (`kungfu-run --config-store etcd://...`, `kungfu::store`), on loopback:
+//! linearisable versions, watches, leases that expire, and the elastic
+//! test of `tools/tests/launcher/elastic.rs` run against it.
+
+use std::collections::BTreeSet;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kungfu::elastic::ClusterConfig;
+use kungfu::store::{ConfigStore, Created, Placement, PutError, MEMBER_TTL_S};
+use tokio::time::Instant;
+
+#[path = "common/bounded.rs"]
+mod bounded;
+#[path = "common/etcd.rs"]
+mod etcd;
+#[path = "common/resize.rs"]
+mod resize;
+use bounded::run_bounded;
+use etcd::{etcd_present, EtcdServer};
+use resize::assert_resized_2_4_3_1_3;
+
+const RUN: &str = env!("CARGO_BIN_EXE_kungfu-run");
+const BENCH: &str = env!("CARGO_BIN_EXE_kungfu-bench");
+const SELFTEST: &str = env!("CARGO_BIN_EXE_kungfu-selftest");
+
+fn text(out: &std::process::Output) -> String {
+    format!(
+        "--- stdout\n{}--- stderr\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// Two ports that were free on the loopback a moment ago.
+fn free_ports() -> (u16, u16) {
+    let a = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let b = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    (
+        a.local_addr().unwrap().port(),
+        b.local_addr().unwrap().port(),
+    )
+}
+
+/// An etcd on the loopback, with its data in a scratch directory.
+fn etcd_here(test: &str) -> Option<EtcdServer> {
+    if !etcd_present(test) {
+        return None;
+    }
+    let (client, peer) = free_ports();
+    let dir = std::env::temp_dir().join(format!("kungfu-etcd-{}-{test}", std::process::id()));
+    Some(EtcdServer::start(
+        Command::new("etcd"),
+        "127.0.0.1",
+        client,
+        peer,
+        dir,
+    ))
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn soon() -> Instant {
+    Instant::now() + Duration::from_secs(10)
+}
+
+fn config(version: u32, peers: &str) -> ClusterConfig {
+    ClusterConfig {
+        version,
+        peers: peers.parse().unwrap(),
+    }
+}
+
+fn etcd_store(s: &ConfigStore) -> &kungfu::store::EtcdStore {
+    match s {
+        ConfigStore::Etcd(e) => e,
+        ConfigStore::Http(_) => panic!("not etcd"),
+    }
+}
+
+#[test]
+fn versions_are_linearisable_watched_and_bounded_by_the_rules() {
+    let Some(mut server) = etcd_here("versions") else {
+        return;
+    };
+    let url = format!("etcd://{}/t/1", server.addr);
+    rt().block_on(async {
+        let store = ConfigStore::open(&url).unwrap();
+        let e = etcd_store(&store);
+        let rules = Placement {
+            max_size: 4,
+            hosts: vec![("10.0.0.1".into(), 2), ("10.0.0.2".into(), 2)],
+            bounded: true,
+            port_base: 100,
+        };
+        let v0 = config(0, "10.0.0.1:100,10.0.0.1:101");
+        assert_eq!(e.create(&v0, &rules, soon()).await, Ok(Created::New));
+        // another launcher of the same job; then another job's
+        assert_eq!(e.create(&v0, &rules, soon()).await, Ok(Created::Existing));
+        let other = config(0, "10.0.0.2:100");
+        let err = e.create(&other, &rules, soon()).await.unwrap_err();
+        assert!(err.contains("another job"), "{err}");
+        assert_eq!(store.get(soon()).await.unwrap(), v0);
+
+        let mut watch = store.follow(0, Duration::from_millis(100), Duration::from_secs(3));
+        // size N places new workers as the rules say
+        let v1 = store.put("size 4", None, soon()).await.unwrap();
+        assert_eq!(
+            v1,
+            config(1, "10.0.0.1:100,10.0.0.1:101,10.0.0.2:100,10.0.0.2:101")
+        );
+        match store.put("size 5", None, soon()).await {
+            Err(PutError::Failed(e)) => assert!(e.contains("1..=4"), "{e}"),
+            other => panic!("{other:?}"),
+        }
+        let off = "version 2\npeers 10.0.0.9:1";
+        match store.put(off, None, soon()).await {
+            Err(PutError::Failed(e)) => assert!(e.contains("not on a host"), "{e}"),
+            other => panic!("{other:?}"),
+        }
+        // a stale whole config is a conflict, the next one is taken
+        match store
+            .put("version 1\npeers 10.0.0.1:100", None, soon())
+            .await
+        {
+            Err(PutError::Conflict(_)) => {}
+            other => panic!("{other:?}"),
+        }
+        let v2 = store
+            .put("version 2\npeers 10.0.0.1:100", None, soon())
+            .await
+            .unwrap();
+        assert_eq!(v2, config(2, "10.0.0.1:100"));
+        // a port once given is not given again
+        let v3 = store.put("size 2", None, soon()).await.unwrap();
+        assert_eq!(v3, config(3, "10.0.0.1:100,10.0.0.1:102"));
+
+        // eight proposers of version 4 at once: exactly one wins
+        let tasks: Vec<_> = (0..8)
+            .map(|i| {
+                let s = store.clone();
+                tokio::spawn(async move {
+                    let body = format!("version 4\npeers 10.0.0.2:{}", 200 + i);
+                    s.put(&body, None, soon()).await
+                })
+            })
+            .collect();
+        let mut won = Vec::new();
+        for t in tasks {
+            match t.await.unwrap() {
+                Ok(c) => won.push(c),
+                Err(PutError::Conflict(_)) => {}
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert_eq!(won.len(), 1, "{won:?}");
+        assert_eq!(store.get(soon()).await.unwrap(), won[0]);
+        assert_eq!(
+            store.get_version(2, soon()).await.unwrap(),
+            Some(v2.clone())
+        );
+        assert_eq!(store.get_version(9, soon()).await.unwrap(), None);
+
+        // the watch saw every version, in order
+        let mut seen = Vec::new();
+        while seen.len() < 4 {
+            let c = tokio::time::timeout(Duration::from_secs(10), watch.recv())
+                .await
+                .expect("a version within 10 s")
+                .expect("the watch goes on")
+                .expect("no error");
+            seen.push(c);
+        }
+        assert_eq!(seen, [v1, v2, v3, won[0].clone()]);
+
+        // etcd gone: the watch says so once its give-up time is over
+        server.kill();
+        let t = Instant::now();
+        let end = tokio::time::timeout(Duration::from_secs(30), watch.recv())
+            .await
+            .expect("the watch ends within 30 s");
+        match end {
+            Some(Err(e)) => assert!(e.contains("unreachable"), "{e}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(t.elapsed() >= Duration::from_secs(3), "{:?}", t.elapsed());
+    });
+}
+
+#[test]
+fn a_members_key_lives_with_its_lease() {
+    let Some(server) = etcd_here("members") else {
+        return;
+    };
+    let url = format!("etcd://{}/t/2", server.addr);
+    rt().block_on(async {
+        let store = ConfigStore::open(&url).unwrap();
+        let e = etcd_store(&store);
+        let a = e.register("10.0.0.1:100", "rank 0", soon()).await.unwrap();
+        let b = e.register("10.0.0.1:101", "rank 1", soon()).await.unwrap();
+        assert_eq!(
+            e.members(soon()).await.unwrap(),
+            ["10.0.0.1:100", "10.0.0.1:101"]
+        );
+        // renewed: still there after two lease times
+        tokio::time::sleep(Duration::from_secs(2 * MEMBER_TTL_S as u64)).await;
+        assert_eq!(e.members(soon()).await.unwrap().len(), 2);
+        // leaving removes the key at once
+        b.leave(soon()).await;
+        assert_eq!(e.members(soon()).await.unwrap(), ["10.0.0.1:100"]);
+        // one no longer renewed (its worker died) expires within the TTL
+        drop(a);
+        let t = Instant::now();
+        while !e.members(soon()).await.unwrap().is_empty() {
+            assert!(
+                t.elapsed() < Duration::from_secs(MEMBER_TTL_S as u64 + 5),
+                "the key outlived its lease"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+}
+
+/// A port `p` such that `p..p + n` are free on the loopback now (below
+/// the kernel's ephemeral range, where it does not pick).
+fn free_port_range(n: u16) -> u16 {
+    // apart for each test of this process, and for each process
+    static NEXT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
+    let k = NEXT.fetch_add(1, Ordering::Relaxed);
+    let start = (std::process::id() % 600) as u16 * 20 + k * 3001;
+    (0..100)
+        .map(|i| (start + i * 97) % 12000 + 20000)
+        .find(|&p| (p..p + n).all(|q| std::net::TcpListener::bind(("127.0.0.1", q)).is_ok()))
+        .expect("a free port range")
+}
+
+/// The elastic launcher test against etcd: 2 -> 4 -> 3 -> 1 -> 3 with the
+/// model checked on every worker; every worker holds a member key while
+/// it runs, and the job's keys are gone when it is over.
+#[test]
+fn an_elastic_job_in_etcd_resizes_and_keeps_the_model() {
+    let Some(server) = etcd_here("elastic") else {
+        return;
+    };
+    let base = free_port_range(8);
+    let job = format!("etcd://{}/ci/c0ffee", server.addr);
+    // the member keys seen while the job runs
+    let seen = Arc::new(Mutex::new(BTreeSet::new()));
+    let done = Arc::new(AtomicBool::new(false));
+    let watcher = {
+        let (seen, done, job) = (seen.clone(), done.clone(), job.clone());
+        std::thread::spawn(move || {
+            rt().block_on(async {
+                let store = ConfigStore::open(&job).unwrap();
+                while !done.load(Ordering::Relaxed) {
+                    if let Ok(m) = etcd_store(&store).members(soon()).await {
+                        seen.lock().unwrap().extend(m);
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            })
+        })
+    };
+    let mut cmd = Command::new(RUN);
+    cmd.args(["--timeout", "120s", "-w", "-np", "2"])
+        .args(["--config-store", &format!("etcd://{}/ci", server.addr)])
+        .args(["--cluster-id", "c0ffee", "--port-base", &base.to_string()])
+        .args([
+            BENCH, "resize", "--sizes", "4,3,1,3", "-n", "4", "-b", "64K",
+        ]);
+    let out = run_bounded(cmd, Duration::from_secs(150));
+    done.store(true, Ordering::Relaxed);
+    watcher.join().unwrap();
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert_resized_2_4_3_1_3(&t);
+    // the ports came from --port-base: 2 first, 2 more at 4, 2 more at 3
+    let seen = seen.lock().unwrap().clone();
+    let ports: BTreeSet<String> = (base..base + 6).map(|p| format!("127.0.0.1:{p}")).collect();
+    assert!(
+        !seen.is_empty() && seen.is_subset(&ports),
+        "{seen:?} not in {ports:?}\n{t}"
+    );
+    // nothing of the job is left in etcd
+    rt().block_on(async {
+        let store = ConfigStore::open(&job).unwrap();
+        let err = store.get(soon()).await.unwrap_err();
+        assert!(err.contains("no config"), "{err}");
+        assert!(etcd_store(&store).members(soon()).await.unwrap().is_empty());
+    });
+}
+
+/// A cluster id whose keys exist names another job: refused, with the way
+/// out.
+#[test]
+fn a_cluster_id_in_use_is_refused() {
+    let Some(server) = etcd_here("in_use") else {
+        return;
+    };
+    let store = format!("etcd://{}/ci", server.addr);
+    rt().block_on(async {
+        let s = ConfigStore::open(&format!("{store}/beef")).unwrap();
+        let rules = Placement {
+            max_size: 1,
+            hosts: vec![("127.0.0.1".into(), 1)],
+            bounded: false,
+            port_base: 1,
+        };
+        let c = config(0, "127.0.0.1:1");
+        assert_eq!(
+            etcd_store(&s).create(&c, &rules, soon()).await,
+            Ok(Created::New)
+        );
+    });
+    let mut cmd = Command::new(RUN);
+    cmd.args([
+        "--timeout",
+        "30s",
+        "-w",
+        "-np",
+        "1",
+        "--config-store",
+        &store,
+    ])
+    .args(["--cluster-id", "beef", "true"]);
+    let out = run_bounded(cmd, Duration::from_secs(60));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("keys of cluster id beef"), "{err}");
+    assert!(err.contains("holds another job's config"), "{err}");
+}
+
+/// `--on-failure replace` against etcd: a worker exits at step 20, the
+/// survivors recover (their proposals meet in one transaction), the
+/// launcher asks for the full size again and the new worker joins.
+#[test]
+fn replace_in_etcd_a_new_worker_joins_and_the_job_ends_at_full_size() {
+    let Some(server) = etcd_here("replace") else {
+        return;
+    };
+    let base = free_port_range(8);
+    let mut cmd = Command::new(RUN);
+    cmd.args(["--timeout", "100s", "--grace", "30s", "-np", "3"])
+        .args(["--on-failure", "replace", "--port-base", &base.to_string()])
+        .args(["--config-store", &format!("etcd://{}", server.addr)])
+        .args([
+            SELFTEST, "--steps", "60", "--size", "1024", "--exit", "1:20:3",
+        ])
+        .args(["--recover", "--follow-config"])
+        .env("KUNGFU_OP_TIMEOUT_MS", "600000");
+    let out = run_bounded(cmd, Duration::from_secs(120));
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    for line in [
+        "kungfu-run: rank 1 exited with status 3; the others go on without it",
+        "kungfu-run: cluster version 1: 2 workers",
+        "kungfu-run: cluster version 2: 3 workers",
+        "joined at step 20 as rank 2/3",
+    ] {
+        assert!(t.contains(line), "no {line:?} in\n{t}");
+    }
+    assert_eq!(t.matches("] done").count(), 3, "{t}");
+}
+
+/// What `--config-store` goes with, and what elastic per-node mode needs,
+/// is said at once (no etcd needed).
+#[test]
+fn misuses_of_the_config_store_are_refused_by_name() {
+    let secret = "00112233445566778899aabbccddeeff";
+    for (args, want) in [
+        (
+            vec!["-np", "1", "--config-store", "etcd://127.0.0.1:1", "true"],
+            "give -w or --on-failure",
+        ),
+        (
+            vec![
+                "-w",
+                "-np",
+                "1",
+                "--config-store",
+                "http://127.0.0.1:1/x",
+                "true",
+            ],
+            "expected etcd://HOST:PORT[/PREFIX]",
+        ),
+        (
+            vec![
+                "-w",
+                "-np",
+                "1",
+                "--self",
+                "127.0.0.1",
+                "--cluster-id",
+                "1",
+                "true",
+            ],
+            "needs --config-store",
+        ),
+        (
+            vec![
+                "--on-failure",
+                "shrink",
+                "-np",
+                "2",
+                "--rdzv",
+                "127.0.0.1:1",
+                "true",
+            ],
+            "needs --config-store",
+        ),
+    ] {
+        let mut cmd = Command::new(RUN);
+        cmd.args(&args).env("KUNGFU_JOB_SECRET", secret);
+        let out = run_bounded(cmd, Duration::from_secs(20));
+        let t = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {t}");
+        assert!(t.contains(want), "{args:?}: {want:?} not in {t}");
+    }
+}
