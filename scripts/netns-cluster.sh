@@ -18,9 +18,10 @@
 # cluster has the same addresses, but on a bridge of its own.
 #
 # Needs root (CI and these machines run as root) and iproute2. Shared memory
-# works within a host as on any machine (the namespaces share the file
-# system and /dev/shm: `kungfu-run` keys its segments by job), and TCP goes
-# between hosts over the bridge, as across real machines.
+# works within a host as on any machine, and each host has a /dev/shm of its
+# own (a tmpfs under /run/kungfu-netns, mounted over /dev/shm for whatever
+# `exec` runs there), as real machines do; the rest of the file system is
+# shared. TCP goes between hosts over the bridge, as across real machines.
 set -euo pipefail
 
 usage() {
@@ -29,6 +30,9 @@ usage() {
 }
 
 ns_of() { echo "$1-h$2"; }
+
+# where each host's /dev/shm lives
+shm_root=/run/kungfu-netns
 
 up() {
   local n=$1 p=$2
@@ -57,6 +61,8 @@ up() {
     ip -n "$sw" link set "h$i" master br0 up
     ip -n "$h" addr add "198.18.0.$i/24" dev eth0
     ip -n "$h" link set eth0 up
+    mkdir -p "$shm_root/$h"
+    mount -t tmpfs -o mode=1777 "kungfu-$h" "$shm_root/$h"
   done
   # a veth pair carries traffic once both ends are up, and the bridge
   # (without STP) forwards from its ports' first frame: wait for the links
@@ -81,6 +87,10 @@ down() {
     # a process left in a namespace keeps its interfaces, not the name
     ip netns pids "$ns" 2>/dev/null | xargs -r kill -KILL 2>/dev/null || true
     ip netns del "$ns"
+  done
+  for ns in $(ls "$shm_root" 2>/dev/null | grep "^$p-h[0-9]*$" || true); do
+    umount -l "$shm_root/$ns" 2>/dev/null || true
+    rmdir "$shm_root/$ns" 2>/dev/null || true
   done
 }
 
@@ -121,7 +131,9 @@ case "$cmd" in
     (($# >= 2)) || usage
     i=$1
     shift
-    exec ip netns exec "$(ns_of "$prefix_default" "$i")" "$@"
+    h=$(ns_of "$prefix_default" "$i")
+    # the host's own /dev/shm, in the mount namespace ip netns exec makes
+    exec ip netns exec "$h" sh -c 'mount --bind "$0" /dev/shm && exec "$@"' "$shm_root/$h" "$@"
     ;;
   check) check ;;
   *) usage ;;

@@ -302,6 +302,8 @@ impl ServerState {
         let (next_version, change) =
             parse_change(body, cur.version, self.rules.max_size).map_err(refused)?;
         let next = match change {
+            // the size it has: no new version
+            Change::Size(n) if n == cur.peers.len() => return Ok(cur),
             Change::Size(n) => {
                 let mut peers: Vec<Peer> = cur.peers.peers().iter().take(n).cloned().collect();
                 while peers.len() < n {
@@ -682,6 +684,8 @@ mod tests {
             (c.version, c.peers.to_string()),
             (2, "127.0.0.1:1000".into())
         );
+        // the size it has already: no new version
+        assert_eq!(put("size 1").await.unwrap(), c);
 
         let whole = "version 3\npeers 127.0.0.1:7,127.0.0.1:8\n";
         assert_eq!(put(whole).await.unwrap().version, 3);

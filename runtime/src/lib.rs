@@ -100,9 +100,10 @@ pub struct Worker {
     carry: Option<Strategy>,
     /// The transport in use: the environment's, or the last one swapped to.
     current: Arc<std::sync::Mutex<TransportKind>>,
-    /// This worker's key in an etcd config store (`P/members/HOST:PORT`),
-    /// under a lease it renews: gone within [`store::MEMBER_TTL_S`] of
-    /// its death.
+    /// This worker's key in an etcd config store (`P/members/HOST:PORT`,
+    /// its rank and version at start), under a lease it renews: gone
+    /// within [`store::MEMBER_TTL_S`] of its death, and at once when it
+    /// closes or leaves the cluster.
     membership: Option<store::Membership>,
 }
 
@@ -238,7 +239,7 @@ impl Worker {
 
     /// Removes this worker's member key, if it has one (it exits, or left
     /// the cluster).
-    async fn leave_store(&mut self) {
+    pub(crate) async fn leave_store(&mut self) {
         if let Some(m) = self.membership.take() {
             m.leave(Instant::now() + self.env.connect_timeout).await;
         }

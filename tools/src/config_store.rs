@@ -10,7 +10,9 @@
 
 use anyhow::Context;
 use kungfu::elastic::ClusterConfig;
-use kungfu::store::{ConfigStore, Created, EtcdStore, Placement};
+use std::collections::HashSet;
+
+use kungfu::store::{ConfigStore, Created, EtcdStore, Membership, Placement};
 use kungfu_topology::PeerList;
 use tokio::time::{Duration, Instant};
 
@@ -51,13 +53,16 @@ pub fn job_url(base: &str, cluster_id: u64) -> anyhow::Result<String> {
 /// with `peers` as version 0; `across` when the job spans hosts (their
 /// slots then bound where new workers go, as with the built-in server).
 /// In per-node mode (`opts.self_host`) the launcher of another host may
-/// have made them: the same first version is then the same job.
+/// have made them: the same first version is then the same job, unless a
+/// launcher of it said `done` (an earlier run of the id). A job that
+/// changed since (this launcher comes late, or again) is joined at its
+/// current config, returned.
 pub async fn create(
     opts: &LaunchOptions,
     peers: &PeerList,
     cluster_id: u64,
     across: bool,
-) -> anyhow::Result<ConfigStore> {
+) -> anyhow::Result<(ConfigStore, Option<ClusterConfig>)> {
     let per_node = opts.self_host.is_some();
     let base = opts.config_store.as_deref().context("no --config-store")?;
     let url = job_url(base, cluster_id)?;
@@ -91,12 +96,29 @@ pub async fn create(
         .with_context(|| format!("making the keys of cluster id {cluster_id:x} in etcd ({url})"))?;
     // a fresh cluster id is the job's own; one given twice names a job
     // that ran (or runs) already
-    anyhow::ensure!(
-        created == Created::New || per_node,
-        "{url}: the job's keys exist already (cluster id {cluster_id:x} was used): give \
-         another --cluster-id, or remove them (etcdctl del --prefix ...)"
-    );
-    Ok(store)
+    let used = || {
+        format!(
+            "{url}: the job's keys exist already (cluster id {cluster_id:x} was used): give \
+             another --cluster-id, or remove them (etcdctl del --prefix ...)"
+        )
+    };
+    if created == Created::New {
+        return Ok((store, None));
+    }
+    anyhow::ensure!(per_node, "{}", used());
+    let deadline = Instant::now() + CREATE_TIMEOUT;
+    let (states, version) = etcd.launchers(deadline).await.map_err(anyhow::Error::msg)?;
+    if states.iter().any(|(_, st)| st == "done") {
+        anyhow::bail!(
+            "{}, by a job that is over (its launchers said done)",
+            used()
+        );
+    }
+    if version == 0 {
+        return Ok((store, None));
+    }
+    let current = store.get(deadline).await.map_err(anyhow::Error::msg)?;
+    Ok((store, Some(current)))
 }
 
 /// How often a per-node launcher says what it runs, and looks whether the
@@ -105,61 +127,85 @@ pub const PER_NODE_EVERY: Duration = Duration::from_millis(500);
 
 /// A launcher of per-node mode in etcd (`--self`, `--rdzv`): no launcher
 /// sees the others' workers, so each says in `P/launchers/HOST` how many
-/// of its own run at which version (`run N V`), and the job is over when
-/// every host of `-H` says none at the current version (none of them
-/// will start another). Each then says `done`, and the one that finds
-/// every host done removes the job's keys. A host whose launcher never
-/// starts keeps the others until `--timeout`.
+/// of its own run at which version (`run N V`, under a lease it renews),
+/// and the job is over when every host of `-H` says none at the current
+/// version (none of them will start another), or is gone (its key
+/// expired: its launcher died). Each then says `done` for good, and the
+/// one that finds every host done (or gone) removes the job's keys. A host
+/// whose launcher never starts keeps the others until `--timeout`.
 pub struct PerNode {
     etcd: EtcdStore,
-    me: String,
     hosts: Vec<String>,
-    said: Option<(usize, u32)>,
-    done: bool,
+    /// This launcher's state key, until it says `done`.
+    key: Option<Membership>,
+    said: (usize, u32),
+    /// The hosts whose launcher was seen.
+    seen: HashSet<String>,
 }
 
 impl PerNode {
-    pub fn new(etcd: EtcdStore, me: &str, opts: &LaunchOptions) -> PerNode {
-        PerNode {
+    pub async fn start(etcd: EtcdStore, me: &str, opts: &LaunchOptions) -> anyhow::Result<PerNode> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let key = etcd
+            .hold_launcher(me, "run 0 0", deadline)
+            .await
+            .map_err(anyhow::Error::msg)
+            .context("saying in etcd what this host runs")?;
+        Ok(PerNode {
             etcd,
-            me: me.to_string(),
             hosts: opts.hosts.iter().map(|h| h.host.clone()).collect(),
-            said: None,
-            done: false,
-        }
+            key: Some(key),
+            said: (0, 0),
+            seen: HashSet::new(),
+        })
+    }
+
+    /// The state of every host: whether each is idle (or gone), and done
+    /// (or gone).
+    async fn states(&mut self, deadline: Instant) -> anyhow::Result<Vec<(bool, bool)>> {
+        let (states, current) = self
+            .etcd
+            .launchers(deadline)
+            .await
+            .map_err(anyhow::Error::msg)?;
+        self.seen.extend(states.iter().map(|(h, _)| h.clone()));
+        Ok(self
+            .hosts
+            .iter()
+            .map(|host| match states.iter().find(|(h, _)| h == host) {
+                Some((_, st)) if st == "done" => (true, true),
+                Some((_, st)) => {
+                    let v = st
+                        .strip_prefix("run 0 ")
+                        .and_then(|v| v.parse::<u32>().ok());
+                    (v.is_some_and(|v| v >= current), false)
+                }
+                None => {
+                    let gone = self.seen.contains(host);
+                    (gone, gone)
+                }
+            })
+            .collect())
     }
 
     /// Says that `live` of this host's workers run, at `version` (the
     /// latest this launcher handled); whether the job is over.
     pub async fn over(&mut self, live: usize, version: u32) -> anyhow::Result<bool> {
         let deadline = Instant::now() + Duration::from_secs(2);
-        if self.said != Some((live, version)) {
+        let Some(key) = &self.key else {
+            return Ok(true);
+        };
+        if self.said != (live, version) {
             let state = format!("run {live} {version}");
-            self.etcd
-                .set_launcher(&self.me, &state, deadline)
+            key.update(&state, deadline)
                 .await
                 .map_err(anyhow::Error::msg)?;
-            self.said = Some((live, version));
+            self.said = (live, version);
         }
         if live > 0 {
             return Ok(false);
         }
-        let (states, current) = self
-            .etcd
-            .launchers(deadline)
-            .await
-            .map_err(anyhow::Error::msg)?;
-        let idle = |host: &String| {
-            states.iter().any(|(h, st)| {
-                h == host
-                    && (st == "done"
-                        || st
-                            .strip_prefix("run 0 ")
-                            .and_then(|v| v.parse::<u32>().ok())
-                            .is_some_and(|v| v >= current))
-            })
-        };
-        if !self.hosts.iter().all(idle) {
+        if !self.states(deadline).await?.iter().all(|&(idle, _)| idle) {
             return Ok(false);
         }
         self.finish().await;
@@ -169,21 +215,13 @@ impl PerNode {
     /// Says `done` (once the job is over, or this launcher stops it), and
     /// removes the job's keys if every host is done.
     pub async fn finish(&mut self) {
-        if std::mem::replace(&mut self.done, true) {
-            return;
-        }
+        let Some(key) = self.key.take() else { return };
         let deadline = Instant::now() + Duration::from_secs(5);
-        if self
-            .etcd
-            .set_launcher(&self.me, "done", deadline)
-            .await
-            .is_err()
-        {
+        if key.settle("done", deadline).await.is_err() {
             return;
         }
-        if let Ok((states, _)) = self.etcd.launchers(deadline).await {
-            let done = |host: &String| states.iter().any(|(h, st)| h == host && st == "done");
-            if self.hosts.iter().all(done) {
+        if let Ok(states) = self.states(deadline).await {
+            if states.iter().all(|&(_, done)| done) {
                 let _ = self.etcd.remove(deadline).await;
             }
         }

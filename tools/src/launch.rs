@@ -276,10 +276,16 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
     } else {
         (None, Pending::default())
     };
+    // a per-node launcher that finds the job changed already starts the
+    // workers of its current version, not of the first
+    let mut late: Option<ClusterConfig> = None;
     let store = match (&server, &opts.config_server) {
         (Some(s), _) => Some(ConfigStore::Http(s.url())),
         (None, _) if serves || (follows && per_node && in_etcd) => {
-            Some(crate::config_store::create(&opts, &peers, cluster_id, !all_local).await?)
+            let (store, current) =
+                crate::config_store::create(&opts, &peers, cluster_id, !all_local).await?;
+            late = current;
+            Some(store)
         }
         (None, Some(u)) if follows => Some(ConfigStore::open(u).map_err(anyhow::Error::msg)?),
         (None, _) if follows => {
@@ -295,7 +301,7 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
     });
     let mut node = match (&store, &opts.self_host) {
         (Some(ConfigStore::Etcd(e)), Some(me)) if per_node => {
-            Some(crate::config_store::PerNode::new(e.clone(), me, &opts))
+            Some(crate::config_store::PerNode::start(e.clone(), me, &opts).await?)
         }
         _ => None,
     };
@@ -304,7 +310,11 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
     // every version of the config after the first, in order
     let mut versions = match (&server, &store) {
         (Some(s), _) => Some(s.versions(0)),
-        (None, Some(st)) => Some(st.follow(0, FOLLOW_EVERY, FOLLOW_GIVE_UP)),
+        (None, Some(st)) => {
+            // from the current version on, for a launcher that comes late
+            let after = late.as_ref().map_or(0, |c| c.version - 1);
+            Some(st.follow(after, FOLLOW_EVERY, FOLLOW_GIVE_UP))
+        }
         _ => None,
     };
     // the latest version handled
@@ -334,7 +344,7 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
         }
     };
     let allowed = allowed_cpus();
-    for s in slots.iter().filter(|s| mine(&s.host)) {
+    for s in slots.iter().filter(|s| mine(&s.host) && late.is_none()) {
         let w = WorkerSpec {
             rank: s.rank,
             size: opts.np,
@@ -439,13 +449,19 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                     } else if code != 0 {
                         say!("kungfu-run: {} {what} after the job was over", job.procs[idx].label);
                     }
-                } else if code != 0 && opts.on_failure != OnFailure::Stop && exit_code.is_none() && job.is_remote(idx) {
-                    // that host's launcher gave up (its own output says
-                    // why); its workers are gone, and the others recover
-                    // as from any lost worker
+                } else if code != 0 && opts.on_failure != OnFailure::Stop && exit_code.is_none()
+                    && job.is_remote(idx) && job.procs[idx].remote_live.is_some()
+                {
+                    // that host's launcher, which ran, gave up (its own
+                    // output says why); its workers are gone, and the
+                    // others recover as from any lost worker. Not
+                    // replaced: its slots have no launcher any more. (One
+                    // that never ran, its ssh refused, fails the job.)
                     say!("kungfu-run: {} {what}; the others go on without that host", job.procs[idx].label);
                     survived.failed.get_or_insert(code);
-                } else if code != 0 && opts.on_failure != OnFailure::Stop && exit_code.is_none() {
+                } else if code != 0 && opts.on_failure != OnFailure::Stop && exit_code.is_none()
+                    && !job.is_remote(idx)
+                {
                     say!(
                         "kungfu-run: {} {what}; the others go on without it (--on-failure {})",
                         job.procs[idx].label,

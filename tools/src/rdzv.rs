@@ -149,7 +149,7 @@ pub async fn serve(
                 let host = host_name(from.ip());
                 match got {
                     Ok(_) if joined.iter().any(|j| j.host.host == host) => {
-                        let _ = s.get_mut().write_all(b"ERR this host joined already\n").await;
+                        tell(&mut s, "this host joined already").await;
                     }
                     Ok((slots, nonce)) => joined.push(Joiner {
                         host: HostSlots { host, slots },
@@ -157,24 +157,33 @@ pub async fn serve(
                         nonce,
                     }),
                     Err(e) => {
-                        let _ = s.get_mut().write_all(format!("ERR {e:#}\n").as_bytes()).await;
+                        tell(&mut s, &format!("{e:#}")).await;
                         eprintln!("kungfu-run: rendezvous: refused {from}: {e:#}");
                     }
                 }
             }
             _ = tokio::time::sleep_until(deadline) => {
                 let why = format!(
-                    "ERR {} of {np} slots joined the rendezvous before its deadline\n",
+                    "{} of {np} slots joined the rendezvous before its deadline",
                     slots(&joined)
                 );
                 for j in &mut joined {
-                    let _ = j.s.get_mut().write_all(why.as_bytes()).await;
+                    tell(&mut j.s, &why).await;
                 }
-                bail!("{}", why.trim_start_matches("ERR ").trim_end());
+                bail!("{why}");
             }
         }
     }
-    // the joins still being read are refused by their drop
+    // joins read already come too late; those still being read are cut
+    while let Some(done) = pending.try_join_next() {
+        if let Ok((mut s, _, Ok(_))) = done {
+            tell(
+                &mut s,
+                &format!("the rendezvous is full ({np} slots joined)"),
+            )
+            .await;
+        }
+    }
     pending.abort_all();
     let list: Vec<String> = joined
         .iter()
@@ -198,6 +207,17 @@ pub async fn serve(
         .await;
     }
     Ok(())
+}
+
+/// Tells a joiner why it gets no host list (within a bound: it may not
+/// read).
+async fn tell(s: &mut BufReader<TcpStream>, why: &str) {
+    let line = format!("ERR {why}\n");
+    let _ = tokio::time::timeout(
+        Duration::from_secs(1),
+        s.get_mut().write_all(line.as_bytes()),
+    )
+    .await;
 }
 
 /// The server's side of one join: the slots asked for, and the joiner's

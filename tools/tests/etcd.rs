@@ -144,6 +144,9 @@ fn versions_are_linearisable_watched_and_bounded_by_the_rules() {
         let v3 = store.put("size 2", None, soon()).await.unwrap();
         assert_eq!(v3, config(3, "10.0.0.1:100,10.0.0.1:102"));
 
+        // the size it has already: no new version
+        assert_eq!(store.put("size 2", None, soon()).await.unwrap(), v3);
+
         // eight proposers of version 4 at once: exactly one wins
         let tasks: Vec<_> = (0..8)
             .map(|i| {
@@ -192,7 +195,8 @@ fn versions_are_linearisable_watched_and_bounded_by_the_rules() {
             Some(Err(e)) => assert!(e.contains("unreachable"), "{e}"),
             other => panic!("{other:?}"),
         }
-        assert!(t.elapsed() >= Duration::from_secs(3), "{:?}", t.elapsed());
+        // (counted from its last news, a little before the kill)
+        assert!(t.elapsed() >= Duration::from_secs(2), "{:?}", t.elapsed());
     });
 }
 
@@ -337,6 +341,11 @@ fn a_cluster_id_in_use_is_refused() {
     assert!(!out.status.success(), "{err}");
     assert!(err.contains("keys of cluster id beef"), "{err}");
     assert!(err.contains("holds another job's config"), "{err}");
+    // and the other job's keys are left as they were
+    rt().block_on(async {
+        let s = ConfigStore::open(&format!("{store}/beef")).unwrap();
+        assert_eq!(s.get(soon()).await.unwrap(), config(0, "127.0.0.1:1"));
+    });
 }
 
 /// `--on-failure replace` against etcd: a worker exits at step 20, the
@@ -425,4 +434,68 @@ fn misuses_of_the_config_store_are_refused_by_name() {
         assert_eq!(out.status.code(), Some(2), "{args:?}: {t}");
         assert!(t.contains(want), "{args:?}: {want:?} not in {t}");
     }
+}
+
+/// A per-node launcher that finds its job changed already starts the
+/// workers of the current version (here: it came late, or again), and a
+/// job whose launchers said `done` is over: its id is refused.
+#[test]
+fn a_late_per_node_launcher_joins_the_current_version_and_an_ended_job_is_refused() {
+    let Some(server) = etcd_here("late") else {
+        return;
+    };
+    let base = free_port_range(4);
+    let me = format!("127.0.0.1:{base}");
+    let store = format!("etcd://{}/ci", server.addr);
+    let rules = Placement {
+        max_size: 2,
+        hosts: vec![("127.0.0.1".into(), 2)],
+        bounded: true,
+        port_base: base,
+    };
+    let launch = |id: &str| {
+        let mut cmd = Command::new(RUN);
+        cmd.args(["--timeout", "60s", "-w", "-np", "1", "-H", "127.0.0.1:2"])
+            .args(["--self", "127.0.0.1", "--cluster-id", id])
+            .args(["--port-base", &base.to_string(), "--config-store", &store])
+            .args([
+                "sh",
+                "-c",
+                "echo version $KUNGFU_CLUSTER_VERSION of $KUNGFU_SIZE",
+            ])
+            .env("KUNGFU_JOB_SECRET", "00112233445566778899aabbccddeeff");
+        run_bounded(cmd, Duration::from_secs(90))
+    };
+    rt().block_on(async {
+        let s = ConfigStore::open(&format!("{store}/a1")).unwrap();
+        let e = etcd_store(&s);
+        e.create(&config(0, &me), &rules, soon()).await.unwrap();
+        s.put("size 2", None, soon()).await.unwrap();
+    });
+    let out = launch("a1");
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    // the two workers of version 1, not the one of version 0
+    assert_eq!(t.matches("version 1 of 2").count(), 2, "{t}");
+    assert!(!t.contains("version 0"), "{t}");
+    // the only host is done: the job's keys are gone
+    rt().block_on(async {
+        let s = ConfigStore::open(&format!("{store}/a1")).unwrap();
+        assert!(s.get(soon()).await.is_err());
+    });
+
+    rt().block_on(async {
+        let s = ConfigStore::open(&format!("{store}/b2")).unwrap();
+        let e = etcd_store(&s);
+        e.create(&config(0, &me), &rules, soon()).await.unwrap();
+        let k = e
+            .hold_launcher("127.0.0.2", "run 0 0", soon())
+            .await
+            .unwrap();
+        k.settle("done", soon()).await.unwrap();
+    });
+    let out = launch("b2");
+    let t = text(&out);
+    assert!(!out.status.success(), "{t}");
+    assert!(t.contains("by a job that is over"), "{t}");
 }

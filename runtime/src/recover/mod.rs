@@ -155,6 +155,7 @@ impl Worker {
                     }
                     Step::Excluded { version } => {
                         self.detached = true;
+                        self.leave_store().await;
                         self.session.close(Duration::from_millis(500)).await;
                         return Err(excluded(
                             version as u32,

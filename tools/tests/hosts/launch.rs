@@ -343,3 +343,21 @@ fn per_node_in_etcd(test: &str, args: &[&str], own_self: bool, sizes: &str) {
     }
     assert_eq!(c.etcd_keys(1, &server.addr, "/kungfu/"), 0);
 }
+
+/// Each host has a /dev/shm of its own, as real machines do, shared by
+/// whatever runs on it.
+#[test]
+fn each_host_has_its_own_dev_shm() {
+    let Some(c) = cluster(2, "own_shm") else {
+        return;
+    };
+    let sh = |host: usize, script: &str| {
+        let out = run_bounded(c.on(host, "sh", &["-c", script]), Duration::from_secs(20));
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    sh(1, "echo here > /dev/shm/kungfu-own-shm-test");
+    let probe = "cat /dev/shm/kungfu-own-shm-test 2>/dev/null || echo absent";
+    assert_eq!(sh(1, probe), "here");
+    assert_eq!(sh(2, probe), "absent");
+    assert!(!std::path::Path::new("/dev/shm/kungfu-own-shm-test").exists());
+}

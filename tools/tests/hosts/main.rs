@@ -106,10 +106,13 @@ impl Cluster {
         format!("198.18.0.{host}")
     }
 
-    /// `cmd args` on host `host` (1-based).
+    /// `cmd args` on host `host` (1-based), through the script's `exec`:
+    /// with the host's own /dev/shm.
     fn on(&self, host: usize, cmd: &str, args: &[&str]) -> Command {
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", &self.ns(host), cmd]).args(args);
+        let mut c = Command::new(SCRIPT);
+        c.args(["exec", &host.to_string(), cmd])
+            .args(args)
+            .env("KUNGFU_NETNS_PREFIX", &self.prefix);
         c
     }
 
@@ -222,9 +225,10 @@ impl Cluster {
             serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}: {reply}"));
         assert!(v.get("header").is_some(), "{reply}");
         // etcd's JSON leaves out a count of 0, and gives int64 as strings
-        v.get("count")
-            .and_then(|c| c.as_str())
-            .map_or(0, |c| c.parse().unwrap())
+        match v.get("count") {
+            None => 0,
+            Some(c) => kungfu::etcd::num(c).unwrap_or_else(|e| panic!("{e}: {reply}")) as usize,
+        }
     }
 
     /// The pids of processes named `comm` on host `host`.
