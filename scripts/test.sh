@@ -20,7 +20,9 @@ command -v cmake >/dev/null 2>&1 || need+=(cmake)
 ldconfig -p | grep -q 'libfabric\.so\.1 ' || need+=(libfabric1)
 # the verbs wire's build: rdma-mummy-sys runs bindgen (libclang) and cmake
 # over its vendored rdma-core headers (libibverbs itself is loaded at run time)
-ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need+=(libclang-dev)
+# (libclang itself: libclang-cpp, which other packages bring, is not it)
+ls /usr/lib/llvm-*/lib/libclang.so* /usr/lib/*/libclang-[0-9]*.so* >/dev/null 2>&1 ||
+  need+=(libclang-dev)
 # the many-host tests (tools/tests/hosts): network namespaces (iproute2) and
 # a real sshd in each (openssh-server; the package's own service is not
 # started where a policy-rc.d forbids it, as in containers)

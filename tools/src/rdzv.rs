@@ -2,8 +2,9 @@
 //! advance (torchrun's `--rdzv-endpoint`): every node runs `kungfu-run -np N
 //! --rdzv HOST:PORT --slots S prog`; the launcher on HOST serves the
 //! rendezvous at HOST:PORT, every launcher (that one too) joins it with its
-//! slot count, and once the slots joined reach N each gets the host list in
-//! the order they joined, its own host (the address it reached the
+//! slot count, and once the slots joined reach N each gets the host list
+//! (ordered by address, so that the ranks do not depend on who came
+//! first), its own host (the address it reached the
 //! rendezvous from, which the others can reach too) and the job's cluster
 //! id; then each goes on as in per-node mode (`--self`).
 //!
@@ -174,6 +175,11 @@ pub async fn serve(
             }
         }
     }
+    // ranks by address, not by the order the joins happened to finish in
+    joined.sort_by_key(|j| {
+        let ip = j.host.host.parse::<std::net::IpAddr>().ok();
+        (ip, j.host.host.clone())
+    });
     // joins read already come too late; those still being read are cut
     while let Some(done) = pending.try_join_next() {
         if let Ok((mut s, _, Ok(_))) = done {
