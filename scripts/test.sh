@@ -31,6 +31,8 @@ command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v ssh >/dev/null 2>&1 || need+=(openssh-client)
 # the config store in etcd (kungfu-run --config-store; tools/tests/etcd.rs)
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
+# ... with TLS across hosts: the tests call etcd's gateway inside a namespace
+command -v curl >/dev/null 2>&1 || need+=(curl ca-certificates)
 # scripts/doc-commands.py runs the docs' commands
 command -v python3 >/dev/null 2>&1 || need+=(python3)
 scripts/apt-need.sh ${need[@]+"${need[@]}"}

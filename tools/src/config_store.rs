@@ -24,29 +24,35 @@ pub const DEFAULT_PREFIX: &str = "/kungfu";
 /// How long making the job's keys may take.
 const CREATE_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Refuses what is not `etcd://HOST:PORT[/PREFIX]`.
+/// Refuses what is not `etcd://HOST:PORT[/PREFIX]` or `etcds://...`, and
+/// an access to etcd that the environment sets wrongly (see
+/// `kungfu::etcd::access`).
 pub fn check_url(url: &str) -> anyhow::Result<()> {
-    job_url(url, 0).map(|_| ())
+    job_url(url, 0)?;
+    kungfu::etcd::Access::from_env(url.starts_with("etcds://"))
+        .map_err(|e| anyhow::anyhow!("--config-store {url:?}: {e}"))?;
+    Ok(())
 }
 
 /// The store URL of job `cluster_id` under `base`.
 pub fn job_url(base: &str, cluster_id: u64) -> anyhow::Result<String> {
-    let rest = base
-        .strip_prefix("etcd://")
-        .with_context(|| format!("--config-store {base:?}: expected etcd://HOST:PORT[/PREFIX]"))?;
+    let expected =
+        || format!("--config-store {base:?}: expected etcd://HOST:PORT[/PREFIX] or etcds://...");
+    let (scheme, rest) = match (base.strip_prefix("etcd://"), base.strip_prefix("etcds://")) {
+        (Some(rest), _) => ("etcd", rest),
+        (_, Some(rest)) => ("etcds", rest),
+        _ => anyhow::bail!(expected()),
+    };
     let (addr, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
     let port_ok = addr
         .rsplit_once(':')
         .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
-    anyhow::ensure!(
-        port_ok,
-        "--config-store {base:?}: expected etcd://HOST:PORT[/PREFIX]"
-    );
+    anyhow::ensure!(port_ok, expected());
     let path = match path.trim_end_matches('/') {
         "" => DEFAULT_PREFIX,
         p => p,
     };
-    Ok(format!("etcd://{addr}{path}/{cluster_id:x}"))
+    Ok(format!("{scheme}://{addr}{path}/{cluster_id:x}"))
 }
 
 /// Makes job `cluster_id`'s keys in the etcd `opts.config_store` names,
@@ -271,6 +277,10 @@ mod tests {
         assert_eq!(
             job_url("etcd://e:2379/team/a/", 1).unwrap(),
             "etcd://e:2379/team/a/1"
+        );
+        assert_eq!(
+            job_url("etcds://e:2379", 1).unwrap(),
+            "etcds://e:2379/kungfu/1"
         );
         for bad in [
             "http://e:1",

@@ -13,6 +13,11 @@
 //! after a failure elsewhere), which a signal to the ssh client could not
 //! carry, and its end (the starting launcher died, or the connection did)
 //! stops the workers of that host, so that none is left behind.
+//!
+//! How to reach an etcd config store (`KUNGFU_ETCD_CA` and the rest of
+//! `kungfu::etcd::access`: file paths and a user name, no password) goes
+//! on the command line as `env VAR=...`: the files must be at the same
+//! paths on every host, as `kungfu-run` and the program must.
 
 use std::path::Path;
 
@@ -45,7 +50,8 @@ pub fn remote_command(
         .iter()
         .map(|h| format!("{}:{}", h.host, h.slots))
         .collect();
-    let mut remote = vec![
+    let mut remote = etcd_access_env(url, |k| std::env::var(k).ok());
+    remote.extend([
         exe.display().to_string(),
         "--self".into(),
         host.into(),
@@ -63,7 +69,7 @@ pub fn remote_command(
         format!("{}ms", opts.grace.as_millis()),
         "--transport".into(),
         opts.transport.name().into(),
-    ];
+    ]);
     if let Some(f) = &opts.quic {
         for (flag, path) in [
             ("--quic-ca", &f.ca),
@@ -112,6 +118,24 @@ pub fn remote_command(
     line.join(" ")
 }
 
+/// `env VAR=...` for the variables of the etcd access
+/// (`kungfu::etcd::access`: paths and a user name, never a password) that
+/// `var` gives, where the job's store is etcd; nothing otherwise. env(1)
+/// runs under any login shell, where `VAR=... cmd` needs a POSIX one.
+fn etcd_access_env(url: Option<&str>, var: impl Fn(&str) -> Option<String>) -> Vec<String> {
+    if !url.is_some_and(|u| u.starts_with("etcd://") || u.starts_with("etcds://")) {
+        return Vec::new();
+    }
+    let set: Vec<String> = kungfu::etcd::access::ACCESS_VARS
+        .iter()
+        .filter_map(|k| Some(format!("{k}={}", var(k)?)))
+        .collect();
+    match set.is_empty() {
+        true => set,
+        false => std::iter::once("env".to_string()).chain(set).collect(),
+    }
+}
+
 /// `s` quoted for a POSIX shell (as is when it is plain).
 pub fn shell_quote(s: &str) -> String {
     if !s.is_empty()
@@ -143,6 +167,28 @@ mod tests {
     use crate::HostSlots;
     use kungfu_transport::any::TransportKind;
     use std::time::Duration;
+
+    #[test]
+    fn the_etcd_access_goes_through_env_for_an_etcd_store_only() {
+        let var = |k: &str| match k {
+            "KUNGFU_ETCD_CA" => Some("/etc/kf/ca.pem".to_string()),
+            "KUNGFU_ETCD_USER" => Some("kf".to_string()),
+            "KUNGFU_ETCD_PASSWORD_FILE" => Some("/etc/kf/pw".to_string()),
+            _ => None,
+        };
+        assert_eq!(
+            etcd_access_env(Some("etcds://e:2379/kungfu/1"), var),
+            [
+                "env",
+                "KUNGFU_ETCD_CA=/etc/kf/ca.pem",
+                "KUNGFU_ETCD_USER=kf",
+                "KUNGFU_ETCD_PASSWORD_FILE=/etc/kf/pw"
+            ]
+        );
+        assert!(etcd_access_env(Some("http://h:1/cluster"), var).is_empty());
+        assert!(etcd_access_env(None, var).is_empty());
+        assert!(etcd_access_env(Some("etcd://e:1/p"), |_| None).is_empty());
+    }
 
     #[test]
     fn quoting() {

@@ -20,7 +20,7 @@ mod etcd;
 #[path = "common/resize.rs"]
 mod resize;
 use bounded::run_bounded;
-use etcd::{etcd_present, EtcdServer};
+use etcd::{auth_setup, etcd_present, EtcdServer, TlsFiles};
 use resize::assert_resized_2_4_3_1_3;
 
 const RUN: &str = env!("CARGO_BIN_EXE_kungfu-run");
@@ -498,4 +498,128 @@ fn a_late_per_node_launcher_joins_the_current_version_and_an_ended_job_is_refuse
     let t = text(&out);
     assert!(!out.status.success(), "{t}");
     assert!(t.contains("by a job that is over"), "{t}");
+}
+
+/// An etcd with TLS (client certificates required) and users, as a
+/// production one has: an elastic job reaches it through `etcds://` and
+/// `KUNGFU_ETCD_*` and resizes with the model checked, its user's token
+/// expiring every 2 s of idleness on the way; a wrong password, a missing
+/// CA, no client certificate and TLS files with an etcd:// URL are refused
+/// by name.
+#[test]
+fn an_etcd_with_tls_and_users_serves_an_elastic_job() {
+    use kungfu::etcd::access::{ENV_CA, ENV_PASSWORD_FILE, ENV_USER};
+    use kungfu::etcd::{Access, Etcd};
+    if !etcd_present("tls") {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("kungfu-etcd-tls-{}", std::process::id()));
+    let files = TlsFiles::make(&dir.join("pki"), "127.0.0.1");
+    let (port, peer) = free_ports();
+    let mut cmd = Command::new("etcd");
+    files.server_args(&mut cmd);
+    cmd.args(["--auth-token-ttl", "2"]);
+    let server = EtcdServer::start_scheme(cmd, "https", "127.0.0.1", port, peer, dir.join("etcd"));
+    let pw = dir.join("pw");
+    let bad_pw = dir.join("bad-pw");
+    std::fs::write(&pw, "kf-password\n").unwrap();
+    std::fs::write(&bad_pw, "not-it\n").unwrap();
+    let tls_vars = files.client_env();
+    let access = |extra: &[(&str, &std::path::Path)]| {
+        let mut vars: Vec<(String, std::ffi::OsString)> = tls_vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.as_os_str().into()))
+            .collect();
+        vars.extend(
+            extra
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.as_os_str().into())),
+        );
+        Access::from_vars(true, move |k| {
+            vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+        })
+        .unwrap()
+    };
+    rt().block_on(async {
+        // users: root to administer, kf with read and write under /ci only
+        let admin = Etcd::with_access(&server.addr, &access(&[])).unwrap();
+        for (path, body) in auth_setup("/ci", "kf", "kf-password") {
+            admin
+                .call(path, &body, soon())
+                .await
+                .unwrap_or_else(|e| panic!("{path}: {e}"));
+        }
+        // nobody may read now; kf may, and again after its token expired
+        let err = admin.range("/ci/x", false, soon()).await.unwrap_err();
+        assert!(err.contains("permission denied"), "{err}");
+        let u = std::path::Path::new("kf");
+        let kf = Etcd::with_access(
+            &server.addr,
+            &access(&[(ENV_USER, u), (ENV_PASSWORD_FILE, &pw)]),
+        )
+        .unwrap();
+        kf.range("/ci/x", false, soon()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(3500)).await;
+        kf.range("/ci/x", false, soon()).await.unwrap();
+        let err = kf.range("/elsewhere", false, soon()).await.unwrap_err();
+        assert!(err.contains("permission denied"), "{err}");
+        // no client certificate: the handshake fails, named
+        let mut vars = vec![(ENV_CA, files.ca.clone())];
+        vars.push((ENV_USER, "kf".into()));
+        vars.push((ENV_PASSWORD_FILE, pw.clone()));
+        let no_cert = Access::from_vars(true, move |k| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.clone().into())
+        })
+        .unwrap();
+        let e = Etcd::with_access(&server.addr, &no_cert).unwrap();
+        let err = e.range("/ci/x", false, soon()).await.unwrap_err();
+        assert!(err.contains("authenticating as \"kf\""), "{err}");
+    });
+
+    // the elastic test through etcds://, as kf
+    let base = free_port_range(8);
+    let launch = |url: &str, password: &std::path::Path, limit: u64| {
+        let mut cmd = Command::new(RUN);
+        cmd.args(["--timeout", "120s", "-w", "-np", "2"])
+            .args(["--config-store", url])
+            .args(["--cluster-id", "5ec", "--port-base", &base.to_string()])
+            .args([
+                BENCH, "resize", "--sizes", "4,3,1,3", "-n", "4", "-b", "64K",
+            ])
+            .env(ENV_USER, "kf")
+            .env(ENV_PASSWORD_FILE, password);
+        for (k, v) in tls_vars {
+            cmd.env(k, v);
+        }
+        run_bounded(cmd, Duration::from_secs(limit))
+    };
+    let url = format!("etcds://{}/ci", server.addr);
+    let out = launch(&url, &pw, 150);
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert_resized_2_4_3_1_3(&t);
+
+    // refused, by name and at once: a wrong password, TLS files with an
+    // etcd:// URL (no TLS), an etcds:// URL without a CA
+    let out = launch(&url, &bad_pw, 60);
+    let t = text(&out);
+    assert!(!out.status.success(), "{t}");
+    assert!(
+        t.contains("authenticating as \"kf\"") && t.contains("authentication failed"),
+        "{t}"
+    );
+    let out = launch(&format!("etcd://{}/ci", server.addr), &pw, 60);
+    let t = text(&out);
+    assert!(!out.status.success() && t.contains("etcds://"), "{t}");
+    let mut cmd = Command::new(RUN);
+    cmd.args(["-w", "-np", "1", "--config-store", &url, "true"])
+        .env_remove(ENV_CA);
+    let out = run_bounded(cmd, Duration::from_secs(30));
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{t}");
+    assert!(t.contains(ENV_CA), "{t}");
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
 }

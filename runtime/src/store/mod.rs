@@ -1,6 +1,7 @@
 //! Where an elastic job's cluster config lives: the launcher's built-in
 //! HTTP server ([`crate::elastic`], `http://...`, the default) or etcd
-//! (`etcd://host:port/prefix`, `kungfu-run --config-store`), for clusters
+//! (`etcd://host:port/prefix`, or `etcds://` for TLS; `kungfu-run
+//! --config-store`), for clusters
 //! that run it already. `KUNGFU_CONFIG_SERVER` names either; workers and
 //! launchers use [`ConfigStore`] and do not care which.
 //!
@@ -27,10 +28,11 @@
 //! is bound to a lease it renews: a worker that dies loses its key within
 //! [`MEMBER_TTL_S`] seconds.
 //!
-//! The client speaks plain HTTP to etcd's JSON gateway
-//! ([`crate::etcd`]): no TLS, no etcd users. Reach an etcd that only the
-//! job's hosts can (the job's own handshake still refuses a peer without
-//! the job's secret).
+//! The client speaks HTTP to etcd's JSON gateway ([`crate::etcd`]), in
+//! TLS for `etcds://` (the CA and any client certificate from
+//! `KUNGFU_ETCD_CA`, `KUNGFU_ETCD_CERT`, `KUNGFU_ETCD_KEY`), as the etcd
+//! user `KUNGFU_ETCD_USER` names if set (its password in the file
+//! `KUNGFU_ETCD_PASSWORD_FILE`): see [`crate::etcd::access`].
 
 mod in_etcd;
 mod placement;
@@ -42,7 +44,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use crate::elastic::{self, ClusterConfig};
-use crate::etcd::{Etcd, Kv};
+use crate::etcd::{Access, Etcd, Kv};
 
 pub use in_etcd::{Created, EtcdStore, Membership};
 pub use placement::Placement;
@@ -126,16 +128,23 @@ pub enum ConfigStore {
 }
 
 impl ConfigStore {
-    /// The store `url` names: `http://...` or `etcd://host:port/prefix`.
+    /// The store `url` names: `http://...`, `etcd://host:port/prefix`, or
+    /// `etcds://host:port/prefix` (TLS); an etcd is reached as the
+    /// environment says ([`Access::from_env`]: CA, client certificate,
+    /// user).
     pub fn open(url: &str) -> Result<ConfigStore, String> {
         if url.starts_with("http://") {
             return Ok(ConfigStore::Http(url.to_string()));
         }
-        let rest = url.strip_prefix("etcd://").ok_or_else(|| {
-            format!(
-                "{url:?}: a config store is http://HOST:PORT/cluster or etcd://HOST:PORT/PREFIX"
-            )
-        })?;
+        let (tls, rest) = match (url.strip_prefix("etcd://"), url.strip_prefix("etcds://")) {
+            (Some(rest), _) => (false, rest),
+            (_, Some(rest)) => (true, rest),
+            _ => {
+                return Err(format!(
+                    "{url:?}: a config store is http://HOST:PORT/cluster, etcd://HOST:PORT/PREFIX or etcds://HOST:PORT/PREFIX"
+                ))
+            }
+        };
         let (addr, prefix) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
         let prefix = prefix.trim_end_matches('/');
         if addr.is_empty() || prefix.is_empty() {
@@ -143,8 +152,9 @@ impl ConfigStore {
                 "{url:?}: etcd://HOST:PORT/PREFIX needs an address and a prefix"
             ));
         }
+        let access = Access::from_env(tls).map_err(|e| format!("{url:?}: {e}"))?;
         Ok(ConfigStore::Etcd(EtcdStore {
-            etcd: Etcd::new(addr),
+            etcd: Etcd::with_access(addr, &access)?,
             prefix: prefix.to_string(),
         }))
     }
@@ -153,7 +163,10 @@ impl ConfigStore {
     pub fn url(&self) -> String {
         match self {
             ConfigStore::Http(u) => u.clone(),
-            ConfigStore::Etcd(e) => format!("etcd://{}{}", e.etcd.addr(), e.prefix),
+            ConfigStore::Etcd(e) => {
+                let scheme = if e.etcd.is_tls() { "etcds" } else { "etcd" };
+                format!("{scheme}://{}{}", e.etcd.addr(), e.prefix)
+            }
         }
     }
 
@@ -232,7 +245,17 @@ mod tests {
         ));
         let s = ConfigStore::open("etcd://127.0.0.1:2379/kungfu/ab/").unwrap();
         assert_eq!(s.url(), "etcd://127.0.0.1:2379/kungfu/ab");
-        for bad in ["etcd://127.0.0.1:2379", "etcd:///x", "ftp://a/b"] {
+        // TLS without a CA to check etcd against is refused by name
+        if std::env::var_os(crate::etcd::access::ENV_CA).is_none() {
+            let err = ConfigStore::open("etcds://127.0.0.1:2379/p").unwrap_err();
+            assert!(err.contains("KUNGFU_ETCD_CA"), "{err}");
+        }
+        for bad in [
+            "etcd://127.0.0.1:2379",
+            "etcd:///x",
+            "ftp://a/b",
+            "etcds://",
+        ] {
             assert!(ConfigStore::open(bad).is_err(), "{bad}");
         }
     }

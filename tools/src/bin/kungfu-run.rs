@@ -88,7 +88,10 @@ options:
   --config-store URL    with -w or --on-failure: keep the cluster config and
                         the workers' membership in etcd instead
                         (etcd://HOST:PORT[/PREFIX], prefix /kungfu: the job's
-                        keys go under PREFIX/<cluster id>); workers take new
+                        keys go under PREFIX/<cluster id>; etcds:// for TLS,
+                        with KUNGFU_ETCD_CA, and KUNGFU_ETCD_CERT/_KEY,
+                        KUNGFU_ETCD_USER/_PASSWORD_FILE as etcd wants them:
+                        see the README); workers take new
                         ports from --port-base. -w and --on-failure in
                         per-node mode (--self, --rdzv) need it: every node's
                         launcher then follows the job there

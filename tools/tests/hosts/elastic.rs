@@ -14,11 +14,14 @@ fn a_watched_job_grows_onto_a_third_host_and_shrinks_to_one() {
     let Some(mut c) = cluster(3, "elastic_hosts") else {
         return;
     };
-    watched_job(&mut c, &[]);
+    watched_job(&mut c, &[], &[]);
 }
 
-/// The same with the config in etcd (`--config-store`), which runs on
-/// host 1: the launchers of hosts 2 and 3 watch it there.
+/// The same with the config in etcd (`--config-store etcds://`), which
+/// runs on host 1 with TLS (client certificates required) and users: the
+/// launchers of hosts 2 and 3, started through ssh, get the
+/// `KUNGFU_ETCD_*` variables on their command line and watch it there as
+/// the job's user.
 #[test]
 fn a_watched_job_in_etcd_grows_onto_a_third_host_and_shrinks_to_one() {
     if !etcd::etcd_present("elastic_hosts_etcd") {
@@ -27,15 +30,42 @@ fn a_watched_job_in_etcd_grows_onto_a_third_host_and_shrinks_to_one() {
     let Some(mut c) = cluster(3, "elastic_hosts_etcd") else {
         return;
     };
-    let server = c.start_etcd(1);
-    let store = format!("etcd://{}/kf", server.addr);
-    watched_job(&mut c, &["--config-store", &store]);
+    let (server, tls) = c.start_etcd_tls(1);
+    for (path, body) in etcd::auth_setup("/kf", "kf", "kf-password") {
+        let v = c.etcd_call(1, &server.addr, Some(&tls), path, &body, None);
+        assert!(v.get("error").is_none(), "{path}: {v}");
+    }
+    let pw = c.dir.join("etcd-pw");
+    std::fs::write(&pw, "kf-password\n").unwrap();
+    let mut env: Vec<(&str, &Path)> = tls.client_env().to_vec();
+    env.extend([
+        ("KUNGFU_ETCD_USER", Path::new("kf")),
+        ("KUNGFU_ETCD_PASSWORD_FILE", &pw),
+    ]);
+    let store = format!("etcds://{}/kf", server.addr);
+    watched_job(&mut c, &["--config-store", &store], &env);
     // the job's keys went with it
-    assert_eq!(c.etcd_keys(1, &server.addr, "/kf/"), 0);
+    let login = serde_json::json!({"name": "kf", "password": "kf-password"});
+    let v = c.etcd_call(
+        1,
+        &server.addr,
+        Some(&tls),
+        "/v3/auth/authenticate",
+        &login,
+        None,
+    );
+    let token = v["token"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{v}"))
+        .to_string();
+    assert_eq!(
+        c.etcd_keys(1, &server.addr, Some(&tls), Some(&token), "/kf/"),
+        0
+    );
     drop(server);
 }
 
-fn watched_job(c: &mut Cluster, extra: &[&str]) {
+fn watched_job(c: &mut Cluster, extra: &[&str], env: &[(&str, &Path)]) {
     c.start_sshd(&[2, 3]);
     let ssh = c.ssh();
     let mut args = extra.to_vec();
@@ -58,7 +88,9 @@ fn watched_job(c: &mut Cluster, extra: &[&str]) {
         "-b",
         "64K",
     ]);
-    let out = run_bounded(c.on(1, RUN, &args), Duration::from_secs(150));
+    let mut cmd = c.on(1, RUN, &args);
+    cmd.envs(env.iter().copied());
+    let out = run_bounded(cmd, Duration::from_secs(150));
     let t = text(&out);
     if std::env::var_os("KUNGFU_TEST_SHOW").is_some() {
         eprintln!("{t}");

@@ -341,7 +341,7 @@ fn per_node_in_etcd(test: &str, args: &[&str], own_self: bool, sizes: &str) {
         let line = format!("[{rank}@198.18.0.2] # detached at step");
         assert!(t[1].contains(&line), "no {line:?} on host 2:\n{}", t[1]);
     }
-    assert_eq!(c.etcd_keys(1, &server.addr, "/kungfu/"), 0);
+    assert_eq!(c.etcd_keys(1, &server.addr, None, None, "/kungfu/"), 0);
 }
 
 /// Each host has a /dev/shm of its own, as real machines do, shared by

@@ -201,33 +201,77 @@ impl Cluster {
         )
     }
 
-    /// How many keys start with `prefix` in the etcd at `addr`, asked
-    /// from host `host` (an etcd inside the cluster is not reachable from
-    /// outside it) through its JSON gateway.
-    fn etcd_keys(&self, host: usize, addr: &str, prefix: &str) -> usize {
-        let (key, end) = (
-            kungfu::etcd::b64(prefix),
-            kungfu::etcd::b64(kungfu::etcd::prefix_end(prefix)),
-        );
-        let body = format!(r#"{{"key":"{key}","range_end":"{end}","count_only":true}}"#);
-        let (h, p) = addr.rsplit_once(':').unwrap();
-        let script = format!(
-            "exec 3<>/dev/tcp/{h}/{p}; printf 'POST /v3/kv/range HTTP/1.0\r\nContent-Length: {}\r\n\r\n%s' '{body}' >&3; cat <&3",
-            body.len()
-        );
-        let out = run_bounded(
-            self.on(host, "bash", &["-c", &script]),
-            Duration::from_secs(20),
-        );
+    /// Starts an etcd on host `host` with TLS (client certificates
+    /// required; files made in the cluster's directory), at its address,
+    /// port 2379.
+    fn start_etcd_tls(&self, host: usize) -> (etcd::EtcdServer, etcd::TlsFiles) {
+        let files = etcd::TlsFiles::make(&self.dir.join("etcd-pki"), &Cluster::addr(host));
+        let mut cmd = self.on(host, "etcd", &[]);
+        files.server_args(&mut cmd);
+        let dir = self.dir.join(format!("etcd{host}"));
+        let server =
+            etcd::EtcdServer::start_scheme(cmd, "https", &Cluster::addr(host), 2379, 2380, dir);
+        (server, files)
+    }
+
+    /// One call of the JSON gateway of the etcd at `addr`, made from host
+    /// `host` (an etcd inside the cluster is not reachable from outside
+    /// it) with curl, over TLS with `tls`'s client files, and with etcd's
+    /// auth `token`: the reply.
+    fn etcd_call(
+        &self,
+        host: usize,
+        addr: &str,
+        tls: Option<&etcd::TlsFiles>,
+        path: &str,
+        body: &serde_json::Value,
+        token: Option<&str>,
+    ) -> serde_json::Value {
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let url = format!("{scheme}://{addr}{path}");
+        let body = body.to_string();
+        let mut args = vec!["-sS", "--max-time", "15", "-X", "POST", "-d", &body];
+        let files: Vec<String>;
+        if let Some(t) = tls {
+            files = [&t.ca, &t.client, &t.client_key]
+                .map(|p| p.display().to_string())
+                .to_vec();
+            args.extend([
+                "--cacert", &files[0], "--cert", &files[1], "--key", &files[2],
+            ]);
+        }
+        let header = token.map(|t| format!("Authorization: {t}"));
+        if let Some(h) = &header {
+            args.extend(["-H", h]);
+        }
+        args.push(&url);
+        let out = run_bounded(self.on(host, "curl", &args), Duration::from_secs(20));
         let reply = String::from_utf8_lossy(&out.stdout);
-        let json = reply.split("\r\n\r\n").nth(1).unwrap_or_default();
-        let v: serde_json::Value =
-            serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}: {reply}"));
-        assert!(v.get("header").is_some(), "{reply}");
+        serde_json::from_str(&reply)
+            .unwrap_or_else(|e| panic!("{path}: {e}: {reply}\n{}", text(&out)))
+    }
+
+    /// How many keys start with `prefix` in the etcd at `addr` (see
+    /// [`Cluster::etcd_call`]).
+    fn etcd_keys(
+        &self,
+        host: usize,
+        addr: &str,
+        tls: Option<&etcd::TlsFiles>,
+        token: Option<&str>,
+        prefix: &str,
+    ) -> usize {
+        let body = serde_json::json!({
+            "key": kungfu::etcd::b64(prefix),
+            "range_end": kungfu::etcd::b64(kungfu::etcd::prefix_end(prefix)),
+            "count_only": true,
+        });
+        let v = self.etcd_call(host, addr, tls, "/v3/kv/range", &body, token);
+        assert!(v.get("header").is_some(), "{v}");
         // etcd's JSON leaves out a count of 0, and gives int64 as strings
         match v.get("count") {
             None => 0,
-            Some(c) => kungfu::etcd::num(c).unwrap_or_else(|e| panic!("{e}: {reply}")) as usize,
+            Some(c) => kungfu::etcd::num(c).unwrap_or_else(|e| panic!("{e}: {v}")) as usize,
         }
     }
 

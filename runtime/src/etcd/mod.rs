@@ -7,25 +7,50 @@
 //! zero values are left out (proto3's JSON mapping): [`num`] reads all
 //! three forms. Everything read is bounded ([`MAX_BODY`]) and every call
 //! has a deadline; a watch is a stream that the caller reads under its own.
-//! Plain HTTP only: an etcd with TLS or authentication is not reached by
-//! this client (see `docs/` and the store's docs).
+//! HTTP, or HTTPS with the CA, client certificate and etcd user that
+//! [`Access`] reads from the environment ([`access`]); a user's token is
+//! asked for when first needed and again when etcd says it expired.
+
+use std::sync::Arc;
 
 use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine;
 use serde_json::{json, Value};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 use tokio::time::Instant;
+
+pub mod access;
+mod http;
+
+pub use access::Access;
+use access::{Auth, Tls};
+use http::Conn;
 
 /// The largest response body (or watch message) accepted.
 pub const MAX_BODY: usize = 16 << 20;
 /// The longest response head accepted.
 const MAX_HEAD: usize = 16 << 10;
 
-/// An etcd member's client address (`host:port`).
-#[derive(Clone, Debug)]
+/// What etcd says of a token it no longer knows (expired, or etcd
+/// restarted): the client authenticates again and retries once.
+const INVALID_TOKEN: &str = "invalid auth token";
+
+/// An etcd member's client address (`host:port`), and how it is reached.
+#[derive(Clone)]
 pub struct Etcd {
     addr: String,
+    tls: Option<Tls>,
+    auth: Option<Arc<Auth>>,
+}
+
+impl std::fmt::Debug for Etcd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // never the password or a token
+        f.debug_struct("Etcd")
+            .field("addr", &self.addr)
+            .field("tls", &self.tls.is_some())
+            .field("user", &self.auth.as_ref().map(|a| &a.user))
+            .finish()
+    }
 }
 
 /// One key and its value, as a range or a watch reads them.
@@ -151,34 +176,105 @@ fn revision(v: &Value) -> Result<i64, String> {
 }
 
 impl Etcd {
-    /// The member at `addr` (`host:port`).
+    /// The member at `addr` (`host:port`), over plain HTTP as nobody.
     pub fn new(addr: impl Into<String>) -> Etcd {
-        Etcd { addr: addr.into() }
+        Etcd {
+            addr: addr.into(),
+            tls: None,
+            auth: None,
+        }
+    }
+
+    /// The member at `addr`, reached as `access` says.
+    pub fn with_access(addr: impl Into<String>, access: &Access) -> Result<Etcd, String> {
+        let addr = addr.into();
+        Ok(Etcd {
+            tls: access
+                .tls_for(&addr)
+                .map_err(|e| format!("etcd {addr}: {e}"))?,
+            auth: access.auth().map(Arc::new),
+            addr,
+        })
     }
 
     pub fn addr(&self) -> &str {
         &self.addr
     }
 
+    /// Whether it is reached over TLS.
+    pub fn is_tls(&self) -> bool {
+        self.tls.is_some()
+    }
+
     /// One unary call: the response's JSON, or the error etcd gave.
     pub async fn call(&self, path: &str, body: &Value, deadline: Instant) -> Result<Value, String> {
         let what = format!("etcd {} {path}", self.addr);
         let io = async {
-            let mut conn = Conn::open(&self.addr, path, body).await?;
-            let code = conn.head().await?;
-            let body = conn.body().await?;
-            let v: Value =
-                serde_json::from_slice(&body).map_err(|e| format!("{code}: not JSON ({e})"))?;
-            match v.get("error").or_else(|| v.get("message")) {
-                Some(e) => Err(format!("{code}: {}", error_text(e))),
-                None if code != 200 => Err(format!("status {code}")),
-                None => Ok(v),
+            let token = self.token().await?;
+            match self.once(path, body, token.as_deref()).await {
+                Err(e) if token.is_some() && e.contains(INVALID_TOKEN) => {
+                    self.forget(token.as_deref());
+                    let token = self.token().await?;
+                    self.once(path, body, token.as_deref()).await
+                }
+                r => r,
             }
         };
         tokio::time::timeout_at(deadline, io)
             .await
             .map_err(|_| format!("{what}: timed out"))?
             .map_err(|e| format!("{what}: {e}"))
+    }
+
+    /// One request, no retry.
+    async fn once(&self, path: &str, body: &Value, token: Option<&str>) -> Result<Value, String> {
+        let mut conn = Conn::open(&self.addr, self.tls.as_ref(), path, body, token).await?;
+        let code = conn.head().await?;
+        let body = conn.body().await?;
+        let v: Value = serde_json::from_slice(&body).map_err(|e| {
+            let start = String::from_utf8_lossy(&body[..body.len().min(120)]).into_owned();
+            format!("{code}: not JSON ({e}): {start:?}")
+        })?;
+        match v.get("error").or_else(|| v.get("message")) {
+            Some(e) => Err(format!("{code}: {}", error_text(e))),
+            None if code != 200 => Err(format!("status {code}")),
+            None => Ok(v),
+        }
+    }
+
+    /// The user's token: the one etcd gave last, or a new one. `None`
+    /// without a user.
+    async fn token(&self) -> Result<Option<String>, String> {
+        let Some(auth) = &self.auth else {
+            return Ok(None);
+        };
+        if let Some(t) = auth.token.lock().unwrap().clone() {
+            return Ok(Some(t));
+        }
+        let body = json!({"name": auth.user, "password": auth.password});
+        let v = self
+            .once("/v3/auth/authenticate", &body, None)
+            .await
+            .map_err(|e| format!("authenticating as {:?}: {e}", auth.user))?;
+        let token = v
+            .get("token")
+            .and_then(Value::as_str)
+            // it goes into a header line
+            .filter(|t| !t.is_empty() && t.bytes().all(|b| b.is_ascii_graphic()))
+            .ok_or_else(|| format!("authenticating as {:?}: no usable token", auth.user))?
+            .to_string();
+        *auth.token.lock().unwrap() = Some(token.clone());
+        Ok(Some(token))
+    }
+
+    /// Drops `token` (etcd refused it), unless another call replaced it.
+    fn forget(&self, token: Option<&str>) {
+        if let Some(auth) = &self.auth {
+            let mut t = auth.token.lock().unwrap();
+            if t.as_deref() == token {
+                *t = None;
+            }
+        }
     }
 
     /// A transaction: if every compare holds, `success`, else `failure`.
@@ -261,14 +357,22 @@ impl Etcd {
         }});
         let what = format!("etcd {} watch {prefix}", self.addr);
         let open = async {
-            let mut conn = Conn::open(&self.addr, "/v3/watch", &body).await?;
+            let token = self.token().await?;
+            let mut conn = Conn::open(
+                &self.addr,
+                self.tls.as_ref(),
+                "/v3/watch",
+                &body,
+                token.as_deref(),
+            )
+            .await?;
             match conn.head().await? {
-                200 if conn.chunked => Ok(conn),
+                200 if conn.chunked => Ok((conn, token)),
                 200 => Err("the watch is not a chunked stream".to_string()),
                 code => Err(format!("status {code}")),
             }
         };
-        let conn = tokio::time::timeout_at(deadline, open)
+        let (conn, token) = tokio::time::timeout_at(deadline, open)
             .await
             .map_err(|_| format!("{what}: timed out"))?
             .map_err(|e| format!("{what}: {e}"))?;
@@ -276,6 +380,8 @@ impl Etcd {
             conn,
             lines: Vec::new(),
             what,
+            etcd: self.clone(),
+            token,
         })
     }
 }
@@ -286,6 +392,10 @@ pub struct Watch {
     /// Bytes of the stream not yet split into messages.
     lines: Vec<u8>,
     what: String,
+    /// Who opened it, with the token it was opened with: a watch that
+    /// fails makes the next call ask for a new one.
+    etcd: Etcd,
+    token: Option<String>,
 }
 
 impl Watch {
@@ -293,6 +403,17 @@ impl Watch {
     /// `Ok(None)` when it passes with none; an error when the stream ends
     /// or etcd cancels the watch (a compacted start revision).
     pub async fn next(&mut self, deadline: Instant) -> Result<Option<Vec<Kv>>, String> {
+        let r = self.read_next(deadline).await;
+        if r.is_err() {
+            // etcd cancels a watch of an expired token as "permission
+            // denied", not as an invalid token: whatever ended the watch,
+            // the next call asks for a new token (one request more)
+            self.etcd.forget(self.token.as_deref());
+        }
+        r
+    }
+
+    async fn read_next(&mut self, deadline: Instant) -> Result<Option<Vec<Kv>>, String> {
         loop {
             if let Some(i) = self.lines.iter().position(|&b| b == b'\n') {
                 let line: Vec<u8> = self.lines.drain(..=i).collect();
@@ -347,176 +468,10 @@ impl Watch {
     }
 }
 
-/// One HTTP/1.1 request's connection, and what of its response was read.
-struct Conn {
-    s: TcpStream,
-    buf: Vec<u8>,
-    chunked: bool,
-    length: Option<usize>,
-}
-
-impl Conn {
-    async fn open(addr: &str, path: &str, body: &Value) -> Result<Conn, String> {
-        let mut s = TcpStream::connect(addr)
-            .await
-            .map_err(|e| format!("connect: {e}"))?;
-        let body = body.to_string();
-        let req = format!(
-            "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        );
-        s.write_all(req.as_bytes())
-            .await
-            .map_err(|e| format!("write: {e}"))?;
-        Ok(Conn {
-            s,
-            buf: Vec::new(),
-            chunked: false,
-            length: None,
-        })
-    }
-
-    /// More bytes into `buf`; an error at the end of the stream.
-    async fn fill(&mut self) -> Result<(), String> {
-        let mut chunk = [0u8; 8192];
-        let n = self
-            .s
-            .read(&mut chunk)
-            .await
-            .map_err(|e| format!("read: {e}"))?;
-        if n == 0 {
-            return Err("closed early".into());
-        }
-        self.buf.extend_from_slice(&chunk[..n]);
-        Ok(())
-    }
-
-    /// Reads the response head: its status code.
-    async fn head(&mut self) -> Result<u16, String> {
-        let end = loop {
-            if let Some(i) = self.buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                break i;
-            }
-            if self.buf.len() > MAX_HEAD {
-                return Err("response head too long".into());
-            }
-            self.fill().await?;
-        };
-        let head = String::from_utf8_lossy(&self.buf[..end]).into_owned();
-        self.buf.drain(..end + 4);
-        let code = head
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .ok_or_else(|| format!("bad status line {:?}", head.lines().next()))?;
-        for line in head.lines().skip(1) {
-            let Some((k, v)) = line.split_once(':') else {
-                continue;
-            };
-            let (k, v) = (k.trim(), v.trim());
-            if k.eq_ignore_ascii_case("transfer-encoding") {
-                // chunked, last, and no other coding (none is asked for)
-                if !v.eq_ignore_ascii_case("chunked") {
-                    return Err(format!("Transfer-Encoding {v:?}: only chunked is read"));
-                }
-                self.chunked = true;
-            } else if k.eq_ignore_ascii_case("content-length") {
-                let n: usize = v.parse().map_err(|_| format!("bad Content-Length {v:?}"))?;
-                if n > MAX_BODY {
-                    return Err(format!("a body of {n} bytes; at most {MAX_BODY}"));
-                }
-                self.length = Some(n);
-            }
-        }
-        Ok(code)
-    }
-
-    /// The next chunk of a chunked body (`None` at its end).
-    async fn chunk(&mut self) -> Result<Option<Vec<u8>>, String> {
-        let line_end = loop {
-            if let Some(i) = self.buf.windows(2).position(|w| w == b"\r\n") {
-                break i;
-            }
-            if self.buf.len() > 64 {
-                return Err("bad chunk size line".into());
-            }
-            self.fill().await?;
-        };
-        let size = std::str::from_utf8(&self.buf[..line_end])
-            .ok()
-            .and_then(|l| usize::from_str_radix(l.split(';').next()?.trim(), 16).ok())
-            .ok_or("bad chunk size")?;
-        if size > MAX_BODY {
-            return Err(format!("a chunk of {size} bytes; at most {MAX_BODY}"));
-        }
-        if size == 0 {
-            // the last chunk: trailer lines, if any, up to an empty one
-            self.buf.drain(..line_end + 2);
-            loop {
-                match self.buf.windows(2).position(|w| w == b"\r\n") {
-                    Some(0) => {
-                        self.buf.drain(..2);
-                        return Ok(None);
-                    }
-                    Some(i) => {
-                        self.buf.drain(..i + 2);
-                    }
-                    None if self.buf.len() > MAX_HEAD => return Err("trailers too long".into()),
-                    None => self.fill().await?,
-                }
-            }
-        }
-        while self.buf.len() < line_end + 2 + size + 2 {
-            self.fill().await?;
-        }
-        let data = self.buf[line_end + 2..line_end + 2 + size].to_vec();
-        if &self.buf[line_end + 2 + size..line_end + 4 + size] != b"\r\n" {
-            return Err("a chunk not ended by CRLF".into());
-        }
-        self.buf.drain(..line_end + 4 + size);
-        Ok(Some(data))
-    }
-
-    /// The whole body, of whatever framing.
-    async fn body(&mut self) -> Result<Vec<u8>, String> {
-        if self.chunked {
-            let mut all = Vec::new();
-            while let Some(c) = self.chunk().await? {
-                all.extend_from_slice(&c);
-                if all.len() > MAX_BODY {
-                    return Err(format!("a body over {MAX_BODY} bytes"));
-                }
-            }
-            return Ok(all);
-        }
-        match self.length {
-            Some(n) => {
-                while self.buf.len() < n {
-                    self.fill().await?;
-                }
-                Ok(self.buf[..n].to_vec())
-            }
-            None => {
-                // to the end of the connection
-                loop {
-                    if self.buf.len() > MAX_BODY {
-                        return Err(format!("a body over {MAX_BODY} bytes"));
-                    }
-                    let mut chunk = [0u8; 8192];
-                    match self.s.read(&mut chunk).await {
-                        Ok(0) => return Ok(std::mem::take(&mut self.buf)),
-                        Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
-                        Err(e) => return Err(format!("read: {e}")),
-                    }
-                }
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     #[test]
     fn numbers_prefixes_and_values() {
