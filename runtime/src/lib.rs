@@ -191,6 +191,9 @@ impl Worker {
                 let m = etcd.register(&me.to_string(), &value, deadline).await;
                 Some(m.map_err(|e| BootstrapError::Elastic(format!("registering in etcd: {e}")))?)
             }
+            // a store this worker cannot reach as the environment says
+            // (its files, its user) fails it here, named, not at a resize
+            Some(Err(e)) => return Err(BootstrapError::Elastic(e)),
             _ => None,
         };
         let mut w = Worker {

@@ -29,6 +29,13 @@ const CREATE_TIMEOUT: Duration = Duration::from_secs(30);
 /// `kungfu::etcd::access`).
 pub fn check_url(url: &str) -> anyhow::Result<()> {
     job_url(url, 0)?;
+    for k in kungfu::etcd::access::ACCESS_VARS {
+        // handed on to other hosts' launchers as text
+        anyhow::ensure!(
+            std::env::var_os(k).is_none_or(|v| v.to_str().is_some()),
+            "{k} is not UTF-8"
+        );
+    }
     kungfu::etcd::Access::from_env(url.starts_with("etcds://"))
         .map_err(|e| anyhow::anyhow!("--config-store {url:?}: {e}"))?;
     Ok(())

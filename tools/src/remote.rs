@@ -126,9 +126,18 @@ fn etcd_access_env(url: Option<&str>, var: impl Fn(&str) -> Option<String>) -> V
     if !url.is_some_and(|u| u.starts_with("etcd://") || u.starts_with("etcds://")) {
         return Vec::new();
     }
+    // the files made absolute: the remote shell starts in the home
+    // directory, not in this one
     let set: Vec<String> = kungfu::etcd::access::ACCESS_VARS
         .iter()
-        .filter_map(|k| Some(format!("{k}={}", var(k)?)))
+        .filter_map(|&k| {
+            let v = var(k)?;
+            let v = match k == kungfu::etcd::access::ENV_USER {
+                true => v,
+                false => std::path::absolute(&v).map_or(v, |p| p.display().to_string()),
+            };
+            Some(format!("{k}={v}"))
+        })
         .collect();
     match set.is_empty() {
         true => set,
@@ -172,17 +181,21 @@ mod tests {
     fn the_etcd_access_goes_through_env_for_an_etcd_store_only() {
         let var = |k: &str| match k {
             "KUNGFU_ETCD_CA" => Some("/etc/kf/ca.pem".to_string()),
+            "KUNGFU_ETCD_KEY" => Some("rel/key.pem".to_string()),
             "KUNGFU_ETCD_USER" => Some("kf".to_string()),
             "KUNGFU_ETCD_PASSWORD_FILE" => Some("/etc/kf/pw".to_string()),
             _ => None,
         };
+        // a relative path is made absolute (the remote shell starts at home)
+        let key = std::env::current_dir().unwrap().join("rel/key.pem");
         assert_eq!(
             etcd_access_env(Some("etcds://e:2379/kungfu/1"), var),
             [
-                "env",
-                "KUNGFU_ETCD_CA=/etc/kf/ca.pem",
-                "KUNGFU_ETCD_USER=kf",
-                "KUNGFU_ETCD_PASSWORD_FILE=/etc/kf/pw"
+                "env".to_string(),
+                "KUNGFU_ETCD_CA=/etc/kf/ca.pem".into(),
+                format!("KUNGFU_ETCD_KEY={}", key.display()),
+                "KUNGFU_ETCD_USER=kf".into(),
+                "KUNGFU_ETCD_PASSWORD_FILE=/etc/kf/pw".into(),
             ]
         );
         assert!(etcd_access_env(Some("http://h:1/cluster"), var).is_empty());

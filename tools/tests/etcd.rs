@@ -553,14 +553,19 @@ fn an_etcd_with_tls_and_users_serves_an_elastic_job() {
         let err = admin.range("/ci/x", false, soon()).await.unwrap_err();
         assert!(err.contains("permission denied"), "{err}");
         let u = std::path::Path::new("kf");
-        let kf = Etcd::with_access(
-            &server.addr,
-            &access(&[(ENV_USER, u), (ENV_PASSWORD_FILE, &pw)]),
-        )
-        .unwrap();
+        let kf_access = access(&[(ENV_USER, u), (ENV_PASSWORD_FILE, &pw)]);
+        let kf = Etcd::with_access(&server.addr, &kf_access).unwrap();
         kf.range("/ci/x", false, soon()).await.unwrap();
+        // one login for every call and every client of one access
+        let again = Etcd::with_access(&server.addr, &kf_access).unwrap();
+        again.range("/ci/x", false, soon()).await.unwrap();
+        kf.range("/ci/x", false, soon()).await.unwrap();
+        assert_eq!(kf_access.logins(), 1);
+        // the token expires after 2 s idle: etcd refuses it, and the
+        // client logs in again and goes on
         tokio::time::sleep(Duration::from_millis(3500)).await;
         kf.range("/ci/x", false, soon()).await.unwrap();
+        assert_eq!(kf_access.logins(), 2);
         let err = kf.range("/elsewhere", false, soon()).await.unwrap_err();
         assert!(err.contains("permission denied"), "{err}");
         // no client certificate: the handshake fails, named
@@ -575,7 +580,10 @@ fn an_etcd_with_tls_and_users_serves_an_elastic_job() {
         .unwrap();
         let e = Etcd::with_access(&server.addr, &no_cert).unwrap();
         let err = e.range("/ci/x", false, soon()).await.unwrap_err();
-        assert!(err.contains("authenticating as \"kf\""), "{err}");
+        assert!(
+            err.contains("authenticating as \"kf\"") && err.contains("fatal alert"),
+            "{err}"
+        );
     });
 
     // the elastic test through etcds://, as kf

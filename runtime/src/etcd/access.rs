@@ -11,12 +11,18 @@
 //! | `KUNGFU_ETCD_PASSWORD_FILE` | the file that holds its password (one line) |
 //!
 //! The password is read from a file, never from the environment or a
-//! command line, which other users of the machine may see. TLS is 1.3 with
+//! command line, which other users of the machine may see, and sent only
+//! over TLS (a user with an `etcd://` store is refused). TLS is 1.3 with
 //! etcd's certificate checked against the CA and the address's host name.
+//!
+//! The environment is read once per process ([`Access::from_env`]), and
+//! every store opened from it shares one user's token, so that a worker
+//! that opens its store at every resize logs in once, not every time.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
@@ -49,13 +55,22 @@ pub(super) struct Auth {
     pub user: String,
     pub password: String,
     pub token: Mutex<Option<String>>,
+    /// How many tokens etcd gave it.
+    pub logins: AtomicU64,
+}
+
+impl Auth {
+    pub fn logged_in(&self, token: &str) {
+        *self.token.lock().unwrap() = Some(token.to_string());
+        self.logins.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// What the client needs beyond an address: TLS, a user, or neither.
 #[derive(Clone, Default)]
 pub struct Access {
     tls: Option<TlsFiles>,
-    user: Option<(String, String)>,
+    user: Option<Arc<Auth>>,
 }
 
 #[derive(Clone)]
@@ -69,7 +84,7 @@ impl std::fmt::Debug for Access {
         // never the password or the key
         f.debug_struct("Access")
             .field("tls", &self.tls.is_some())
-            .field("user", &self.user.as_ref().map(|u| &u.0))
+            .field("user", &self.user.as_ref().map(|u| &u.user))
             .finish()
     }
 }
@@ -88,8 +103,13 @@ impl Access {
     /// The access the environment sets (the variables above), for a store
     /// reached over TLS (`tls`, `etcds://`) or not (`etcd://`, where the
     /// TLS variables are refused rather than ignored).
+    /// Read once per process and kept (the token with it).
     pub fn from_env(tls: bool) -> Result<Access, String> {
-        Access::from_vars(tls, |k| std::env::var_os(k))
+        static READ: OnceLock<[Result<Access, String>; 2]> = OnceLock::new();
+        let read = READ.get_or_init(|| {
+            [false, true].map(|tls| Access::from_vars(tls, |k| std::env::var_os(k)))
+        });
+        read[tls as usize].clone()
     }
 
     /// [`Access::from_env`], with the variables from `var`.
@@ -135,11 +155,21 @@ impl Access {
             path(ENV_PASSWORD_FILE),
         ) {
             (None, None) => None,
+            (Some(_), Some(_)) if tls.is_none() => {
+                return Err(format!(
+                    "{ENV_USER} over etcd:// would send the password in clear: name the store etcds://HOST:PORT/..."
+                ))
+            }
             (Some(u), Some(p)) => {
                 let u = u
                     .into_string()
                     .map_err(|_| format!("{ENV_USER} is not UTF-8"))?;
-                Some((u, read_password(&p)?))
+                Some(Arc::new(Auth {
+                    user: u,
+                    password: read_password(&p)?,
+                    token: Mutex::new(None),
+                    logins: AtomicU64::new(0),
+                }))
             }
             _ => return Err(format!("{ENV_USER} and {ENV_PASSWORD_FILE} go together")),
         };
@@ -177,13 +207,17 @@ impl Access {
         }))
     }
 
-    /// The user to authenticate as, if any.
-    pub(super) fn auth(&self) -> Option<Auth> {
-        self.user.as_ref().map(|(user, password)| Auth {
-            user: user.clone(),
-            password: password.clone(),
-            token: Mutex::new(None),
-        })
+    /// The user to authenticate as, if any (shared by every store of
+    /// this access, with its token).
+    pub(super) fn auth(&self) -> Option<Arc<Auth>> {
+        self.user.clone()
+    }
+
+    /// How many times this access's user logged in (got a token).
+    pub fn logins(&self) -> u64 {
+        self.user
+            .as_ref()
+            .map_or(0, |a| a.logins.load(Ordering::Relaxed))
     }
 }
 
@@ -244,9 +278,14 @@ mod tests {
         assert!(err(true, &[(ENV_CA, &pw)]).contains("no certificate"));
         assert!(err(true, &[(ENV_CA, &ca), (ENV_CERT, &ca)]).contains("go together"));
         let u = Path::new("kf");
-        assert!(err(false, &[(ENV_USER, u)]).contains(ENV_PASSWORD_FILE));
-        assert!(err(false, &[(ENV_USER, u), (ENV_PASSWORD_FILE, &empty)]).contains("empty"));
-        assert!(err(false, &[(ENV_USER, u), (ENV_PASSWORD_FILE, &missing)]).contains("missing"));
+        let tls = (ENV_CA, ca.as_path());
+        assert!(err(true, &[tls, (ENV_USER, u)]).contains(ENV_PASSWORD_FILE));
+        assert!(err(true, &[tls, (ENV_USER, u), (ENV_PASSWORD_FILE, &empty)]).contains("empty"));
+        assert!(
+            err(true, &[tls, (ENV_USER, u), (ENV_PASSWORD_FILE, &missing)]).contains("missing")
+        );
+        // a password never goes in clear
+        assert!(err(false, &[(ENV_USER, u), (ENV_PASSWORD_FILE, &pw)]).contains("in clear"));
 
         let a = Access::from_vars(
             true,

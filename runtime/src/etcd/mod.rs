@@ -30,9 +30,13 @@ pub const MAX_BODY: usize = 16 << 20;
 /// The longest response head accepted.
 const MAX_HEAD: usize = 16 << 10;
 
-/// What etcd says of a token it no longer knows (expired, or etcd
-/// restarted): the client authenticates again and retries once.
-const INVALID_TOKEN: &str = "invalid auth token";
+/// The login call.
+const AUTHENTICATE: &str = "/v3/auth/authenticate";
+
+/// What etcd says of a token it no longer takes (expired, or etcd
+/// restarted; or issued before users or roles changed): the client
+/// authenticates again and retries once.
+const STALE_TOKEN: [&str; 2] = ["invalid auth token", "revision of auth store is old"];
 
 /// An etcd member's client address (`host:port`), and how it is reached.
 #[derive(Clone)]
@@ -192,7 +196,7 @@ impl Etcd {
             tls: access
                 .tls_for(&addr)
                 .map_err(|e| format!("etcd {addr}: {e}"))?,
-            auth: access.auth().map(Arc::new),
+            auth: access.auth(),
             addr,
         })
     }
@@ -212,7 +216,7 @@ impl Etcd {
         let io = async {
             let token = self.token().await?;
             match self.once(path, body, token.as_deref()).await {
-                Err(e) if token.is_some() && e.contains(INVALID_TOKEN) => {
+                Err(e) if token.is_some() && STALE_TOKEN.iter().any(|s| e.contains(s)) => {
                     self.forget(token.as_deref());
                     let token = self.token().await?;
                     self.once(path, body, token.as_deref()).await
@@ -232,7 +236,12 @@ impl Etcd {
         let code = conn.head().await?;
         let body = conn.body().await?;
         let v: Value = serde_json::from_slice(&body).map_err(|e| {
-            let start = String::from_utf8_lossy(&body[..body.len().min(120)]).into_owned();
+            // what etcd said instead (a proxy's or the gateway's text), but
+            // never of a login, whose body may hold a token
+            let start = match path == AUTHENTICATE {
+                true => String::new(),
+                false => String::from_utf8_lossy(&body[..body.len().min(120)]).into_owned(),
+            };
             format!("{code}: not JSON ({e}): {start:?}")
         })?;
         match v.get("error").or_else(|| v.get("message")) {
@@ -253,7 +262,7 @@ impl Etcd {
         }
         let body = json!({"name": auth.user, "password": auth.password});
         let v = self
-            .once("/v3/auth/authenticate", &body, None)
+            .once(AUTHENTICATE, &body, None)
             .await
             .map_err(|e| format!("authenticating as {:?}: {e}", auth.user))?;
         let token = v
@@ -263,7 +272,7 @@ impl Etcd {
             .filter(|t| !t.is_empty() && t.bytes().all(|b| b.is_ascii_graphic()))
             .ok_or_else(|| format!("authenticating as {:?}: no usable token", auth.user))?
             .to_string();
-        *auth.token.lock().unwrap() = Some(token.clone());
+        auth.logged_in(&token);
         Ok(Some(token))
     }
 
