@@ -51,9 +51,11 @@ pub fn job_url(base: &str, cluster_id: u64) -> anyhow::Result<String> {
         _ => anyhow::bail!(expected()),
     };
     let (addr, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
-    let port_ok = addr
-        .rsplit_once(':')
-        .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
+    // one member or several (HOST:PORT,HOST:PORT,...)
+    let port_ok = addr.split(',').all(|m| {
+        m.rsplit_once(':')
+            .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0))
+    });
     anyhow::ensure!(port_ok, expected());
     let path = match path.trim_end_matches('/') {
         "" => DEFAULT_PREFIX,
@@ -289,12 +291,18 @@ mod tests {
             job_url("etcds://e:2379", 1).unwrap(),
             "etcds://e:2379/kungfu/1"
         );
+        assert_eq!(
+            job_url("etcd://a:1,b:2,c:3/p", 2).unwrap(),
+            "etcd://a:1,b:2,c:3/p/2"
+        );
         for bad in [
             "http://e:1",
             "etcd://e",
             "etcd://:1/x",
             "etcd://e:0",
             "etcd://e:x/p",
+            "etcd://a:1,,b:2/p",
+            "etcd://a:1,b/p",
         ] {
             assert!(check_url(bad).is_err(), "{bad}");
         }

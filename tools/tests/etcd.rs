@@ -631,3 +631,87 @@ fn an_etcd_with_tls_and_users_serves_an_elastic_job() {
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A store over a three-member etcd cluster (`etcd://A,B,C/PREFIX`) goes
+/// on when a member dies, the leader or not: calls pass over a member
+/// that cannot be reached, and over one without a leader while the
+/// others elect one (a change the leader's death cut short is read again
+/// and found made or made again); when two of three are gone the store
+/// says so in time; the elastic test runs with the first member dead
+/// from its start.
+#[test]
+fn an_etcd_cluster_serves_the_job_with_a_member_dead() {
+    if !etcd_present("members") {
+        return;
+    }
+    // six ports free at once
+    let held: Vec<std::net::TcpListener> = (0..6)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let p: Vec<u16> = held
+        .iter()
+        .map(|l| l.local_addr().unwrap().port())
+        .collect();
+    drop(held);
+    let ports = [(p[0], p[1]), (p[2], p[3]), (p[4], p[5])];
+    let dir = std::env::temp_dir().join(format!("kungfu-etcd-members-{}", std::process::id()));
+    let mut members = EtcdServer::start_cluster(&ports, dir.clone());
+    let all: Vec<String> = members.iter().map(|m| m.addr.clone()).collect();
+    let all = all.join(",");
+    rt().block_on(async {
+        let store = ConfigStore::open(&format!("etcd://{all}/t/1")).unwrap();
+        let rules = Placement {
+            max_size: 4,
+            hosts: vec![("10.0.0.1".into(), 4)],
+            bounded: true,
+            port_base: 100,
+        };
+        let v0 = config(0, "10.0.0.1:100");
+        let e = etcd_store(&store);
+        assert_eq!(e.create(&v0, &rules, soon()).await, Ok(Created::New));
+        // the member the store used (the first) dies
+        members[0].kill();
+        let v1 = store.put("size 2", None, soon()).await.unwrap();
+        assert_eq!(v1, config(1, "10.0.0.1:100,10.0.0.1:101"));
+        assert_eq!(store.get(soon()).await.unwrap(), v1);
+        // and the next one too: two of three are gone, no quorum, and the
+        // store says so in time instead of hanging
+        members[1].kill();
+        let t = Instant::now();
+        let err = store
+            .get(Instant::now() + Duration::from_secs(3))
+            .await
+            .unwrap_err();
+        assert!(t.elapsed() < Duration::from_secs(5), "{err}");
+    });
+    drop(members);
+
+    // a fresh cluster, its first member dead before the job starts
+    let dir2 = dir.join("again");
+    let mut members = EtcdServer::start_cluster(&ports, dir2);
+    members[0].kill();
+    // the job starts once the other two have a leader (a write while they
+    // elect one may time out, made or not: that is etcd's to say)
+    rt().block_on(async {
+        let etcd = kungfu::etcd::Etcd::new(all.as_str());
+        let until = Instant::now() + Duration::from_secs(30);
+        while let Err(e) = etcd.range("/probe", false, soon()).await {
+            assert!(Instant::now() < until, "no leader in 30 s: {e}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    let base = free_port_range(8);
+    let mut cmd = Command::new(RUN);
+    cmd.args(["--timeout", "120s", "-w", "-np", "2"])
+        .args(["--config-store", &format!("etcd://{all}/ci")])
+        .args(["--cluster-id", "3e3", "--port-base", &base.to_string()])
+        .args([
+            BENCH, "resize", "--sizes", "4,3,1,3", "-n", "4", "-b", "64K",
+        ]);
+    let out = run_bounded(cmd, Duration::from_secs(150));
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert_resized_2_4_3_1_3(&t);
+    drop(members);
+    let _ = std::fs::remove_dir_all(&dir);
+}

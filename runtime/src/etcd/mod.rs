@@ -7,10 +7,15 @@
 //! zero values are left out (proto3's JSON mapping): [`num`] reads all
 //! three forms. Everything read is bounded ([`MAX_BODY`]) and every call
 //! has a deadline; a watch is a stream that the caller reads under its own.
+//! Several members may be given (`host:port,host:port`): a call goes to
+//! the one that answered last and passes over one it cannot reach or that
+//! has no leader.
+//!
 //! HTTP, or HTTPS with the CA, client certificate and etcd user that
 //! [`Access`] reads from the environment ([`access`]); a user's token is
 //! asked for when first needed and again when etcd says it expired.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use base64::engine::general_purpose::STANDARD as B64;
@@ -38,12 +43,37 @@ const AUTHENTICATE: &str = "/v3/auth/authenticate";
 /// authenticates again and retries once.
 const STALE_TOKEN: [&str; 2] = ["invalid auth token", "revision of auth store is old"];
 
-/// An etcd member's client address (`host:port`), and how it is reached.
+/// What a member without a leader answers (the request went nowhere).
+pub const NO_LEADER: &str = "etcdserver: no leader";
+/// What a member answers when the leader changed while the request was
+/// under way: a read may simply be asked again, a write may or may not
+/// have been made.
+pub const LEADER_CHANGED: &str = "etcdserver: leader changed";
+/// What etcd answers of a write whose fate it does not know (the leader
+/// changed, or the proposal took too long): made or not, only a read says.
+pub const UNDECIDED: [&str; 2] = [LEADER_CHANGED, "etcdserver: request timed out"];
+
+/// The pause between rounds of members that all said [`NO_LEADER`].
+const ELECTION_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// How long connecting to one member may take before the next is tried.
+const CONNECT_EACH: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// An etcd cluster's client addresses (`host:port,host:port,...`), and
+/// how they are reached. A request goes to the member that answered last;
+/// one that cannot be reached (connect, TLS or the request's write fail,
+/// so etcd saw no whole request) is passed over for the next.
 #[derive(Clone)]
 pub struct Etcd {
     addr: String,
-    tls: Option<Tls>,
+    members: Arc<[Member]>,
+    current: Arc<AtomicUsize>,
     auth: Option<Arc<Auth>>,
+}
+
+struct Member {
+    addr: String,
+    tls: Option<Tls>,
 }
 
 impl std::fmt::Debug for Etcd {
@@ -51,7 +81,7 @@ impl std::fmt::Debug for Etcd {
         // never the password or a token
         f.debug_struct("Etcd")
             .field("addr", &self.addr)
-            .field("tls", &self.tls.is_some())
+            .field("tls", &self.is_tls())
             .field("user", &self.auth.as_ref().map(|a| &a.user))
             .finish()
     }
@@ -180,48 +210,111 @@ fn revision(v: &Value) -> Result<i64, String> {
 }
 
 impl Etcd {
-    /// The member at `addr` (`host:port`), over plain HTTP as nobody.
+    /// The members at `addr` (`host:port`, several with commas), over
+    /// plain HTTP as nobody.
     pub fn new(addr: impl Into<String>) -> Etcd {
-        Etcd {
-            addr: addr.into(),
-            tls: None,
-            auth: None,
-        }
+        Etcd::with_access(addr, &Access::default()).expect("plain HTTP needs nothing")
     }
 
-    /// The member at `addr`, reached as `access` says.
+    /// The members at `addr`, reached as `access` says.
     pub fn with_access(addr: impl Into<String>, access: &Access) -> Result<Etcd, String> {
         let addr = addr.into();
+        let members = addr
+            .split(',')
+            .map(|a| {
+                let tls = access.tls_for(a).map_err(|e| format!("etcd {a}: {e}"))?;
+                Ok(Member {
+                    addr: a.to_string(),
+                    tls,
+                })
+            })
+            .collect::<Result<Vec<_>, String>>()?;
         Ok(Etcd {
-            tls: access
-                .tls_for(&addr)
-                .map_err(|e| format!("etcd {addr}: {e}"))?,
+            members: members.into(),
+            current: Arc::new(AtomicUsize::new(0)),
             auth: access.auth(),
             addr,
         })
     }
 
+    /// The members' addresses, as given.
     pub fn addr(&self) -> &str {
         &self.addr
     }
 
     /// Whether it is reached over TLS.
     pub fn is_tls(&self) -> bool {
-        self.tls.is_some()
+        self.members.iter().any(|m| m.tls.is_some())
+    }
+
+    /// Sends the request to the member that answered last, or the next
+    /// that can be reached.
+    async fn send(&self, path: &str, body: &Value, token: Option<&str>) -> Result<Conn, String> {
+        let n = self.members.len();
+        let first = self.current.load(Ordering::Relaxed);
+        let mut errors = Vec::new();
+        for i in 0..n {
+            let k = (first + i) % n;
+            let m = &self.members[k];
+            let open = Conn::open(&m.addr, m.tls.as_ref(), path, body, token);
+            match tokio::time::timeout(CONNECT_EACH, open).await {
+                Ok(Ok(conn)) => {
+                    self.current.store(k, Ordering::Relaxed);
+                    return Ok(conn);
+                }
+                Ok(Err(e)) => errors.push(format!("{}: {e}", m.addr)),
+                Err(_) => errors.push(format!("{}: no connection in {CONNECT_EACH:?}", m.addr)),
+            }
+        }
+        Err(match n {
+            1 => errors.pop().unwrap_or_default(),
+            _ => format!("no member reached ({})", errors.join("; ")),
+        })
     }
 
     /// One unary call: the response's JSON, or the error etcd gave.
+    /// Every call but a transaction that writes is asked again of another
+    /// member when the leader changed under it.
     pub async fn call(&self, path: &str, body: &Value, deadline: Instant) -> Result<Value, String> {
+        let writes = |ops: Option<&Value>| {
+            ops.and_then(Value::as_array)
+                .is_some_and(|ops| ops.iter().any(|op| op.get("request_range").is_none()))
+        };
+        let again =
+            path != "/v3/kv/txn" || !(writes(body.get("success")) || writes(body.get("failure")));
+        self.request(path, body, deadline, again).await
+    }
+
+    async fn request(
+        &self,
+        path: &str,
+        body: &Value,
+        deadline: Instant,
+        again: bool,
+    ) -> Result<Value, String> {
         let what = format!("etcd {} {path}", self.addr);
         let io = async {
-            let token = self.token().await?;
-            match self.once(path, body, token.as_deref()).await {
-                Err(e) if token.is_some() && STALE_TOKEN.iter().any(|s| e.contains(s)) => {
-                    self.forget(token.as_deref());
-                    let token = self.token().await?;
-                    self.once(path, body, token.as_deref()).await
+            // a member without a leader (an election is on) did not take
+            // the request: the next one is asked, and after a round of
+            // them all, again a little later, while the deadline allows
+            let n = self.members.len();
+            let mut asked = 0;
+            loop {
+                match self.authed(path, body).await {
+                    Err(e) if e.contains(NO_LEADER) || (again && e.contains(LEADER_CHANGED)) => {
+                        asked += 1;
+                        let k = self.current.load(Ordering::Relaxed);
+                        self.current.store((k + 1) % n, Ordering::Relaxed);
+                        if asked % n == 0 {
+                            let later = Instant::now() + ELECTION_PAUSE;
+                            if later >= deadline {
+                                return Err(e);
+                            }
+                            tokio::time::sleep_until(later).await;
+                        }
+                    }
+                    r => return r,
                 }
-                r => r,
             }
         };
         tokio::time::timeout_at(deadline, io)
@@ -230,9 +323,23 @@ impl Etcd {
             .map_err(|e| format!("{what}: {e}"))
     }
 
+    /// One request as the user, if any: again with a new token if etcd
+    /// refused the one it had.
+    async fn authed(&self, path: &str, body: &Value) -> Result<Value, String> {
+        let token = self.token().await?;
+        match self.once(path, body, token.as_deref()).await {
+            Err(e) if token.is_some() && STALE_TOKEN.iter().any(|s| e.contains(s)) => {
+                self.forget(token.as_deref());
+                let token = self.token().await?;
+                self.once(path, body, token.as_deref()).await
+            }
+            r => r,
+        }
+    }
+
     /// One request, no retry.
     async fn once(&self, path: &str, body: &Value, token: Option<&str>) -> Result<Value, String> {
-        let mut conn = Conn::open(&self.addr, self.tls.as_ref(), path, body, token).await?;
+        let mut conn = self.send(path, body, token).await?;
         let code = conn.head().await?;
         let body = conn.body().await?;
         let v: Value = serde_json::from_slice(&body).map_err(|e| {
@@ -367,14 +474,7 @@ impl Etcd {
         let what = format!("etcd {} watch {prefix}", self.addr);
         let open = async {
             let token = self.token().await?;
-            let mut conn = Conn::open(
-                &self.addr,
-                self.tls.as_ref(),
-                "/v3/watch",
-                &body,
-                token.as_deref(),
-            )
-            .await?;
+            let mut conn = self.send("/v3/watch", &body, token.as_deref()).await?;
             match conn.head().await? {
                 200 if conn.chunked => Ok((conn, token)),
                 200 => Err("the watch is not a chunked stream".to_string()),

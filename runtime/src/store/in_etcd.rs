@@ -166,7 +166,7 @@ impl EtcdStore {
             if let Some(old) = next.version.checked_sub(HISTORY) {
                 ops.push(delete_op(&self.version_key(old), false));
             }
-            let t = self
+            let t = match self
                 .etcd
                 .txn(
                     vec![same_mod(&self.key("config"), r.config_rev)],
@@ -175,7 +175,17 @@ impl EtcdStore {
                     deadline,
                 )
                 .await
-                .map_err(|e| failed(format!("the change may or may not have been made: {e}")))?;
+            {
+                Ok(t) => t,
+                // made or not, the config read again says (a size made
+                // already is the size it has, and comes back as it is)
+                Err(e) if crate::etcd::UNDECIDED.iter().any(|u| e.contains(u)) => continue,
+                Err(e) => {
+                    return Err(failed(format!(
+                        "the change may or may not have been made: {e}"
+                    )))
+                }
+            };
             if t.succeeded {
                 return Ok(next);
             }

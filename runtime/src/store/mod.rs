@@ -147,7 +147,7 @@ impl ConfigStore {
         };
         let (addr, prefix) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
         let prefix = prefix.trim_end_matches('/');
-        if addr.is_empty() || prefix.is_empty() {
+        if addr.split(',').any(str::is_empty) || prefix.is_empty() {
             return Err(format!(
                 "{url:?}: etcd://HOST:PORT/PREFIX needs an address and a prefix"
             ));

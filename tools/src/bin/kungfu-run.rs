@@ -87,7 +87,8 @@ options:
                         'Authorization: Bearer TOKEN' (--config-token)
   --config-store URL    with -w or --on-failure: keep the cluster config and
                         the workers' membership in etcd instead
-                        (etcd://HOST:PORT[/PREFIX], prefix /kungfu: the job's
+                        (etcd://HOST:PORT[,HOST:PORT...][/PREFIX], the
+                        etcd cluster's members; prefix /kungfu: the job's
                         keys go under PREFIX/<cluster id>; etcds:// for TLS,
                         with KUNGFU_ETCD_CA, and KUNGFU_ETCD_CERT/_KEY,
                         KUNGFU_ETCD_USER/_PASSWORD_FILE as etcd wants them:

@@ -48,11 +48,71 @@ impl EtcdServer {
     /// [`EtcdServer::start`] with clients on `scheme` (`https` where `cmd`
     /// has the TLS flags).
     pub fn start_scheme(
-        mut cmd: Command,
+        cmd: Command,
         scheme: &str,
         host: &str,
         client: u16,
         peer: u16,
+        dir: PathBuf,
+    ) -> EtcdServer {
+        let peer_url = format!("http://{host}:{peer}");
+        let mut e = EtcdServer::spawn(
+            cmd,
+            "kf",
+            scheme,
+            host,
+            client,
+            peer,
+            &format!("kf={peer_url}"),
+            dir,
+        );
+        e.wait_ready();
+        e
+    }
+
+    /// A cluster of `ports.len()` members on the loopback (client and peer
+    /// port each), data under `dir`, once every member serves.
+    #[allow(dead_code)]
+    pub fn start_cluster(ports: &[(u16, u16)], dir: PathBuf) -> Vec<EtcdServer> {
+        let initial: Vec<String> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (_, peer))| format!("kf{i}=http://127.0.0.1:{peer}"))
+            .collect();
+        let initial = initial.join(",");
+        let mut members: Vec<EtcdServer> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, &(client, peer))| {
+                let name = format!("kf{i}");
+                let d = dir.join(&name);
+                EtcdServer::spawn(
+                    Command::new("etcd"),
+                    &name,
+                    "http",
+                    "127.0.0.1",
+                    client,
+                    peer,
+                    &initial,
+                    d,
+                )
+            })
+            .collect();
+        for m in &mut members {
+            m.wait_ready();
+        }
+        members
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn spawn(
+        mut cmd: Command,
+        name: &str,
+        scheme: &str,
+        host: &str,
+        client: u16,
+        peer: u16,
+        initial: &str,
         dir: PathBuf,
     ) -> EtcdServer {
         std::fs::create_dir_all(&dir).unwrap();
@@ -60,31 +120,35 @@ impl EtcdServer {
         let client_url = format!("{scheme}://{host}:{client}");
         let peer_url = format!("http://{host}:{peer}");
         let child = cmd
-            .args(["--name", "kf", "--data-dir"])
+            .args(["--name", name, "--data-dir"])
             .arg(dir.join("data"))
             .args(["--listen-client-urls", &client_url])
             .args(["--advertise-client-urls", &client_url])
             .args(["--listen-peer-urls", &peer_url])
             .args(["--initial-advertise-peer-urls", &peer_url])
-            .args(["--initial-cluster", &format!("kf={peer_url}")])
+            .args(["--initial-cluster", initial])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .expect("starting etcd");
-        let mut e = EtcdServer {
+        EtcdServer {
             child,
             dir,
             log,
             addr: format!("{host}:{client}"),
-        };
+        }
+    }
+
+    /// Waits until it serves clients (30 s at most).
+    fn wait_ready(&mut self) {
         let t = Instant::now();
         loop {
-            let text = std::fs::read_to_string(&e.log).unwrap_or_default();
+            let text = std::fs::read_to_string(&self.log).unwrap_or_default();
             if text.contains("ready to serve client requests") {
-                return e;
+                return;
             }
-            if let Ok(Some(st)) = e.child.try_wait() {
+            if let Ok(Some(st)) = self.child.try_wait() {
                 panic!("etcd exited ({st}):\n{text}");
             }
             assert!(
