@@ -52,11 +52,7 @@ pub fn job_url(base: &str, cluster_id: u64) -> anyhow::Result<String> {
     };
     let (addr, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
     // one member or several (HOST:PORT,HOST:PORT,...)
-    let port_ok = addr.split(',').all(|m| {
-        m.rsplit_once(':')
-            .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0))
-    });
-    anyhow::ensure!(port_ok, expected());
+    kungfu::etcd::check_members(addr).map_err(|e| anyhow::anyhow!("{}: {e}", expected()))?;
     let path = match path.trim_end_matches('/') {
         "" => DEFAULT_PREFIX,
         p => p,
@@ -303,6 +299,7 @@ mod tests {
             "etcd://e:x/p",
             "etcd://a:1,,b:2/p",
             "etcd://a:1,b/p",
+            "etcd://a:1, b:2/p",
         ] {
             assert!(check_url(bad).is_err(), "{bad}");
         }

@@ -44,7 +44,10 @@ pub(super) struct Conn {
 
 impl Conn {
     /// Sends `POST path` with `body` (and etcd's auth `token`, if any) to
-    /// `addr`, over TLS where `tls` is given.
+    /// `addr`, over TLS where `tls` is given. Every request asks a member
+    /// without a leader to refuse it at once (the gateway's
+    /// `Grpc-Metadata-Hasleader: true`), rather than to wait for one, and
+    /// a watch to end when its member loses the leader.
     pub(super) async fn open(
         addr: &str,
         tls: Option<&Tls>,
@@ -70,7 +73,7 @@ impl Conn {
             None => String::new(),
         };
         let req = format!(
-            "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n{auth}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n{auth}Grpc-Metadata-Hasleader: true\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
         );
         s.write_all(req.as_bytes())

@@ -43,17 +43,19 @@ const AUTHENTICATE: &str = "/v3/auth/authenticate";
 /// authenticates again and retries once.
 const STALE_TOKEN: [&str; 2] = ["invalid auth token", "revision of auth store is old"];
 
-/// What a member without a leader answers (the request went nowhere).
-pub const NO_LEADER: &str = "etcdserver: no leader";
-/// What a member answers when the leader changed while the request was
-/// under way: a read may simply be asked again, a write may or may not
-/// have been made.
-pub const LEADER_CHANGED: &str = "etcdserver: leader changed";
-/// What etcd answers of a write whose fate it does not know (the leader
-/// changed, or the proposal took too long): made or not, only a read says.
-pub const UNDECIDED: [&str; 2] = [LEADER_CHANGED, "etcdserver: request timed out"];
+/// What etcd answers of a request it did not take: the member has no
+/// leader (it is asked to refuse then: every request says
+/// `Grpc-Metadata-Hasleader: true`), or the proposal was dropped.
+pub const NOT_TAKEN: [&str; 2] = ["etcdserver: no leader", "raft proposal dropped"];
+/// What etcd answers of a request whose fate it does not know (the leader
+/// changed under it, or it took too long): a read may simply be asked
+/// again; a write may or may not have been made, which only a read says.
+pub const UNDECIDED: [&str; 2] = [
+    "etcdserver: leader changed",
+    "etcdserver: request timed out",
+];
 
-/// The pause between rounds of members that all said [`NO_LEADER`].
+/// The pause between rounds of members that all refused (see [`NOT_TAKEN`]).
 const ELECTION_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// How long connecting to one member may take before the next is tried.
@@ -105,6 +107,20 @@ pub struct TxnResult {
     pub revision: i64,
     /// The keys each range of the branch taken read, in order.
     pub ranges: Vec<Vec<Kv>>,
+}
+
+/// Checks a list of members, `host:port[,host:port...]`: each with a
+/// host, a port of 1..=65535 and no white space.
+pub fn check_members(addr: &str) -> Result<(), String> {
+    for m in addr.split(',') {
+        let ok = !m.contains(char::is_whitespace)
+            && m.rsplit_once(':')
+                .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
+        if !ok {
+            return Err(format!("{m:?} is not an etcd member's HOST:PORT"));
+        }
+    }
+    Ok(())
 }
 
 /// The base64 of `s`.
@@ -247,24 +263,36 @@ impl Etcd {
         self.members.iter().any(|m| m.tls.is_some())
     }
 
-    /// Sends the request to the member that answered last, or the next
-    /// that can be reached.
-    async fn send(&self, path: &str, body: &Value, token: Option<&str>) -> Result<Conn, String> {
+    /// Sends the request to member `*at`, or the next that can be reached
+    /// (each given its share of the time to `deadline`, at most
+    /// [`CONNECT_EACH`]); `*at` becomes the member that took it. A member
+    /// passed over is passed over by later calls too.
+    async fn send(
+        &self,
+        path: &str,
+        body: &Value,
+        token: Option<&str>,
+        deadline: Instant,
+        at: &mut usize,
+    ) -> Result<Conn, String> {
         let n = self.members.len();
-        let first = self.current.load(Ordering::Relaxed);
         let mut errors = Vec::new();
         for i in 0..n {
-            let k = (first + i) % n;
+            let k = (*at + i) % n;
             let m = &self.members[k];
+            let left = deadline.saturating_duration_since(Instant::now());
+            let each = CONNECT_EACH.min(left / (n - i) as u32);
             let open = Conn::open(&m.addr, m.tls.as_ref(), path, body, token);
-            match tokio::time::timeout(CONNECT_EACH, open).await {
+            match tokio::time::timeout(each, open).await {
                 Ok(Ok(conn)) => {
+                    *at = k;
                     self.current.store(k, Ordering::Relaxed);
                     return Ok(conn);
                 }
                 Ok(Err(e)) => errors.push(format!("{}: {e}", m.addr)),
-                Err(_) => errors.push(format!("{}: no connection in {CONNECT_EACH:?}", m.addr)),
+                Err(_) => errors.push(format!("{}: no connection in {each:?}", m.addr)),
             }
+            self.pass_over(k);
         }
         Err(match n {
             1 => errors.pop().unwrap_or_default(),
@@ -272,39 +300,46 @@ impl Etcd {
         })
     }
 
+    /// Later calls start after member `k`, unless another call moved on
+    /// already.
+    fn pass_over(&self, k: usize) {
+        let next = (k + 1) % self.members.len();
+        let _ = self
+            .current
+            .compare_exchange(k, next, Ordering::Relaxed, Ordering::Relaxed);
+    }
+
     /// One unary call: the response's JSON, or the error etcd gave.
-    /// Every call but a transaction that writes is asked again of another
-    /// member when the leader changed under it.
+    /// A member without a leader is passed over for the next (the request
+    /// went nowhere); so is one that could not finish a read, which reads
+    /// (range, a transaction of ranges only, a lease's keepalive) are
+    /// asked again of.
     pub async fn call(&self, path: &str, body: &Value, deadline: Instant) -> Result<Value, String> {
         let writes = |ops: Option<&Value>| {
             ops.and_then(Value::as_array)
                 .is_some_and(|ops| ops.iter().any(|op| op.get("request_range").is_none()))
         };
-        let again =
-            path != "/v3/kv/txn" || !(writes(body.get("success")) || writes(body.get("failure")));
-        self.request(path, body, deadline, again).await
-    }
-
-    async fn request(
-        &self,
-        path: &str,
-        body: &Value,
-        deadline: Instant,
-        again: bool,
-    ) -> Result<Value, String> {
+        let read = match path {
+            "/v3/kv/range" | "/v3/lease/keepalive" => true,
+            "/v3/kv/txn" => !(writes(body.get("success")) || writes(body.get("failure"))),
+            _ => false,
+        };
         let what = format!("etcd {} {path}", self.addr);
         let io = async {
-            // a member without a leader (an election is on) did not take
-            // the request: the next one is asked, and after a round of
-            // them all, again a little later, while the deadline allows
+            // after a round of them all, again a little later, while the
+            // deadline allows
             let n = self.members.len();
+            let mut at = self.current.load(Ordering::Relaxed);
             let mut asked = 0;
             loop {
-                match self.authed(path, body).await {
-                    Err(e) if e.contains(NO_LEADER) || (again && e.contains(LEADER_CHANGED)) => {
+                match self.authed(path, body, deadline, &mut at).await {
+                    Err(e)
+                        if NOT_TAKEN.iter().any(|s| e.contains(s))
+                            || (read && UNDECIDED.iter().any(|s| e.contains(s))) =>
+                    {
+                        self.pass_over(at);
+                        at = (at + 1) % n;
                         asked += 1;
-                        let k = self.current.load(Ordering::Relaxed);
-                        self.current.store((k + 1) % n, Ordering::Relaxed);
                         if asked % n == 0 {
                             let later = Instant::now() + ELECTION_PAUSE;
                             if later >= deadline {
@@ -325,21 +360,34 @@ impl Etcd {
 
     /// One request as the user, if any: again with a new token if etcd
     /// refused the one it had.
-    async fn authed(&self, path: &str, body: &Value) -> Result<Value, String> {
-        let token = self.token().await?;
-        match self.once(path, body, token.as_deref()).await {
+    async fn authed(
+        &self,
+        path: &str,
+        body: &Value,
+        deadline: Instant,
+        at: &mut usize,
+    ) -> Result<Value, String> {
+        let token = self.token(deadline).await?;
+        match self.once(path, body, token.as_deref(), deadline, at).await {
             Err(e) if token.is_some() && STALE_TOKEN.iter().any(|s| e.contains(s)) => {
                 self.forget(token.as_deref());
-                let token = self.token().await?;
-                self.once(path, body, token.as_deref()).await
+                let token = self.token(deadline).await?;
+                self.once(path, body, token.as_deref(), deadline, at).await
             }
             r => r,
         }
     }
 
     /// One request, no retry.
-    async fn once(&self, path: &str, body: &Value, token: Option<&str>) -> Result<Value, String> {
-        let mut conn = self.send(path, body, token).await?;
+    async fn once(
+        &self,
+        path: &str,
+        body: &Value,
+        token: Option<&str>,
+        deadline: Instant,
+        at: &mut usize,
+    ) -> Result<Value, String> {
+        let mut conn = self.send(path, body, token, deadline, at).await?;
         let code = conn.head().await?;
         let body = conn.body().await?;
         let v: Value = serde_json::from_slice(&body).map_err(|e| {
@@ -360,7 +408,7 @@ impl Etcd {
 
     /// The user's token: the one etcd gave last, or a new one. `None`
     /// without a user.
-    async fn token(&self) -> Result<Option<String>, String> {
+    async fn token(&self, deadline: Instant) -> Result<Option<String>, String> {
         let Some(auth) = &self.auth else {
             return Ok(None);
         };
@@ -368,8 +416,9 @@ impl Etcd {
             return Ok(Some(t));
         }
         let body = json!({"name": auth.user, "password": auth.password});
+        let mut at = self.current.load(Ordering::Relaxed);
         let v = self
-            .once(AUTHENTICATE, &body, None)
+            .once(AUTHENTICATE, &body, None, deadline, &mut at)
             .await
             .map_err(|e| format!("authenticating as {:?}: {e}", auth.user))?;
         let token = v
@@ -473,8 +522,11 @@ impl Etcd {
         }});
         let what = format!("etcd {} watch {prefix}", self.addr);
         let open = async {
-            let token = self.token().await?;
-            let mut conn = self.send("/v3/watch", &body, token.as_deref()).await?;
+            let token = self.token(deadline).await?;
+            let mut at = self.current.load(Ordering::Relaxed);
+            let mut conn = self
+                .send("/v3/watch", &body, token.as_deref(), deadline, &mut at)
+                .await?;
             match conn.head().await? {
                 200 if conn.chunked => Ok((conn, token)),
                 200 => Err("the watch is not a chunked stream".to_string()),

@@ -177,9 +177,25 @@ impl EtcdStore {
                 .await
             {
                 Ok(t) => t,
-                // made or not, the config read again says (a size made
-                // already is the size it has, and comes back as it is)
-                Err(e) if crate::etcd::UNDECIDED.iter().any(|u| e.contains(u)) => continue,
+                // etcd does not know whether it was made: its version
+                // key says (it holds this config if it was), else the
+                // change is decided again on the config as it is now
+                Err(e) if crate::etcd::UNDECIDED.iter().any(|u| e.contains(u)) => {
+                    let undecided = |f: String| {
+                        failed(format!(
+                            "the change may or may not have been made: {e}; {f}"
+                        ))
+                    };
+                    let (kvs, _) = self
+                        .etcd
+                        .range(&self.version_key(next.version), false, deadline)
+                        .await
+                        .map_err(undecided)?;
+                    match kvs.first() {
+                        Some(kv) if kv.value == text.as_bytes() => return Ok(next),
+                        _ => continue,
+                    }
+                }
                 Err(e) => {
                     return Err(failed(format!(
                         "the change may or may not have been made: {e}"
@@ -482,5 +498,103 @@ impl Membership {
 impl Drop for Membership {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::etcd::b64;
+    use serde_json::json;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A server on the loopback that answers its connections, one request
+    /// each, with `replies` in turn (JSON bodies with their status).
+    async fn canned(replies: Vec<(u16, serde_json::Value)>) -> String {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            for (code, body) in replies {
+                let (mut s, _) = l.accept().await.unwrap();
+                let mut req = vec![0u8; 1 << 16];
+                let _ = s.read(&mut req).await;
+                let body = body.to_string();
+                let reply = format!(
+                    "HTTP/1.1 {code} x\r\nContent-Length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = s.write_all(reply.as_bytes()).await;
+            }
+        });
+        addr
+    }
+
+    fn kv(key: &str, value: &str, rev: i64) -> serde_json::Value {
+        json!({"key": b64(key), "value": b64(value), "mod_revision": rev.to_string()})
+    }
+
+    /// A change whose fate etcd does not know (`request timed out`) is
+    /// looked up by its version key: made, it is the answer; not made, the
+    /// change is decided again and made.
+    #[tokio::test]
+    async fn an_undecided_change_is_looked_up_and_decided_again() {
+        let v0 = ClusterConfig::parse("version 0\npeers 10.0.0.1:100").unwrap();
+        let rules = Placement {
+            max_size: 4,
+            hosts: vec![("10.0.0.1".into(), 4)],
+            bounded: true,
+            port_base: 100,
+        };
+        let read = || {
+            let ranges = [
+                kv("/p/config", &v0.encode(), 5),
+                kv("/p/rules", &rules.encode(), 5),
+            ]
+            .map(|k| json!({"response_range": {"kvs": [k]}}));
+            let mut ports = Ports::new();
+            note_port(&mut ports, "10.0.0.1", 100);
+            let ports = kv("/p/ports", &encode_ports(&ports), 5);
+            let ranges = [
+                ranges[0].clone(),
+                ranges[1].clone(),
+                json!({"response_range": {"kvs": [ports]}}),
+            ];
+            (
+                200,
+                json!({"header": {"revision": "5"}, "responses": ranges, "succeeded": true}),
+            )
+        };
+        let timed_out = (
+            503,
+            json!({"error": "etcdserver: request timed out", "code": 14}),
+        );
+        let v1 = ClusterConfig::parse("version 1\npeers 10.0.0.1:100,10.0.0.1:101").unwrap();
+        let store = |addr: String| EtcdStore {
+            etcd: Etcd::new(addr),
+            prefix: "/p".into(),
+        };
+        let soon = || Instant::now() + std::time::Duration::from_secs(5);
+        let version_key = "/p/versions/0000000001";
+
+        // made: the version key holds it
+        let made = (
+            200,
+            json!({"header": {"revision": "6"}, "kvs": [kv(version_key, &v1.encode(), 6)]}),
+        );
+        let s = store(canned(vec![read(), timed_out.clone(), made]).await);
+        assert_eq!(s.put("size 2", soon()).await.unwrap(), v1);
+
+        // not made: read again, made again
+        let absent = (200, json!({"header": {"revision": "6"}}));
+        let ok = (200, json!({"header": {"revision": "7"}, "succeeded": true}));
+        let s = store(canned(vec![read(), timed_out.clone(), absent, read(), ok]).await);
+        assert_eq!(s.put("size 2", soon()).await.unwrap(), v1);
+
+        // the look-up fails too: the caller hears that it may be made
+        let s = store(canned(vec![read(), timed_out]).await);
+        match s.put("size 2", soon()).await {
+            Err(PutError::Failed(e)) => assert!(e.contains("may or may not"), "{e}"),
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -147,11 +147,12 @@ impl ConfigStore {
         };
         let (addr, prefix) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
         let prefix = prefix.trim_end_matches('/');
-        if addr.split(',').any(str::is_empty) || prefix.is_empty() {
+        if prefix.is_empty() {
             return Err(format!(
                 "{url:?}: etcd://HOST:PORT/PREFIX needs an address and a prefix"
             ));
         }
+        crate::etcd::check_members(addr).map_err(|e| format!("{url:?}: {e}"))?;
         let access = Access::from_env(tls).map_err(|e| format!("{url:?}: {e}"))?;
         Ok(ConfigStore::Etcd(EtcdStore {
             etcd: Etcd::with_access(addr, &access)?,

@@ -86,16 +86,11 @@ impl EtcdServer {
             .map(|(i, &(client, peer))| {
                 let name = format!("kf{i}");
                 let d = dir.join(&name);
-                EtcdServer::spawn(
-                    Command::new("etcd"),
-                    &name,
-                    "http",
-                    "127.0.0.1",
-                    client,
-                    peer,
-                    &initial,
-                    d,
-                )
+                let mut cmd = Command::new("etcd");
+                // slower than the defaults (100 ms, 1 s), so that two
+                // loaded cores elect no leader but when one died
+                cmd.args(["--heartbeat-interval", "200", "--election-timeout", "2000"]);
+                EtcdServer::spawn(cmd, &name, "http", "127.0.0.1", client, peer, &initial, d)
             })
             .collect();
         for m in &mut members {
