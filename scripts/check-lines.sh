@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fails if a tracked source file (Rust, C, C++, Python, shell) is longer
 # than the house limit: a file past it holds more than one responsibility
-# and is split along its seams (docs/design/transport-seam-plan.md).
+# and is split along its seams (docs/design.md describes the layers).
 #   scripts/check-lines.sh [LIMIT]   (default 800)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,6 +1,7 @@
-//! The README's elastic loop (`kungfu-elastic-loop`) under `kungfu-run -w
-//! -np 2`: the schedule's resizes happen at their steps, the adaptive
-//! batch size acts only every 10 steps, and the workers end agreeing.
+//! The elastic loop of docs/adaptation.md (`kungfu-elastic-loop`) under
+//! `kungfu-run -w -np 2`: the schedule's resizes happen at their steps, the
+//! adaptive batch size acts only every 10 steps, and the workers end
+//! agreeing.
 
 use std::path::Path;
 use std::time::Duration;

@@ -1,7 +1,7 @@
-//! `kungfu-elastic-loop`: the README's elastic training loop ("Adaptation
-//! and elastic training"), compiled and run by `examples/tests/
-//! elastic_loop.rs` so that it cannot rot. The part between the `README`
-//! markers is what the README shows.
+//! `kungfu-elastic-loop`: the elastic training loop of docs/adaptation.md
+//! (the README's "Elastic and adaptive training" runs it), compiled and
+//! run by `examples/tests/elastic_loop.rs` so that it cannot rot. The part
+//! between the `docs/adaptation.md` markers is what that page shows.
 //!
 //! The model is a toy (least squares on random data); what matters is the
 //! loop: the application feeds the adapter the step and the batch size in
@@ -29,7 +29,7 @@ const STEPS: u64 = 300;
 const LR: f32 = 0.05;
 
 async fn train() -> anyhow::Result<()> {
-    // README: begin
+    // docs/adaptation.md: begin
     let mut w = Worker::start(WorkerEnv::from_env()?).await?;
     let (mut model, mut batch) = (vec![0f32; DIM], [256u32]);
     let mut step = sync(&mut w, 0, &mut model, &mut batch).await?; // new workers learn it
@@ -86,7 +86,7 @@ async fn train() -> anyhow::Result<()> {
             }
         }
     }
-    // README: end
+    // docs/adaptation.md: end
     for (at, a) in ad.history() {
         println!("agreed at step {at}: {a:?}");
     }
@@ -102,7 +102,7 @@ async fn train() -> anyhow::Result<()> {
     Ok(())
 }
 
-// README: begin sync
+// docs/adaptation.md: begin sync
 /// Hands the step, the model and the batch size to workers that joined.
 async fn sync(
     w: &mut Worker,
@@ -116,7 +116,7 @@ async fn sync(
     ];
     w.sync_state(step, &mut state).await
 }
-// README: end sync
+// docs/adaptation.md: end sync
 
 /// The mean gradient of `|x.model - y|^2 / 2` over `n` random examples of
 /// `y = x.target + noise` (drawn from the step and the rank), into `g`.

@@ -92,7 +92,7 @@ options:
                         keys go under PREFIX/<cluster id>; etcds:// for TLS,
                         with KUNGFU_ETCD_CA, and KUNGFU_ETCD_CERT/_KEY,
                         KUNGFU_ETCD_USER/_PASSWORD_FILE as etcd wants them:
-                        see the README); workers take new
+                        see docs/hosts.md); workers take new
                         ports from --port-base. -w and --on-failure in
                         per-node mode (--self, --rdzv) need it: every node's
                         launcher then follows the job there
