@@ -184,8 +184,8 @@ impl Wire for AnyWire {
         each!(self, w => w.going_to_sleep())
     }
 
-    fn host_lanes(&self) -> Option<Arc<crate::shm::lane::HostLanes>> {
-        each!(self, w => w.host_lanes())
+    fn extension(&self, ty: std::any::TypeId) -> Option<crate::wire::Extension> {
+        each!(self, w => w.extension(ty))
     }
 
     async fn close(&self, linger: Duration) {

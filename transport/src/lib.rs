@@ -413,11 +413,23 @@ pub trait Transport: Send + Sync + 'static {
     /// [`TransportError::Closed`], frames in flight may be lost. Idempotent.
     fn shutdown(&self);
 
-    /// Shared-memory lanes to every other rank, when every rank is on this
-    /// host and reached through shared memory: the collectives' host fast
-    /// path (see [`shm::lane`]). `None` otherwise.
-    fn host_lanes(&self) -> Option<Arc<shm::lane::HostLanes>> {
+    /// A capability of type `ty` that one of this transport's wires offers
+    /// beyond moving frames ([`wire::Extension`]), e.g. the shared-memory
+    /// lanes of the host fast path ([`shm::lane::HostLanes`]). `None` when
+    /// no wire offers one.
+    fn extension(&self, ty: std::any::TypeId) -> Option<wire::Extension> {
+        let _ = ty;
         None
+    }
+
+    /// [`Transport::extension`] of type `E`, typed.
+    fn extension_of<E: std::any::Any + Send + Sync>(&self) -> Option<Arc<E>>
+    where
+        Self: Sized,
+    {
+        self.extension(std::any::TypeId::of::<E>())?
+            .downcast::<E>()
+            .ok()
     }
 }
 

@@ -30,6 +30,7 @@
 //!   ([`Wire::register`]) before it posts a receive into it.
 //! - `max_frame`: the endpoint refuses larger sends.
 
+use std::any::{Any, TypeId};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -124,6 +125,14 @@ impl Tasks {
     }
 }
 
+/// A capability that a backend offers beyond moving frames, found by its
+/// type: the wire and transport traits name no backend's types, and only
+/// code that knows a capability's type (the host fast path knows the
+/// shared-memory lanes) asks for it, through [`Transport::extension`].
+///
+/// [`Transport::extension`]: crate::Transport::extension
+pub type Extension = Arc<dyn Any + Send + Sync>;
+
 /// A frame offered in place: `(sender, header, payload in pieces)`; true
 /// when the callee consumed it.
 pub type Apply<'a> = &'a mut (dyn FnMut(Rank, &Header, &[&[u8]]) -> bool + Send);
@@ -208,9 +217,12 @@ pub trait Wire: Send + Sync + 'static {
     /// delivered: the wire's readers must not leave frames to it.
     fn going_to_sleep(&self) {}
 
-    /// The shared-memory lanes to the peers this wire reaches, for the
-    /// collectives' host fast path (`shm` only).
-    fn host_lanes(&self) -> Option<Arc<crate::shm::lane::HostLanes>> {
+    /// This wire's capability of type `ty`, if it offers one beyond moving
+    /// frames (see [`Extension`]): the shared-memory wire offers its
+    /// [`HostLanes`](crate::shm::lane::HostLanes) to the collectives' host
+    /// fast path.
+    fn extension(&self, ty: TypeId) -> Option<Extension> {
+        let _ = ty;
         None
     }
 
@@ -220,4 +232,41 @@ pub trait Wire: Send + Sync + 'static {
 
     /// Stops at once; idempotent.
     fn shutdown(&self);
+}
+
+#[cfg(test)]
+mod tests {
+    /// `Wire` and `Transport` name no backend's types (code only: a doc may
+    /// point at one as an example); a capability of one backend goes
+    /// through [`super::Extension`].
+    #[test]
+    fn the_traits_name_no_backend() {
+        let lib = include_str!("lib.rs");
+        let start = lib.find("\npub trait Transport").expect("the trait");
+        let len = lib[start + 1..].find("\n}\n").expect("its end");
+        let transport = &lib[start..start + 1 + len];
+        let backends = ["tcp", "shm", "quic", "fabric", "verbs", "mem", "any"];
+        // a path that starts at the backend's module (`shm::`, `crate::shm::`),
+        // not `std::mem::` or `std::any::`
+        let names = |code: &str, b: &str| {
+            let pat = format!("{b}::");
+            code.match_indices(&pat).any(|(i, _)| {
+                let before = &code[..i];
+                before.ends_with("crate::")
+                    || before.ends_with("super::")
+                    || !before.ends_with(|c: char| c == ':' || c == '_' || c.is_alphanumeric())
+            })
+        };
+        for (file, text) in [("wire.rs", include_str!("wire.rs")), ("lib.rs", transport)] {
+            for line in text.lines() {
+                let code = line.trim_start();
+                if code.starts_with("//") {
+                    continue;
+                }
+                for b in backends {
+                    assert!(!names(code, b), "{file} names the {b} backend: {line}");
+                }
+            }
+        }
+    }
 }

@@ -195,7 +195,10 @@ impl<T: Transport> Fast<T> {
         max_bytes: usize,
         large: super::FastLarge,
     ) -> Option<Arc<Fast<T>>> {
-        let lanes = t.host_lanes()?;
+        // the lanes of a shared-memory wire that reaches every other rank
+        let lanes = t
+            .extension_of::<HostLanes>()
+            .filter(|l| l.complete() && l.size() == t.size())?;
         if max_bytes == 0 || t.size() < 2 || t.size() > 64 {
             return None;
         }

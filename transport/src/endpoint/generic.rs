@@ -288,11 +288,8 @@ impl<W: Wire> Transport for Endpoint<W> {
         }
     }
 
-    fn host_lanes(&self) -> Option<Arc<crate::shm::lane::HostLanes>> {
-        self.wires.iter().find_map(|w| {
-            w.host_lanes()
-                .filter(|l| l.complete() && l.size() == self.size)
-        })
+    fn extension(&self, ty: std::any::TypeId) -> Option<crate::wire::Extension> {
+        self.wires.iter().find_map(|w| w.extension(ty))
     }
 }
 

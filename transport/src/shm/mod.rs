@@ -395,8 +395,9 @@ impl Wire for ShmWire {
         self.outbound.get(peer.idx()).is_some_and(Option::is_some)
     }
 
-    fn host_lanes(&self) -> Option<Arc<lane::HostLanes>> {
-        Some(self.lanes.clone())
+    fn extension(&self, ty: std::any::TypeId) -> Option<crate::wire::Extension> {
+        let lanes: crate::wire::Extension = self.lanes.clone();
+        (ty == std::any::TypeId::of::<lane::HostLanes>()).then_some(lanes)
     }
 
     fn pump(&self, tag: OpTag, from: &PeerSet, apply: Option<Apply<'_>>) -> Pump {
