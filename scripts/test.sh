@@ -8,6 +8,28 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Each stage's time, printed at the end (also when a stage fails), so that a
+# slower CI shows where it went.
+stage_log=()
+stage_t0=$SECONDS
+stage_name=""
+stage() {
+  local now=$SECONDS
+  [ -z "$stage_name" ] || stage_log+=("$(printf '%6ds  %s' $((now - stage_t0)) "$stage_name")")
+  stage_name="$1"
+  stage_t0=$now
+  [ -z "$1" ] || echo "== $1"
+}
+stage_times() {
+  local rc=$?
+  stage ""
+  echo "== time per stage (rc=$rc)"
+  printf '%s\n' "${stage_log[@]}"
+  printf '%6ds  total\n' "$SECONDS"
+}
+trap stage_times EXIT
+
+stage "system packages"
 need=()
 command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin libopenmpi-dev)
 # the C ABI tests: compile C and C++ against the installed library
@@ -42,36 +64,62 @@ for c in rustfmt clippy; do
   fi
 done
 
+stage "toolchain components"
 # builds and the C ABI tests' scratch copies need disk: say what there is
 df -h . "${TMPDIR:-/tmp}" 2>/dev/null || true
 
-echo "== cargo fmt --check"
+stage "cargo fmt --check"
 cargo fmt --all -- --check
-echo "== no source file over 800 lines (scripts/check-lines.sh)"
+stage "no source file over 800 lines (scripts/check-lines.sh)"
 scripts/check-lines.sh
-echo "== cargo clippy"
+stage "cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
-echo "== cargo doc (warnings are errors)"
+stage "cargo doc (warnings are errors)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked -q
-echo "== cargo build (libkungfu.so/.a and kungfu-run, which the C ABI tests use)"
-cargo build --workspace --locked
-echo "== cargo test"
+# One dev build of every target (libraries, libkungfu.so/.a, the binaries the
+# C ABI and launcher tests run, test and bench binaries) with the features
+# of the test build: `cargo build` without --all-targets resolves features
+# without the dev-dependencies (the conformance suite) and compiled the
+# whole workspace a second time.
+stage "cargo build --all-targets"
+cargo build --workspace --all-targets --locked
+stage "tests"
 # as root (CI is), the many-host tests must run, not skip
 [ "$(id -u)" != 0 ] || export KUNGFU_REQUIRE_NETNS=1
 # installed above: the etcd tests must run, not skip
 export KUNGFU_REQUIRE_ETCD=1
-cargo test --workspace --locked
-echo "== the verbs wire (feature verbs): lints with the runtime, tests over the fake fabric and the clear error here"
-cargo clippy -p kungfu-transport -p kungfu --all-targets --locked \
-  --features kungfu-transport/verbs,kungfu-transport/conformance,kungfu/verbs -- -D warnings
-cargo test -p kungfu-transport --features verbs,conformance --locked verbs::
-echo "== benches (one quick pass each, so they never rot)"
-cargo test --workspace --benches --locked
-echo "== Miri: the shm ring and the C ABI layer (scripts/miri.sh --quick)"
-scripts/miri.sh --quick
-echo "== the Python package and its torch tests (scripts/python-tests.sh: a cached venv with torch, pip install ./python, pytest)"
+if cargo nextest --version >/dev/null 2>&1; then
+  # every test in a process of its own, two at a time across the binaries,
+  # each bounded (.config/nextest.toml); the doc tests are cargo test's
+  cargo nextest run --workspace --locked --no-tests=fail
+  cargo test --workspace --doc --locked
+else
+  echo "(cargo-nextest is not installed: cargo test runs the binaries one after another)"
+  cargo test --workspace --locked
+fi
+stage "benches (one quick pass each, so they never rot)"
+# the bench targets only: `--workspace --benches` also ran every library's
+# unit tests again (a library is a bench target too)
+cargo test -p kungfu-benches --benches --locked
+stage "the verbs wire (feature verbs): lints with the runtime, tests over the fake fabric and the clear error here"
+if scripts/ci-unchanged.sh verbs transport Cargo.lock; then
+  echo "(skipped: transport/ and Cargo.lock are as in the last green run on this machine; KUNGFU_CI_FULL=1 runs it)"
+else
+  cargo clippy -p kungfu-transport -p kungfu --all-targets --locked \
+    --features kungfu-transport/verbs,kungfu-transport/conformance,kungfu/verbs -- -D warnings
+  cargo test -p kungfu-transport --features verbs,conformance --locked verbs::
+  scripts/ci-unchanged.sh --green verbs transport Cargo.lock
+fi
+stage "Miri: the shm ring and the C ABI layer (scripts/miri.sh --quick)"
+if scripts/ci-unchanged.sh miri transport/src ffi/src scripts/miri*.sh Cargo.lock; then
+  echo "(skipped: their sources are as in the last green run on this machine; KUNGFU_CI_FULL=1 runs it)"
+else
+  scripts/miri.sh --quick
+  scripts/ci-unchanged.sh --green miri transport/src ffi/src scripts/miri*.sh Cargo.lock
+fi
+stage "the Python package and its torch tests (scripts/python-tests.sh: a cached venv with torch, pip install ./python, pytest)"
 scripts/python-tests.sh
-echo "== the commands of README.md and docs/ (release builds, then each block)"
+stage "the commands of README.md and docs/ (release builds, then each block)"
 python3 scripts/doc-commands.py
-echo "== disk used by the build"
+stage "disk used by the build"
 du -sh target 2>/dev/null || true
