@@ -98,24 +98,27 @@ else
   cargo test --workspace --locked
 fi
 stage "benches (one quick pass each, so they never rot)"
-# the bench targets only: `--workspace --benches` also ran every library's
-# unit tests again (a library is a bench target too)
-cargo test -p kungfu-benches --benches --locked
+# the bench targets only (`--benches` also ran every library's unit tests
+# again: a library is a bench target too), of the build above
+cargo test --workspace --bench '*' --locked
 stage "the verbs wire (feature verbs): lints with the runtime, tests over the fake fabric and the clear error here"
-if scripts/ci-unchanged.sh verbs transport Cargo.lock; then
-  echo "(skipped: transport/ and Cargo.lock are as in the last green run on this machine; KUNGFU_CI_FULL=1 runs it)"
+verbs_inputs=(transport tests/src/conformance tests/tests/conformance_verbs.rs Cargo.lock)
+if scripts/ci-unchanged.sh verbs "${verbs_inputs[@]}"; then
+  echo "(skipped: its sources are as when it last passed on this machine; KUNGFU_CI_FULL=1 runs it)"
 else
-  cargo clippy -p kungfu-transport -p kungfu --all-targets --locked \
-    --features kungfu-transport/verbs,kungfu-transport/conformance,kungfu/verbs -- -D warnings
-  cargo test -p kungfu-transport --features verbs,conformance --locked verbs::
-  scripts/ci-unchanged.sh --green verbs transport Cargo.lock
+  cargo clippy -p kungfu-transport -p kungfu -p kungfu-tests --all-targets --locked \
+    --features kungfu-transport/verbs,kungfu/verbs,kungfu-tests/verbs -- -D warnings
+  cargo test -p kungfu-transport --features verbs --locked verbs::
+  cargo test -p kungfu-tests --features verbs --locked --test conformance_verbs
+  scripts/ci-unchanged.sh --green verbs "${verbs_inputs[@]}"
 fi
 stage "Miri: the shm ring and the C ABI layer (scripts/miri.sh --quick)"
-if scripts/ci-unchanged.sh miri transport/src ffi/src scripts/miri*.sh Cargo.lock; then
-  echo "(skipped: their sources are as in the last green run on this machine; KUNGFU_CI_FULL=1 runs it)"
+miri_inputs=(transport/src ffi/src scripts/miri.sh scripts/miri-shm.sh scripts/miri-region.sh scripts/miri-ffi.sh Cargo.lock)
+if scripts/ci-unchanged.sh miri "${miri_inputs[@]}"; then
+  echo "(skipped: its sources are as when it last passed on this machine; KUNGFU_CI_FULL=1 runs it)"
 else
   scripts/miri.sh --quick
-  scripts/ci-unchanged.sh --green miri transport/src ffi/src scripts/miri*.sh Cargo.lock
+  scripts/ci-unchanged.sh --green miri "${miri_inputs[@]}"
 fi
 stage "the Python package and its torch tests (scripts/python-tests.sh: a cached venv with torch, pip install ./python, pytest)"
 scripts/python-tests.sh

@@ -1,4 +1,7 @@
-//! Helpers shared by the cross-crate tests in `tests/tests/`.
+//! Helpers shared by the cross-crate tests in `tests/tests/`, and the
+//! transport conformance suite ([`conformance`]) that every wire runs.
+
+pub mod conformance;
 
 use std::future::Future;
 use std::pin::Pin;

@@ -7,10 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kungfu_collectives::{CollectiveError, ReduceOp, Session, SessionConfig};
+use kungfu_tests::conformance::clusters::{bind_udp, quic_config};
+use kungfu_tests::conformance::ConformanceConfig;
 use kungfu_tests::{bind_loopback, tcp_cluster, unique_cluster_id};
 use kungfu_topology::{PeerList, Rank, Strategy};
-use kungfu_transport::conformance::clusters::{bind_udp, quic_config};
-use kungfu_transport::conformance::ConformanceConfig;
 use kungfu_transport::fabric::{FabricConfig, FabricTransport};
 use kungfu_transport::quic::{JobCa, QuicTransport};
 use kungfu_transport::{ClusterVersion, Epoch, Transport};

@@ -1,3 +1,3 @@
 //! The conformance suite on libfabric (shm).
 
-kungfu_transport::conformance_tests!(kungfu_transport::conformance::clusters::FabricShm);
+kungfu_tests::conformance_tests!(kungfu_tests::conformance::clusters::FabricShm);

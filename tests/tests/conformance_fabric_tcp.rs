@@ -1,3 +1,3 @@
 //! The conformance suite on libfabric (tcp;ofi_rxm).
 
-kungfu_transport::conformance_tests!(kungfu_transport::conformance::clusters::FabricTcp);
+kungfu_tests::conformance_tests!(kungfu_tests::conformance::clusters::FabricTcp);

@@ -1,3 +1,3 @@
 //! The conformance suite on TCP over loopback.
 
-kungfu_transport::conformance_tests!(kungfu_transport::conformance::clusters::Tcp);
+kungfu_tests::conformance_tests!(kungfu_tests::conformance::clusters::Tcp);

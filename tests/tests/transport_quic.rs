@@ -4,10 +4,10 @@
 use std::time::Duration;
 
 use bytes::Bytes;
+use kungfu_tests::conformance::clusters::{bind_udp, quic_config};
+use kungfu_tests::conformance::ConformanceConfig;
 use kungfu_tests::unique_cluster_id;
 use kungfu_topology::{PeerList, Rank};
-use kungfu_transport::conformance::clusters::{bind_udp, quic_config};
-use kungfu_transport::conformance::ConformanceConfig;
 use kungfu_transport::quic::{JobCa, QuicTls, QuicTransport};
 use kungfu_transport::{FrameKind, Header, OpId, OpTag, PeerSet, Transport, TransportError};
 
@@ -121,7 +121,12 @@ async fn an_intruder_does_not_stop_the_real_peer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a diagnostic report, not a check"]
 async fn quic_path_report() {
-    let ts = <kungfu_transport::conformance::clusters::Quic as kungfu_transport::conformance::Cluster>::connect(2, ConformanceConfig::default()).await;
+    let ts =
+        <kungfu_tests::conformance::clusters::Quic as kungfu_tests::conformance::Cluster>::connect(
+            2,
+            ConformanceConfig::default(),
+        )
+        .await;
     let payload = Bytes::from(vec![7u8; 16 << 20]);
     let (tag, header) = data_frame(ts[0].epoch(), 9);
     for round in 0..3 {

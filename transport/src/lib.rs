@@ -74,9 +74,10 @@
 //!
 //! # Features
 //!
-//! - `conformance`: the module `conformance`, the suite every backend
-//!   must pass, generic over a factory of clusters (test code: the test
-//!   crates enable it, normal builds leave it out).
+//! - `verbs-fake`: [`verbs::fake`], an in-process fake of an RC fabric
+//!   and `VerbsTransport::connect_fake` over it, for the conformance suite
+//!   (`kungfu-tests`) where there is no RDMA device (test code: normal
+//!   builds leave it out).
 //! - `verbs`: the ibverbs wire, through sideway (libibverbs is loaded at
 //!   run time; building needs cmake and libclang).
 //!
@@ -99,8 +100,6 @@ mod peerset;
 pub use peerset::PeerSet;
 pub mod any;
 pub mod auth;
-#[cfg(feature = "conformance")]
-pub mod conformance;
 mod connect;
 pub mod endpoint;
 // libfabric's objects and the memory they write, behind the pending table.

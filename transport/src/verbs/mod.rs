@@ -99,7 +99,7 @@
 //! The tests that need a device are ignored unless `KUNGFU_TEST_IB_DEVICE`
 //! names one (read when the crate is built); everything else (queue pair transitions, work requests,
 //! completion handling, and the whole wire over the fake, also through
-//! the conformance suite with `--features verbs,conformance`) runs
+//! the conformance suite with `-p kungfu-tests --features verbs`) runs
 //! anywhere.
 
 use std::collections::HashMap;
@@ -128,8 +128,8 @@ use crate::{ClusterVersion, Epoch, Header, Instant, OpTag, PeerSet, TransportErr
 
 mod arrive;
 mod core;
-#[cfg(any(test, feature = "conformance"))]
-pub(crate) mod fake;
+#[cfg(any(test, feature = "verbs-fake"))]
+pub mod fake;
 mod progress;
 mod proto;
 mod seam;
@@ -288,11 +288,11 @@ impl Endpoint<VerbsWire> {
     }
 }
 
-#[cfg(any(test, feature = "conformance"))]
+#[cfg(any(test, feature = "verbs-fake"))]
 impl Endpoint<VerbsWire> {
     /// As [`VerbsTransport::connect`], over the in-process fake fabric
     /// `net` instead of a device (tests; the bootstrap is the real one).
-    pub(crate) async fn connect_fake(
+    pub async fn connect_fake(
         config: VerbsConfig,
         listener: TcpListener,
         net: Arc<fake::FakeNet>,

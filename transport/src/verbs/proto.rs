@@ -198,7 +198,7 @@ pub fn connect_steps(local: &LocalPort, local_psn: u32, remote: &QpInfo) -> [QpS
 
 /// A queue pair's state, as far as the wire moves it (what the fake
 /// device enforces).
-#[cfg_attr(not(any(test, feature = "conformance")), allow(dead_code))]
+#[cfg_attr(not(any(test, feature = "verbs-fake")), allow(dead_code))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QpState {
     Reset,
@@ -208,7 +208,7 @@ pub enum QpState {
     Error,
 }
 
-#[cfg_attr(not(any(test, feature = "conformance")), allow(dead_code))]
+#[cfg_attr(not(any(test, feature = "verbs-fake")), allow(dead_code))]
 impl QpState {
     /// The state after `step`, if the transition is legal for RC.
     pub fn after(self, step: &QpStep) -> Result<QpState, String> {

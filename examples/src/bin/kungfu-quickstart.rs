@@ -1,4 +1,4 @@
-//! The quick start of the README (scripts/doc-commands.py checks that the two
+//! `kungfu-quickstart`: the quick start of the README (scripts/doc-commands.py checks that the two
 //! stay the same, and runs it under kungfu-run).
 use kungfu::{Worker, WorkerEnv};
 use kungfu_collectives::ReduceOp;

@@ -10,7 +10,7 @@ use super::{
     eventually, join_all, one, others, queued, rank, receive, recv_ok, send_ok, soon, spawn_sends,
     tag, Cluster, ConformanceConfig, Expect, How, Msg, Waiting, WAIT,
 };
-use crate::{Header, Instant, PeerSet, Transport, TransportError};
+use kungfu_transport::{Header, Instant, PeerSet, Transport, TransportError};
 
 fn lost_is(name: &str, what: &str, r: Result<impl std::fmt::Debug, TransportError>, who: Rank) {
     match r {

@@ -6,8 +6,8 @@ use super::{
     check_same, join_all, one, others, poll_once, queued, rank, receive, recv_ok, send_ok, shuffle,
     soon, spawn_sends, tag, Cluster, ConformanceConfig, Expect, How, Msg,
 };
-use crate::mem::SeededRng;
-use crate::{PeerSet, Region, Transport, HEADER_LEN};
+use kungfu_transport::mem::SeededRng;
+use kungfu_transport::{PeerSet, Region, Transport, HEADER_LEN};
 
 /// Payload sizes that find the edges: empty, one byte, odd, around the
 /// ring's size and the header's, several rings (a frame that streams

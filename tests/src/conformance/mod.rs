@@ -26,7 +26,7 @@
 //!   everything still arrives, and one frame larger than the budget passes.
 //! - [`closed_endpoint`]: close delivers what was sent and returns by its
 //!   linger; afterwards, and for operations pending at shutdown,
-//!   everything fails with [`TransportError::Closed`](crate::TransportError::Closed).
+//!   everything fails with [`TransportError::Closed`](kungfu_transport::TransportError::Closed).
 //! - [`bad_input`]: ranks out of range, itself, oversized frames: clear
 //!   errors, no panic, the endpoint stays usable.
 //! - [`posted_receives`]: receives posted into ranges of one region, of
@@ -83,8 +83,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use kungfu_topology::Rank;
 
-use crate::mem::SeededRng;
-use crate::{Epoch, Frame, FrameKind, Header, Instant, OpId, OpTag, PeerSet, Transport};
+use kungfu_transport::mem::SeededRng;
+use kungfu_transport::{Epoch, Frame, FrameKind, Header, Instant, OpId, OpTag, PeerSet, Transport};
 
 pub mod clusters;
 mod delivery;
@@ -465,7 +465,7 @@ async fn receive<T: Transport>(
     tag: OpTag,
     from: &PeerSet,
     deadline: Instant,
-) -> Result<Got, crate::TransportError> {
+) -> Result<Got, kungfu_transport::TransportError> {
     match how {
         How::Owned => t.recv(tag, from, deadline).await.map(|f| Got {
             frame: Some(f),
@@ -486,9 +486,9 @@ async fn receive<T: Transport>(
                 })
                 .await?;
             let frame = match frame {
-                crate::Arrival::Frame(f) => Some(f),
-                crate::Arrival::Applied => None,
-                crate::Arrival::Landed { from, header } => {
+                kungfu_transport::Arrival::Frame(f) => Some(f),
+                kungfu_transport::Arrival::Applied => None,
+                kungfu_transport::Arrival::Landed { from, header } => {
                     panic!("{from}: a landed receive {header:?}, but none was posted")
                 }
             };

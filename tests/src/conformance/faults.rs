@@ -8,8 +8,8 @@ use super::{
     eventually, has_room, held, join_all, one, others, poll_once, queued, rank, receive, recv_ok,
     refused, send_ok, soon, spawn_sends, tag, Cluster, ConformanceConfig, Expect, How, Msg,
 };
-use crate::mem::SeededRng;
-use crate::{Epoch, Header, PeerSet, Transport};
+use kungfu_transport::mem::SeededRng;
+use kungfu_transport::{Epoch, Header, PeerSet, Transport};
 
 /// Rank 1 receives from the others while its receives are dropped.
 ///

@@ -11,16 +11,15 @@ use kungfu_topology::{Peer, PeerList, Rank};
 use tokio::net::TcpListener;
 
 use super::{Cluster, ConformanceConfig};
-use crate::any::{connect_auto, AnyTransport};
-#[cfg(feature = "fabric")]
-use crate::fabric::{FabricConfig, FabricTransport};
-use crate::mem::{MemConfig, MemNetwork, MemTransport};
-use crate::quic::{JobCa, QuicConfig, QuicTls, QuicTransport};
-use crate::shm::{ShmConfig, ShmTransport};
-use crate::tcp::{TcpConfig, TcpTransport};
+use kungfu_transport::any::{connect_auto, AnyTransport};
+use kungfu_transport::fabric::{FabricConfig, FabricTransport};
+use kungfu_transport::mem::{MemConfig, MemNetwork, MemTransport};
+use kungfu_transport::quic::{JobCa, QuicConfig, QuicTls, QuicTransport};
+use kungfu_transport::shm::{ShmConfig, ShmTransport};
+use kungfu_transport::tcp::{TcpConfig, TcpTransport};
 #[cfg(feature = "verbs")]
-use crate::verbs::{fake::FakeNet, VerbsConfig, VerbsTransport};
-use crate::ClusterVersion;
+use kungfu_transport::verbs::{fake::FakeNet, VerbsConfig, VerbsTransport};
+use kungfu_transport::ClusterVersion;
 
 const CONNECT: Duration = Duration::from_secs(20);
 
@@ -187,19 +186,15 @@ pub fn bind_udp(n: usize) -> (Vec<std::net::UdpSocket>, PeerList) {
 }
 
 /// libfabric over its `tcp;ofi_rxm` provider (loopback).
-#[cfg(feature = "fabric")]
 pub struct FabricTcp;
 
 /// libfabric over its `shm` provider.
-#[cfg(feature = "fabric")]
 pub struct FabricShm;
 
 /// libfabric over `tcp;ofi_rxm`, registering every buffer (the path of
 /// providers that need `FI_MR_LOCAL`, such as verbs).
-#[cfg(feature = "fabric")]
 pub struct FabricRegistered;
 
-#[cfg(feature = "fabric")]
 macro_rules! fabric_cluster {
     ($t:ty, $name:expr, $provider:expr, $register:expr) => {
         impl Cluster for $t {
@@ -231,11 +226,8 @@ macro_rules! fabric_cluster {
     };
 }
 
-#[cfg(feature = "fabric")]
 fabric_cluster!(FabricTcp, "fabric (tcp;ofi_rxm)", "tcp;ofi_rxm", false);
-#[cfg(feature = "fabric")]
 fabric_cluster!(FabricShm, "fabric (shm)", "shm", false);
-#[cfg(feature = "fabric")]
 fabric_cluster!(
     FabricRegistered,
     "fabric (tcp;ofi_rxm, registered)",
@@ -245,7 +237,6 @@ fabric_cluster!(
 
 /// A fabric endpoint's settings for a conformance cluster: every frame
 /// eager (the suite receives without posting), in few slots.
-#[cfg(feature = "fabric")]
 pub fn fabric_config(
     cfg: &ConformanceConfig,
     id: u64,
@@ -446,8 +437,9 @@ async fn bind(hosts: &[&str]) -> (Vec<TcpListener>, PeerList) {
 
 /// The job secret of cluster `id`: every cluster of the suite but QUIC's
 /// (mutual TLS) runs authenticated, as kungfu-run's jobs do.
-fn job_secret(id: u64) -> crate::auth::JobSecret {
-    crate::auth::JobSecret::new(format!("conformance {id:x}").as_bytes()).expect("a secret")
+fn job_secret(id: u64) -> kungfu_transport::auth::JobSecret {
+    kungfu_transport::auth::JobSecret::new(format!("conformance {id:x}").as_bytes())
+        .expect("a secret")
 }
 
 /// A cluster id no other cluster of this process or another uses (shared

@@ -8,8 +8,10 @@ use super::{
     eventually, join_all, one, others, queued, rank, send_ok, soon, spawn_sends, tag, Cluster,
     ConformanceConfig, Msg, WAIT,
 };
-use crate::region::Region;
-use crate::{Arrival, FrameKind, Instant, PeerSet, RecvKey, Transport, TransportError, HEADER_LEN};
+use kungfu_transport::region::Region;
+use kungfu_transport::{
+    Arrival, FrameKind, Instant, PeerSet, RecvKey, Transport, TransportError, HEADER_LEN,
+};
 
 /// What one receiver gets: each frame and its range, and the total.
 type Inbox = (Vec<(Msg, std::ops::Range<usize>)>, usize);
@@ -36,9 +38,9 @@ fn data_chunk(k: usize) -> u32 {
 async fn take_landed<T: Transport>(
     name: &str,
     t: &T,
-    tag: crate::OpTag,
+    tag: kungfu_transport::OpTag,
     due: &mut HashMap<RecvKey, std::ops::Range<usize>>,
-) -> Vec<crate::Frame> {
+) -> Vec<kungfu_transport::Frame> {
     let mut owned = Vec::new();
     let all = PeerSet::all(t.size());
     while !due.is_empty() {
@@ -239,7 +241,7 @@ fn post_all_if<X: Default>(cond: bool, f: impl FnOnce() -> X) -> X {
 pub async fn posted_failures<C: Cluster>() {
     let n = 3;
     let cfg = ConformanceConfig {
-        epoch: crate::Epoch(2),
+        epoch: kungfu_transport::Epoch(2),
         spin: Duration::ZERO,
         ..ConformanceConfig::default()
     };
@@ -280,7 +282,7 @@ pub async fn posted_failures<C: Cluster>() {
     assert_eq!(stray.unwrap().header.tag, b.header.tag, "{}", C::name());
 
     // An older epoch.
-    let old = Msg::new(r1, r0, tag(crate::Epoch(1), 3, 0), 0, 10);
+    let old = Msg::new(r1, r0, tag(kungfu_transport::Epoch(1), 3, 0), 0, 10);
     let r = ts[0].post_recv(key_of(&old), region.write(200..210).unwrap());
     assert!(
         matches!(r, Err(TransportError::StaleEpoch { .. })),
