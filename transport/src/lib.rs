@@ -74,7 +74,7 @@
 //!
 //! # Features
 //!
-//! - `verbs-fake`: [`verbs::fake`], an in-process fake of an RC fabric
+//! - `verbs-fake`: `verbs::fake`, an in-process fake of an RC fabric
 //!   and `VerbsTransport::connect_fake` over it, for the conformance suite
 //!   (`kungfu-tests`) where there is no RDMA device (test code: normal
 //!   builds leave it out).

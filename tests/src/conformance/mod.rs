@@ -1,5 +1,6 @@
 //! The conformance suite: what every backend must do, checked the same way
-//! for each (feature `conformance`; test code, not part of normal builds).
+//! for each (test code: it lives in kungfu-tests, not in kungfu-transport,
+//! so no build of the library carries it).
 //!
 //! The cases, each one `#[tokio::test]` per backend:
 //!
@@ -40,11 +41,10 @@
 //!
 //! Implement [`Cluster`] (how to connect `n` ranks in this process, and
 //! what the backend declares it does), then, in a test file of a crate
-//! that enables this feature and depends on tokio (`rt-multi-thread`,
-//! `macros`):
+//! that depends on kungfu-tests and tokio (`rt-multi-thread`, `macros`):
 //!
 //! ```text
-//! kungfu_transport::conformance_tests!(kungfu_transport::conformance::clusters::Tcp);
+//! kungfu_tests::conformance_tests!(kungfu_tests::conformance::clusters::Tcp);
 //! ```
 //!
 //! as `tests/tests/conformance_tcp.rs` does. Every case has its own
