@@ -10,6 +10,7 @@ use kungfu_topology::{Peer, PeerList};
 
 pub mod bind;
 pub mod certs;
+pub mod cli;
 pub mod config_store;
 pub mod launch;
 pub mod options;

@@ -60,5 +60,6 @@ fn the_simulator_predicts_every_strategy_and_draws_the_plot() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--fat-tree R:O"));
+    // clap's form: invalid value '8' for '--fat-tree <R:O>': ...
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--fat-tree <R:O>"));
 }

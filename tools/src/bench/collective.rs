@@ -18,7 +18,7 @@ use super::monitor::{monitor_overhead, ROUNDS};
 use super::report::{cell, count_wrong, json, nccl_type, Row};
 use super::resize::resize_bench;
 use super::swap::{swap_bench, transport_swap_bench};
-use super::{sizes, Args, Op};
+use super::{sizes, Args, Op, Run};
 use crate::heap;
 
 /// Runs `iters` ops of `spec` out of place (the input is left as it is,
@@ -182,7 +182,7 @@ async fn measure(
     };
     let name = format!(
         "bench/{}/{}",
-        args.op.name(),
+        args.op().name(),
         if in_place { "ip" } else { "oop" }
     );
     let (dt, wrong, heap) = if in_place {
@@ -209,14 +209,17 @@ async fn measure(
 }
 
 pub(crate) async fn bench(args: Args) -> anyhow::Result<bool> {
-    if args.swap {
-        return swap_bench(args.iters.max(1), args.warmup).await;
-    }
-    if let Some(kinds) = &args.swap_transports {
-        return transport_swap_bench(kinds, args.iters.max(1), args.warmup, args.min).await;
-    }
-    if let Some(sizes) = &args.resize {
-        return resize_bench(sizes, args.iters.max(1), args.min).await;
+    match args.run {
+        Some(Run::Swap) => return swap_bench(args.iters.max(1), args.warmup).await,
+        Some(Run::SwapTransport) => {
+            let kinds = args.transports.as_deref().unwrap_or_default();
+            return transport_swap_bench(kinds, args.iters.max(1), args.warmup, args.min).await;
+        }
+        Some(Run::Resize) => {
+            let sizes = args.sizes.as_deref().unwrap_or_default();
+            return resize_bench(sizes, args.iters.max(1), args.min).await;
+        }
+        _ => {}
     }
     let mut env = WorkerEnv::from_env()?;
     if let Some(st) = args.strategy {
@@ -229,11 +232,11 @@ pub(crate) async fn bench(args: Args) -> anyhow::Result<bool> {
     let w = Worker::start(env).await?;
     let s = w.session();
     let (n, me) = (s.size(), s.rank().idx());
-    if args.op.rooted() && args.root >= n {
+    if args.op().rooted() && args.root >= n {
         bail!("root {} outside a cluster of {n}", args.root);
     }
     let es = args.dtype.size();
-    let kind = match args.op {
+    let kind = match args.op() {
         Op::Allreduce => OpKind::Allreduce(args.redop),
         Op::Broadcast => OpKind::Broadcast {
             root: Rank(args.root as u32),
@@ -249,7 +252,7 @@ pub(crate) async fn bench(args: Args) -> anyhow::Result<bool> {
     if me == 0 {
         println!(
             "# kungfu-bench {}: {n} ranks, strategy {strategy}, transport {}, iters {}, warmup {}, check {}",
-            args.op.name(),
+            args.op().name(),
             w.transport_name(),
             args.iters,
             args.warmup,
@@ -295,12 +298,12 @@ pub(crate) async fn bench(args: Args) -> anyhow::Result<bool> {
     let mut rows = Vec::new();
     for (k, &size) in all.iter().enumerate() {
         let total = size / es;
-        let count = if args.op.blockwise() {
+        let count = if args.op().blockwise() {
             total / n
         } else {
             total
         };
-        let shown = if args.op.blockwise() {
+        let shown = if args.op().blockwise() {
             count * n
         } else {
             count
@@ -329,17 +332,17 @@ pub(crate) async fn bench(args: Args) -> anyhow::Result<bool> {
         let row = Row {
             size: bytes,
             count: shown,
-            oop: cell(args.op, n, bytes, oop),
-            ip: cell(args.op, n, bytes, ip),
+            oop: cell(args.op(), n, bytes, oop),
+            ip: cell(args.op(), n, bytes, ip),
             monitor,
         };
         if me == 0 {
-            let redop = if args.op.reduces() {
+            let redop = if args.op().reduces() {
                 args.redop.name()
             } else {
                 "none"
             };
-            let root = if args.op.rooted() {
+            let root = if args.op().rooted() {
                 args.root as i64
             } else {
                 -1
@@ -418,7 +421,7 @@ pub(crate) async fn bench(args: Args) -> anyhow::Result<bool> {
             }
             let title = format!(
                 "kungfu-bench {} ({} ranks, {strategy}, {})",
-                args.op.name(),
+                args.op().name(),
                 n,
                 nccl_type(args.dtype)
             );

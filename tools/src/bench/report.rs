@@ -93,7 +93,7 @@ pub(super) fn json(
     };
     let mut o = format!(
         r#"{{"op":"{}","ranks":{n},"strategy":"{strategy}","type":"{}","redop":"{}","iters":{},"warmup":{},"rows":["#,
-        args.op.name(),
+        args.op().name(),
         nccl_type(args.dtype),
         args.redop,
         args.iters,

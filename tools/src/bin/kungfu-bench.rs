@@ -5,6 +5,9 @@
 //! kungfu-run -np 4 kungfu-bench allreduce -b 1K -e 64M -f 2 -n 20 -w 5 -c 1
 //! ```
 //!
+//! `kungfu-bench --help` lists the options (`--completions SHELL` prints a
+//! completion script).
+//!
 //! Rank 0 prints one row per size: `size count type redop root`, then
 //! `time algbw busbw #wrong` out of place and in place. `time` is the
 //! slowest rank's mean time per op. `algbw` = size / time; `busbw` scales
@@ -38,7 +41,7 @@
 #[path = "../bench/mod.rs"]
 mod bench;
 
-use bench::{bench, parse_args};
+use bench::{bench, Args};
 
 /// Counts heap allocations, so the bench can report what an op allocates
 /// in the steady state (the JSON rows and the footer carry it).
@@ -87,62 +90,12 @@ mod heap {
 #[global_allocator]
 static HEAP: heap::Counting = heap::Counting;
 
-const USAGE: &str = "\
-usage: kungfu-bench OP [options]     (run under kungfu-run)
-
-OP: allreduce | broadcast | allgather | reduce-scatter | reduce | alltoall
-    | swap (the latency of a strategy swap: agreement and switch; -n, -w)
-    | swap-transport --transports T,T,... (the latency of a transport swap:
-      agreement, connecting the next transport of the list in turn, switch;
-      each followed by a checked allreduce of -b bytes on it; -n, -w)
-    | resize --sizes N,N,... (elastic, under kungfu-run -w: a training loop
-      of -n steps between resizes over a model of -b bytes; checks the
-      model after every change, prints each resize's latency)
-
-  -b SIZE        smallest size in bytes (default 1K; K, M, G suffixes)
-  -e SIZE        largest size (default 64M)
-  -f FACTOR      size multiplier between rows (default 2)
-  -n ITERS       timed iterations per size (default 20)
-  -w WARMUP      untimed iterations per size (default 5)
-  -c 0|1         check every result exactly (default 1)
-  -d TYPE        float, half, bfloat16, double, int8, uint8, int32, ... (float)
-  -o OP          sum, prod, min, max, avg (default sum)
-  -r ROOT        root of broadcast and reduce (default 0)
-  --in-place 0|1 also measure in place (default 1): one buffer is the op's
-                 input and its output, as in nccl-tests
-  --monitor K    allreduce of floats: also time each size with the gradient
-                 monitors on every K-th op (the local norm rides in a spare
-                 element of the gradient allreduce; the summed gradient's
-                 norm after it; noise scale and variance) and print their
-                 overhead (default 0: off)
-  --strategy S   override KUNGFU_STRATEGY
-  --json FILE    write the results as JSON (rank 0)
-  --plot FILE    draw busbw against size as SVG (rank 0)
-  --timeline F   write every rank's op phases as a Chrome trace, as
-                 KUNGFU_TIMELINE=F does (F.rankR.json per rank, or %r in F
-                 replaced by the rank); open in ui.perfetto.dev
-
-Output (rank 0): per size, time algbw busbw #wrong out of place and in
-place; #wrong counts the wrong elements of a checked op, in the column's
-own buffer, over all ranks (non-zero fails the run). The footer's \"Heap
-per op (rank 0)\" line gives the heap allocations and bytes of one timed
-out-of-place op on rank 0 (every thread), at the largest size and, in
-parentheses, at the smallest.
-";
-
 fn main() {
-    let argv: Vec<String> = std::env::args().skip(1).collect();
-    let args = match parse_args(&argv) {
-        Ok(Some(a)) => a,
-        Ok(None) => {
-            print!("{USAGE}");
-            return;
-        }
-        Err(e) => {
-            eprintln!("kungfu-bench: {e:#}\n\n{USAGE}");
-            std::process::exit(2);
-        }
-    };
+    let args = Args::parse_checked(std::env::args_os()).unwrap_or_else(|e| e.exit());
+    if let Some(shell) = args.completions {
+        kungfu_tools::cli::print_completions::<Args>(shell);
+        return;
+    }
     let threads = std::env::var("KUNGFU_THREADS")
         .ok()
         .and_then(|v| v.parse().ok())

@@ -7,61 +7,137 @@
 //!            [--check-port] [--wait-for PATH] [--swap-transports T,T,...]
 //!            [--recover] [--follow-config] [--stop-file PATH] [--stamp]
 //! ```
-//! Each step allreduces a gradient-sized buffer of exact values and checks
-//! the result. `--exit` makes one rank (its rank at start) exit with CODE at STEP; `--hang`
-//! makes one rank stop taking part (the others must fail by their
-//! deadline). Every rank prints its pid (and its address) first, so tests
+//!
+//! `kungfu-selftest --help` says what each flag does (the doc comments of
+//! `Args`). Every rank prints its pid (and its address) first, so tests
 //! can kill one or throw bytes at its port.
-//!
-//! `--recover` keeps training when a worker is lost: the survivors call
-//! [`Worker::recover`], then [`Worker::sync_state`], and go on from the
-//! step they agree on (run it under `kungfu-run --on-failure shrink`).
-//! Every step adds the (exact) sum to a model and checks with a consensus
-//! that every worker's model is the same. `--follow-config` calls
-//! [`Worker::resize_from_config`] every step, so that workers that the
-//! launcher starts (`--on-failure replace`, `-w`) join. After a recovery,
-//! the first step that succeeds says how long after the loss it came, with
-//! the model's digest, so that a test can compare the survivors' models
-//! itself.
-//!
-//! `--stop-file PATH`: every 10 steps the workers agree (an allreduce)
-//! whether any of them sees PATH, and all stop at that step; a test ends an
-//! endless run cleanly with it. `--stamp` starts every line with the unix
-//! time in milliseconds and the pid (`1712345678901 pid 4242: step 10
-//! ok`), for a test that times what the workers report and tells workers
-//! apart whose launcher labels collide (a replacement gets its rank's
-//! label).
-//!
-//! `--swap-transports quic,fabric,tcp` swaps the transport to each in
-//! turn at evenly spaced steps (a collective: every rank does), checking
-//! every step before and after.
-//!
-//! For the launcher's port tests: `--check-port` fails unless this
-//! worker's address is already bound when it starts (kungfu-run binds it
-//! and passes the socket down; a port the launcher had released could be
-//! taken by any process). `--wait-for PATH` holds every worker, connected,
-//! until PATH exists (at most two minutes), so that many jobs can be
-//! alive at once.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context};
+use clap::Parser;
+use clap_complete::aot::Shell;
 use kungfu::{Discovery, Worker, WorkerEnv};
 use kungfu_collectives::{CollectiveError, ReduceOp};
+use kungfu_tools::cli::list;
 use kungfu_topology::Rank;
+use kungfu_transport::any::TransportKind;
 
+// One page of help for -h and --help alike: every text is a single
+// paragraph (no long help), wrapped by hand (see kungfu-bench's).
+const ABOUT: &str = "\
+A small stand-in for a training loop, to check a setup end to end and to
+test the launcher's failure handling; run it under kungfu-run:
+
+  kungfu-run -np 4 kungfu-selftest --steps 100
+
+Each step allreduces a gradient-sized buffer of exact values and checks the
+result. Every rank prints its pid (and its address) first, so tests can
+kill one or throw bytes at its port.";
+
+/// The command line.
+#[derive(Debug, Parser)]
+#[command(
+    name = "kungfu-selftest",
+    about = ABOUT,
+    long_about = None,
+    args_override_self = true
+)]
 struct Args {
+    /// Training steps
+    #[arg(long, value_name = "N", default_value_t = 10)]
     steps: usize,
+    /// Elements (f32) of the gradient (and the model)
+    #[arg(long, value_name = "ELEMS", default_value_t = 1 << 16)]
     size: usize,
+    /// Make one rank (its rank at start) exit with CODE at STEP
+    #[arg(long, value_name = "RANK:STEP:CODE", value_parser = exit_at)]
     exit: Option<(usize, usize, i32)>,
+    /// Make one rank stop taking part at STEP (the others must
+    /// fail by their deadline)
+    #[arg(long, value_name = "RANK:STEP", value_parser = hang_at, verbatim_doc_comment)]
     hang: Option<(usize, usize)>,
+    /// Fail unless this worker's address is already bound when
+    /// it starts (kungfu-run binds it and passes the socket
+    /// down; a port the launcher had released could be taken by
+    /// any process)
+    #[arg(long, verbatim_doc_comment)]
     check_port: bool,
+    /// Hold every worker, connected, until PATH exists (at most
+    /// two minutes), so that many jobs can be alive at once
+    #[arg(long, value_name = "PATH", verbatim_doc_comment)]
     wait_for: Option<std::path::PathBuf>,
-    swaps: Vec<kungfu_transport::any::TransportKind>,
+    /// Swap the transport to each in turn at evenly spaced steps
+    /// (a collective: every rank does), checking every step
+    /// before and after
+    #[arg(
+        long,
+        value_name = "T,T,...",
+        value_parser = list(str::parse::<TransportKind>),
+        verbatim_doc_comment
+    )]
+    swap_transports: Option<std::vec::Vec<TransportKind>>,
+    /// Keep training when a worker is lost (under kungfu-run
+    /// --on-failure shrink): the survivors call Worker::recover,
+    /// then Worker::sync_state, and go on from the step they
+    /// agree on. Every step adds the (exact) sum to a model and
+    /// checks with a consensus that every worker's model is the
+    /// same. After a recovery, the first step that succeeds says
+    /// how long after the loss it came, with the model's digest,
+    /// so that a test can compare the survivors' models itself
+    #[arg(long, verbatim_doc_comment)]
     recover: bool,
-    follow: bool,
+    /// Call Worker::resize_from_config every step, so that
+    /// workers that the launcher starts (--on-failure replace,
+    /// -w) join
+    #[arg(long, verbatim_doc_comment)]
+    follow_config: bool,
+    /// Every 10 steps the workers agree (an allreduce) whether
+    /// any of them sees PATH, and all stop at that step; a test
+    /// ends an endless run cleanly with it
+    #[arg(long, value_name = "PATH", verbatim_doc_comment)]
     stop_file: Option<std::path::PathBuf>,
+    /// Start every line with the unix time in milliseconds and
+    /// the pid (1712345678901 pid 4242: step 10 ok), for a test
+    /// that times what the workers report and tells workers
+    /// apart whose launcher labels collide (a replacement gets
+    /// its rank's label)
+    #[arg(long, verbatim_doc_comment)]
+    stamp: bool,
+    /// Print a completion script for SHELL (bash, elvish, fish,
+    /// powershell, zsh) and exit
+    #[arg(
+        long,
+        value_name = "SHELL",
+        exclusive = true,
+        hide_possible_values = true,
+        verbatim_doc_comment
+    )]
+    completions: Option<Shell>,
+}
+
+fn exit_at(s: &str) -> Result<(usize, usize, i32), String> {
+    let bad = || "expected RANK:STEP:CODE, three numbers".to_string();
+    let [rank, step, code] = s.split(':').collect::<Vec<_>>()[..] else {
+        return Err(bad());
+    };
+    Ok((
+        rank.parse().map_err(|_| bad())?,
+        step.parse().map_err(|_| bad())?,
+        code.parse().map_err(|_| bad())?,
+    ))
+}
+
+fn hang_at(s: &str) -> Result<(usize, usize), String> {
+    let bad = || "expected RANK:STEP, two numbers".to_string();
+    let [rank, step] = s.split(':').collect::<Vec<_>>()[..] else {
+        return Err(bad());
+    };
+    Ok((
+        rank.parse().map_err(|_| bad())?,
+        step.parse().map_err(|_| bad())?,
+    ))
 }
 
 /// Whether lines start with the time and the pid (`--stamp`).
@@ -84,69 +160,6 @@ macro_rules! say {
     ($($arg:tt)*) => {
         println!("{}{}", stamp(), format_args!($($arg)*))
     };
-}
-
-fn parse(a: &[String]) -> anyhow::Result<Args> {
-    let mut r = Args {
-        steps: 10,
-        size: 1 << 16,
-        exit: None,
-        hang: None,
-        check_port: false,
-        wait_for: None,
-        swaps: Vec::new(),
-        recover: false,
-        follow: false,
-        stop_file: None,
-    };
-    let mut stamp = false;
-    let mut i = 0;
-    while i < a.len() {
-        let flag = match a[i].as_str() {
-            "--check-port" => Some(&mut r.check_port),
-            "--recover" => Some(&mut r.recover),
-            "--follow-config" => Some(&mut r.follow),
-            "--stamp" => Some(&mut stamp),
-            _ => None,
-        };
-        if let Some(f) = flag {
-            *f = true;
-            i += 1;
-            continue;
-        }
-        let v = a
-            .get(i + 1)
-            .with_context(|| format!("{} needs a value", a[i]))?;
-        let nums = |v: &str| -> anyhow::Result<Vec<i64>> {
-            v.split(':')
-                .map(|x| x.parse::<i64>().context("expected numbers"))
-                .collect()
-        };
-        match a[i].as_str() {
-            "--steps" => r.steps = v.parse()?,
-            "--size" => r.size = v.parse()?,
-            "--exit" => match nums(v)?[..] {
-                [rank, step, code] => r.exit = Some((rank as usize, step as usize, code as i32)),
-                _ => bail!("--exit RANK:STEP:CODE"),
-            },
-            "--hang" => match nums(v)?[..] {
-                [rank, step] => r.hang = Some((rank as usize, step as usize)),
-                _ => bail!("--hang RANK:STEP"),
-            },
-            "--wait-for" => r.wait_for = Some(v.into()),
-            "--stop-file" => r.stop_file = Some(v.into()),
-            "--swap-transports" => {
-                r.swaps = v
-                    .split(',')
-                    .map(|t| t.parse().map_err(anyhow::Error::msg))
-                    .collect::<anyhow::Result<_>>()?
-            }
-            f => bail!("unknown option {f:?}"),
-        }
-        i += 2;
-    }
-    STAMP.store(stamp, Ordering::Relaxed);
-    Ok(r)
 }
 
 /// Fails if this worker's own address can be bound: nothing holds it yet.
@@ -205,13 +218,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
         step = w.sync_state(0, &mut [("model", &mut model)]).await? as usize;
         say!("joined at step {step} as rank {}/{}", w.rank(), w.size());
     }
-    let every = args.steps / (args.swaps.len() + 1).max(1);
+    let swaps = args.swap_transports.as_deref().unwrap_or_default();
+    let every = args.steps / (swaps.len() + 1).max(1);
     let mut joined_at = Some(step);
     // when this worker saw the loss it is recovering from
     let mut lost_at: Option<Instant> = None;
     while step < args.steps {
         if every > 0 && step > 0 && step % every == 0 {
-            if let Some(&to) = args.swaps.get(step / every - 1) {
+            if let Some(&to) = swaps.get(step / every - 1) {
                 let epoch = w.swap_transport(to).await?;
                 say!("step {step}: swapped to {} ({epoch})", w.transport_name());
             }
@@ -229,7 +243,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
         // the step's collectives, any of which may find a worker lost:
         // the digest of the model after it, or None to stop
         let res: anyhow::Result<Option<u64>> = async {
-            if args.follow && joined_at != Some(step) && w.resize_from_config().await?.changed {
+            if args.follow_config
+                && joined_at != Some(step)
+                && w.resize_from_config().await?.changed
+            {
                 step = w
                     .sync_state(step as u64, &mut [("model", &mut model)])
                     .await? as usize;
@@ -375,14 +392,12 @@ async fn train(w: &Worker, step: usize, model: &mut [f32]) -> Result<u64, Collec
 }
 
 fn main() {
-    let argv: Vec<String> = std::env::args().skip(1).collect();
-    let args = match parse(&argv) {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("kungfu-selftest: {e:#}");
-            std::process::exit(2);
-        }
-    };
+    let args = Args::parse();
+    if let Some(shell) = args.completions {
+        kungfu_tools::cli::print_completions::<Args>(shell);
+        return;
+    }
+    STAMP.store(args.stamp, Ordering::Relaxed);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -397,5 +412,57 @@ fn main() {
     if let Err(e) = res {
         eprintln!("kungfu-selftest: error: {e:#}");
         std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn parse(line: &str) -> Result<Args, clap::Error> {
+        Args::try_parse_from(std::iter::once("kungfu-selftest").chain(line.split_whitespace()))
+    }
+
+    #[test]
+    fn selftest_cli_is_well_formed() {
+        Args::command().debug_assert();
+    }
+
+    #[test]
+    fn selftest_cli_reads_every_flag() {
+        let a = parse("").unwrap();
+        assert_eq!((a.steps, a.size, a.exit, a.hang), (10, 1 << 16, None, None));
+        assert!(!(a.check_port || a.recover || a.follow_config || a.stamp));
+        assert!(a.wait_for.is_none() && a.stop_file.is_none() && a.swap_transports.is_none());
+        let a = parse(
+            "--steps 60 --size 1024 --exit 2:20:-3 --hang 1:5 --check-port --wait-for w \
+             --swap-transports quic,tcp --recover --follow-config --stop-file s --stamp",
+        )
+        .unwrap();
+        assert_eq!((a.steps, a.size), (60, 1024));
+        assert_eq!((a.exit, a.hang), (Some((2, 20, -3)), Some((1, 5))));
+        assert!(a.check_port && a.recover && a.follow_config && a.stamp);
+        assert_eq!(a.wait_for.as_deref(), Some("w".as_ref()));
+        assert_eq!(a.stop_file.as_deref(), Some("s".as_ref()));
+        assert_eq!(
+            a.swap_transports,
+            Some(vec![TransportKind::Quic, TransportKind::Tcp])
+        );
+    }
+
+    #[test]
+    fn selftest_cli_refuses_bad_lines() {
+        for (line, want) in [
+            ("--exit 2:20", "expected RANK:STEP:CODE"),
+            ("--hang 1:x", "expected RANK:STEP"),
+            ("--steps many", "invalid value 'many' for '--steps <N>'"),
+            ("--swap-transports tcp,smoke", "\"smoke\""),
+            ("--recovr", "unexpected argument '--recovr'"),
+        ] {
+            let e = parse(line).map(|_| ()).unwrap_err();
+            assert_eq!(e.exit_code(), 2, "{line}");
+            assert!(e.to_string().contains(want), "{line}: {e}");
+        }
     }
 }

@@ -1,14 +1,17 @@
 //! `kungfu-sim`: the library's allreduce plans at scales this machine
 //! cannot run, over a model of a cluster network (see `kungfu_tools::sim`).
 
-use anyhow::{bail, Context};
+use anyhow::Context;
+use clap::{Parser, ValueEnum};
+use clap_complete::aot::Shell;
+use kungfu_tools::cli::{at_least, list};
 use kungfu_tools::sim::{self, Model};
 use kungfu_tools::{fmt_size, parse_size};
 use kungfu_topology::Strategy;
 
-const USAGE: &str = "\
-usage: kungfu-sim [options]
-
+// One page of help for -h and --help alike: every text is a single
+// paragraph (no long help), wrapped by hand (see kungfu-bench's).
+const ABOUT: &str = "\
 Predicts allreduce (f32 sum) per strategy, message size and cluster size by
 running every worker's plan, as the library builds it, over a model of the
 network: per-host links (--link-gbps, --latency-us) into one switch or a fat
@@ -16,138 +19,173 @@ tree, hosts of --per-host workers joined by their memory (--intra-gbps),
 and per-frame CPU costs (--overhead-us, --cpu-gbps). Prints, per size, the
 predicted time, bus bandwidth (nccl-tests' busbw), and the bytes and frames
 of the busiest host link and worker; then which strategy is fastest and
-what AUTO picks.
+what AUTO picks.";
 
-options:
-  --workers N,N,...     cluster sizes (16,64,256,1024,4096)
-  --per-host N          workers per host (8)
-  --sizes S,S,...       bytes per worker (1M,64M)
-  --strategies S,...    strategies (all)
-  --link-gbps G         each host's link, Gbit/s each way (100)
-  --latency-us U        network latency per frame (5)
-  --fat-tree R:O        racks of R hosts, uplinks oversubscribed O:1 (none:
-                        one non-blocking switch)
-  --intra-gbps G        a host's memory, for frames inside it (400)
-  --intra-latency-us U  latency of a frame inside a host (1)
-  --cpu-gbps G          a worker's copy or reduction of what it receives (80)
-  --overhead-us U       CPU per frame, at each end (2)
-  --chunk S             the largest frame (1M, the library's default)
-  --links host|worker   one link per host (default), or one per worker (as
-                        when each worker's traffic is shaped apart)
-  --max-actions N       skip a run whose plans hold more actions (30000000)
-  --plot DIR            write DIR/sim-allreduce-SIZE.svg: busbw against workers
-  -h, --help            this text
-";
-
+/// The command line: the sizes to simulate and the model.
+#[derive(Debug, Parser)]
+#[command(name = "kungfu-sim", about = ABOUT, long_about = None, args_override_self = true)]
 struct Args {
-    workers: Vec<usize>,
-    sizes: Vec<usize>,
-    strategies: Vec<Strategy>,
-    model: Model,
+    /// Cluster sizes
+    #[arg(
+        long,
+        value_name = "N,N,...",
+        default_value = "16,64,256,1024,4096",
+        value_parser = list(at_least(1))
+    )]
+    workers: std::vec::Vec<usize>,
+    /// Workers per host
+    #[arg(long, value_name = "N", default_value_t = 8, value_parser = at_least(1))]
+    per_host: usize,
+    /// Bytes per worker (K, M, G suffixes)
+    #[arg(
+        long,
+        value_name = "S,S,...",
+        default_value = "1M,64M",
+        value_parser = list(message_size)
+    )]
+    sizes: std::vec::Vec<usize>,
+    /// Strategies, by name, or all
+    #[arg(long, value_name = "S,...", default_value = "all", value_parser = strategies)]
+    strategies: std::vec::Vec<Strategy>,
+    /// Each host's link, Gbit/s each way
+    #[arg(long, value_name = "G", default_value_t = 100.0, value_parser = positive)]
+    link_gbps: f64,
+    /// Network latency per frame (us)
+    #[arg(long, value_name = "U", default_value_t = 5.0, value_parser = non_negative)]
+    latency_us: f64,
+    /// Racks of R hosts, uplinks oversubscribed O:1 (without it:
+    /// one non-blocking switch)
+    #[arg(long, value_name = "R:O", value_parser = fat_tree, verbatim_doc_comment)]
+    fat_tree: Option<(usize, f64)>,
+    /// A host's memory, for frames inside it, Gbit/s
+    #[arg(long, value_name = "G", default_value_t = 400.0, value_parser = positive)]
+    intra_gbps: f64,
+    /// Latency of a frame inside a host (us)
+    #[arg(long, value_name = "U", default_value_t = 1.0, value_parser = non_negative)]
+    intra_latency_us: f64,
+    /// A worker's copy or reduction of what it receives,
+    /// Gbit/s
+    #[arg(
+        long,
+        value_name = "G",
+        default_value_t = 80.0,
+        value_parser = positive,
+        verbatim_doc_comment
+    )]
+    cpu_gbps: f64,
+    /// CPU per frame, at each end (us)
+    #[arg(long, value_name = "U", default_value_t = 2.0, value_parser = non_negative)]
+    overhead_us: f64,
+    /// The largest frame (the library's default)
+    #[arg(long, value_name = "S", default_value = "1M", value_parser = chunk)]
+    chunk: usize,
+    /// One link per host (default), or one per worker (as when
+    /// each worker's traffic is shaped apart)
+    #[arg(
+        long,
+        value_enum,
+        value_name = "host|worker",
+        default_value_t = Links::Host,
+        hide_default_value = true,
+        hide_possible_values = true,
+        verbatim_doc_comment
+    )]
+    links: Links,
+    /// Skip a run whose plans hold more actions
+    #[arg(long, value_name = "N", default_value_t = 30_000_000)]
     max_actions: usize,
+    /// Write DIR/sim-allreduce-SIZE.svg: busbw against workers
+    #[arg(long, value_name = "DIR")]
     plot: Option<std::path::PathBuf>,
+    /// Print a completion script for SHELL (bash, elvish, fish,
+    /// powershell, zsh) and exit
+    #[arg(
+        long,
+        value_name = "SHELL",
+        exclusive = true,
+        hide_possible_values = true,
+        verbatim_doc_comment
+    )]
+    completions: Option<Shell>,
 }
 
-fn list<T>(s: &str, f: impl Fn(&str) -> anyhow::Result<T>) -> anyhow::Result<Vec<T>> {
-    s.split(',').filter(|p| !p.is_empty()).map(f).collect()
+/// What a link of the model carries (`--links`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Links {
+    Host,
+    Worker,
 }
 
-fn num(s: &str, flag: &str) -> anyhow::Result<f64> {
-    let v: f64 = s
-        .parse()
-        .with_context(|| format!("{flag} needs a number"))?;
-    if !v.is_finite() || v < 0.0 {
-        bail!("{flag} {s}: not a number of 0 or more");
-    }
-    Ok(v)
-}
-
-fn parse(args: &[String]) -> anyhow::Result<Option<Args>> {
-    let mut a = Args {
-        workers: vec![16, 64, 256, 1024, 4096],
-        sizes: vec![1 << 20, 64 << 20],
-        strategies: Strategy::ALL.to_vec(),
-        model: Model {
-            per_host: 8,
-            link_bw: 100e9 / 8.0,
-            latency: 5e-6,
-            intra_bw: 400e9 / 8.0,
-            intra_latency: 1e-6,
-            cpu_bw: 80e9 / 8.0,
-            overhead: 2e-6,
-            fat_tree: None,
-            chunk_bytes: 1 << 20,
-            link_per_worker: false,
-        },
-        max_actions: 30_000_000,
-        plot: None,
-    };
-    let mut i = 0;
-    while i < args.len() {
-        let flag = args[i].as_str();
-        if flag == "-h" || flag == "--help" {
-            return Ok(None);
+impl Args {
+    fn model(&self) -> Model {
+        Model {
+            per_host: self.per_host,
+            link_bw: self.link_gbps * 1e9 / 8.0,
+            latency: self.latency_us * 1e-6,
+            intra_bw: self.intra_gbps * 1e9 / 8.0,
+            intra_latency: self.intra_latency_us * 1e-6,
+            cpu_bw: self.cpu_gbps * 1e9 / 8.0,
+            overhead: self.overhead_us * 1e-6,
+            fat_tree: self.fat_tree,
+            chunk_bytes: self.chunk,
+            link_per_worker: self.links == Links::Worker,
         }
-        let v = args
-            .get(i + 1)
-            .with_context(|| format!("{flag} needs a value"))?;
-        let m = &mut a.model;
-        match flag {
-            "--workers" => a.workers = list(v, |s| s.parse().context("--workers"))?,
-            "--per-host" => m.per_host = v.parse().context("--per-host needs a number")?,
-            "--sizes" => a.sizes = list(v, parse_size)?,
-            "--strategies" if v == "all" => a.strategies = Strategy::ALL.to_vec(),
-            "--strategies" => a.strategies = list(v, |s| Ok(s.parse::<Strategy>()?))?,
-            "--link-gbps" => m.link_bw = num(v, flag)? * 1e9 / 8.0,
-            "--latency-us" => m.latency = num(v, flag)? * 1e-6,
-            "--intra-gbps" => m.intra_bw = num(v, flag)? * 1e9 / 8.0,
-            "--intra-latency-us" => m.intra_latency = num(v, flag)? * 1e-6,
-            "--cpu-gbps" => m.cpu_bw = num(v, flag)? * 1e9 / 8.0,
-            "--overhead-us" => m.overhead = num(v, flag)? * 1e-6,
-            "--fat-tree" => {
-                let (r, o) = v.split_once(':').context("--fat-tree R:O")?;
-                m.fat_tree = Some((r.parse().context("--fat-tree R")?, num(o, flag)?));
-            }
-            "--chunk" => m.chunk_bytes = parse_size(v)?,
-            "--links" => {
-                m.link_per_worker = match v.as_str() {
-                    "host" => false,
-                    "worker" => true,
-                    _ => bail!("--links host|worker, not {v:?}"),
-                }
-            }
-            "--max-actions" => a.max_actions = v.parse().context("--max-actions")?,
-            "--plot" => a.plot = Some(v.into()),
-            _ => bail!("unknown option {flag:?}"),
-        }
-        i += 2;
     }
-    let m = &a.model;
-    if m.per_host == 0 || a.workers.contains(&0) {
-        bail!("--workers and --per-host must be at least 1");
+}
+
+fn non_negative(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        _ => Err("not a number of 0 or more".into()),
     }
-    if [m.link_bw, m.intra_bw, m.cpu_bw].iter().any(|&b| b <= 0.0) {
-        bail!("bandwidths must be positive");
+}
+
+fn positive(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err("not a number above 0".into()),
     }
-    if m.chunk_bytes == 0 || m.chunk_bytes > sim::MAX_FRAME {
-        bail!("--chunk must be 1 to {} bytes", sim::MAX_FRAME);
+}
+
+fn fat_tree(s: &str) -> Result<(usize, f64), String> {
+    let (r, o) = s
+        .split_once(':')
+        .ok_or("expected R:O, racks of R hosts with uplinks oversubscribed O:1")?;
+    let racks = r.parse().map_err(|e| format!("R {r:?}: {e}"))?;
+    Ok((racks, non_negative(o).map_err(|e| format!("O {o:?}: {e}"))?))
+}
+
+fn message_size(s: &str) -> anyhow::Result<usize> {
+    match parse_size(s)? {
+        0..4 => anyhow::bail!("at least 4 bytes (one f32)"),
+        b => Ok(b),
     }
-    if a.sizes.iter().any(|&s| s < 4) {
-        bail!("--sizes: at least 4 bytes (one f32)");
+}
+
+fn chunk(s: &str) -> anyhow::Result<usize> {
+    match parse_size(s)? {
+        b @ 1..=sim::MAX_FRAME => Ok(b),
+        _ => anyhow::bail!("must be 1 to {} bytes", sim::MAX_FRAME),
     }
-    Ok(Some(a))
+}
+
+fn strategies(s: &str) -> Result<Vec<Strategy>, String> {
+    if s == "all" {
+        return Ok(Strategy::ALL.to_vec());
+    }
+    list(str::parse::<Strategy>)(s)
 }
 
 /// The outcome of one (strategy, workers, size), or why there is none.
 type Cell = Result<sim::Outcome, String>;
 
-fn simulate(a: &Args, strategy: Strategy, n: usize, bytes: usize) -> Cell {
-    let peers = sim::peers(n, a.model.per_host);
+fn simulate(a: &Args, m: &Model, strategy: Strategy, n: usize, bytes: usize) -> Cell {
+    let peers = sim::peers(n, m.per_host);
     let spec = sim::allreduce(bytes);
     // A bound before building them all: rank 0 (the root of the rooted
     // strategies) and the last rank (a leaf of the trees, a rank of the
     // ring like any other) stand for the rest.
-    let chunk = a.model.chunk_bytes;
+    let chunk = m.chunk_bytes;
     let topologies = sim::Topologies::new(&peers, strategy, &spec)?;
     let first = topologies.plan(&spec, chunk, 0)?.len();
     let last = topologies.plan(&spec, chunk, n - 1)?.len();
@@ -157,22 +195,15 @@ fn simulate(a: &Args, strategy: Strategy, n: usize, bytes: usize) -> Cell {
             "about {estimate} plan actions (more than --max-actions)"
         ));
     }
-    sim::run(&a.model, topologies.plans(&spec, chunk)?)
+    sim::run(m, topologies.plans(&spec, chunk)?)
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let a = match parse(&args) {
-        Ok(Some(a)) => a,
-        Ok(None) => {
-            print!("{USAGE}");
-            return;
-        }
-        Err(e) => {
-            eprintln!("kungfu-sim: {e:#}\n\n{USAGE}");
-            std::process::exit(2);
-        }
-    };
+    let a = Args::parse();
+    if let Some(shell) = a.completions {
+        kungfu_tools::cli::print_completions::<Args>(shell);
+        return;
+    }
     if let Err(e) = report(&a) {
         eprintln!("kungfu-sim: {e:#}");
         std::process::exit(1);
@@ -180,7 +211,7 @@ fn main() {
 }
 
 fn report(a: &Args) -> anyhow::Result<()> {
-    let m = &a.model;
+    let m = &a.model();
     println!(
         "# model: {} workers per host; links {:.0} Gbit/s, {:.1} us{}; host memory {:.0} Gbit/s, \
          {:.1} us; per frame {:.1} us CPU at each end, receive at {:.0} Gbit/s; frames of at most {}",
@@ -212,7 +243,7 @@ fn report(a: &Args) -> anyhow::Result<()> {
         for &s in &a.strategies {
             let mut row = Vec::new();
             for &n in &a.workers {
-                let cell = simulate(a, s, n, bytes);
+                let cell = simulate(a, m, s, n, bytes);
                 match &cell {
                     Ok(o) => println!(
                         "{:>22} {n:>7} {:>12.1} {:>9.3} {:>12.2} {:>10} {:>12.2} {:>10}",
@@ -284,4 +315,83 @@ fn report(a: &Args) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn parse(line: &str) -> Result<Args, clap::Error> {
+        Args::try_parse_from(std::iter::once("kungfu-sim").chain(line.split_whitespace()))
+    }
+
+    #[test]
+    fn sim_cli_is_well_formed() {
+        Args::command().debug_assert();
+    }
+
+    #[test]
+    fn sim_cli_defaults_model_a_100_gbit_cluster() {
+        let a = parse("").unwrap();
+        assert_eq!(a.workers, [16, 64, 256, 1024, 4096]);
+        assert_eq!(a.sizes, [1 << 20, 64 << 20]);
+        assert_eq!(a.strategies, Strategy::ALL);
+        assert_eq!(a.max_actions, 30_000_000);
+        let m = a.model();
+        assert_eq!((m.per_host, m.chunk_bytes, m.fat_tree), (8, 1 << 20, None));
+        assert_eq!((m.link_bw, m.intra_bw, m.cpu_bw), (12.5e9, 50e9, 10e9));
+        assert_eq!(
+            (a.latency_us, a.intra_latency_us, a.overhead_us),
+            (5.0, 1.0, 2.0)
+        );
+        assert!(!m.link_per_worker);
+    }
+
+    #[test]
+    fn sim_cli_reads_every_flag() {
+        let a = parse(
+            "--workers 4,16, --per-host 2 --sizes 64K,4M --strategies ring,star \
+             --link-gbps 0.8 --latency-us 0 --fat-tree 8:2.5 --intra-gbps 40 \
+             --intra-latency-us 3 --cpu-gbps 8 --overhead-us 4 --chunk 64K \
+             --links worker --max-actions 10 --plot out",
+        )
+        .unwrap();
+        assert_eq!(a.workers, [4, 16]);
+        assert_eq!(a.sizes, [64 << 10, 4 << 20]);
+        assert_eq!(a.strategies, [Strategy::Ring, Strategy::Star]);
+        assert_eq!(
+            (a.max_actions, a.plot.as_deref()),
+            (10, Some("out".as_ref()))
+        );
+        let m = a.model();
+        assert_eq!(
+            (m.per_host, m.chunk_bytes, m.fat_tree),
+            (2, 64 << 10, Some((8, 2.5)))
+        );
+        assert_eq!((m.link_bw, m.intra_bw, m.cpu_bw), (0.1e9, 5e9, 1e9));
+        assert_eq!((m.latency, m.intra_latency, m.overhead), (0.0, 3e-6, 4e-6));
+        assert!(m.link_per_worker);
+    }
+
+    #[test]
+    fn sim_cli_refuses_a_model_it_cannot_run() {
+        for (line, want) in [
+            ("--fat-tree 8", "expected R:O"),
+            ("--fat-tree x:2", "R \"x\""),
+            ("--per-host 0", "must be at least 1"),
+            ("--workers 4,0", "must be at least 1"),
+            ("--link-gbps 0", "not a number above 0"),
+            ("--latency-us x", "not a number of 0 or more"),
+            ("--sizes 2", "at least 4 bytes"),
+            ("--chunk 32M", "1 to 16777216 bytes"),
+            ("--strategies ring,cube", "\"cube\""),
+            ("--links switch", "invalid value 'switch'"),
+            ("--nodes 4", "unexpected argument '--nodes'"),
+        ] {
+            let e = parse(line).map(|_| ()).unwrap_err();
+            assert_eq!(e.exit_code(), 2, "{line}");
+            assert!(e.to_string().contains(want), "{line}: {e}");
+        }
+    }
 }
