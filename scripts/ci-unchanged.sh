@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Lets scripts/test.sh skip a slow stage whose inputs have not changed since
-# the stage last passed on this machine (Miri and the verbs build: minutes
-# each, over code that rarely changes).
+# the stage last passed on this machine (Miri: minutes, over code that
+# rarely changes).
 #
 #   scripts/ci-unchanged.sh NAME PATH...          exit 0 if PATH... (the files
 #       git tracks under them, as they are in the work tree) and the

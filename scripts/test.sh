@@ -29,6 +29,33 @@ stage_times() {
 }
 trap stage_times EXIT
 
+# The build cache. CI runs this on a fresh clone each time: without a cache
+# it compiles every dependency again in each profile (about ten of its
+# minutes). A clone that has no target/ yet gets a link to one kept between
+# runs on this machine, ${KUNGFU_BUILD_CACHE:-~/.cache/kungfu-ci/target}
+# (KUNGFU_BUILD_CACHE=off: a plain target/), as CI caches do. A work tree
+# with its own target/ is left alone. The cache is dropped when it outgrows
+# KUNGFU_BUILD_CACHE_GB (30) or the disk has less than 10 GiB free, and one
+# run at a time uses it (clones at other paths share the dependencies but
+# write the same file names under target/debug).
+cache="${KUNGFU_BUILD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kungfu-ci/target}"
+if [ "$cache" != off ] && [ ! -e target ] && [ ! -L target ]; then
+  mkdir -p "$cache"
+  exec 9>"$cache.lock"
+  if ! flock -w 5400 9; then
+    echo "test.sh: another run has held the build cache $cache for 90 minutes" >&2
+    exit 1
+  fi
+  cache_gb=$(du -s --block-size=1G "$cache" | cut -f1)
+  free_gb=$(df --output=avail --block-size=1G "$cache" | tail -1 | tr -d ' ')
+  if [ "$cache_gb" -gt "${KUNGFU_BUILD_CACHE_GB:-30}" ] || [ "$free_gb" -lt 10 ]; then
+    echo "(build cache: ${cache_gb} GiB, ${free_gb} GiB free on its disk: starting it afresh)"
+    rm -rf "$cache" && mkdir -p "$cache"
+  fi
+  ln -s "$cache" target
+  echo "(build cache: target -> $cache, ${cache_gb} GiB)"
+fi
+
 stage "system packages"
 need=()
 command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin libopenmpi-dev)
@@ -72,17 +99,25 @@ stage "cargo fmt --check"
 cargo fmt --all -- --check
 stage "no source file over 800 lines (scripts/check-lines.sh)"
 scripts/check-lines.sh
+# Every build below has the same features, so that each profile compiles
+# the workspace once: the ones of the workspace's tests, plus the verbs
+# wire (its lints with the runtime and launcher, its tests over the fake
+# fabric of kungfu-transport's verbs-fake: tests/conformance_verbs.rs, and
+# the clear error where there is no RDMA device). A user's build has no
+# verbs unless asked for (its build needs cmake and libclang, installed
+# above).
+features=(--features kungfu-transport/verbs-fake,kungfu/verbs,kungfu-ffi/verbs,kungfu-tools/verbs,kungfu-tests/verbs)
 stage "cargo clippy"
-cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo clippy --workspace --all-targets --locked "${features[@]}" -- -D warnings
 stage "cargo doc (warnings are errors)"
-RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked -q
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked -q "${features[@]}"
 # One dev build of every target (libraries, libkungfu.so/.a, the binaries the
 # C ABI and launcher tests run, test and bench binaries) with the features
 # of the test build: `cargo build` without --all-targets resolves features
 # without the dev-dependencies (the conformance suite) and compiled the
 # whole workspace a second time.
 stage "cargo build --all-targets"
-cargo build --workspace --all-targets --locked
+cargo build --workspace --all-targets --locked "${features[@]}"
 stage "tests"
 # as root (CI is), the many-host tests must run, not skip
 [ "$(id -u)" != 0 ] || export KUNGFU_REQUIRE_NETNS=1
@@ -91,27 +126,16 @@ export KUNGFU_REQUIRE_ETCD=1
 if cargo nextest --version >/dev/null 2>&1; then
   # every test in a process of its own, two at a time across the binaries,
   # each bounded (.config/nextest.toml); the doc tests are cargo test's
-  cargo nextest run --workspace --locked --no-tests=fail
-  cargo test --workspace --doc --locked
+  cargo nextest run --workspace --locked "${features[@]}" --no-tests=fail
+  cargo test --workspace --doc --locked "${features[@]}"
 else
   echo "(cargo-nextest is not installed: cargo test runs the binaries one after another)"
-  cargo test --workspace --locked
+  cargo test --workspace --locked "${features[@]}"
 fi
 stage "benches (one quick pass each, so they never rot)"
 # the bench targets only (`--benches` also ran every library's unit tests
 # again: a library is a bench target too), of the build above
-cargo test --workspace --bench '*' --locked
-stage "the verbs wire (feature verbs): lints with the runtime, tests over the fake fabric and the clear error here"
-verbs_inputs=(transport tests/src/conformance tests/tests/conformance_verbs.rs Cargo.lock)
-if scripts/ci-unchanged.sh verbs "${verbs_inputs[@]}"; then
-  echo "(skipped: its sources are as when it last passed on this machine; KUNGFU_CI_FULL=1 runs it)"
-else
-  cargo clippy -p kungfu-transport -p kungfu -p kungfu-tests --all-targets --locked \
-    --features kungfu-transport/verbs,kungfu/verbs,kungfu-tests/verbs -- -D warnings
-  cargo test -p kungfu-transport --features verbs --locked verbs::
-  cargo test -p kungfu-tests --features verbs --locked --test conformance_verbs
-  scripts/ci-unchanged.sh --green verbs "${verbs_inputs[@]}"
-fi
+cargo test --workspace --bench '*' --locked "${features[@]}"
 stage "Miri: the shm ring and the C ABI layer (scripts/miri.sh --quick)"
 miri_inputs=(transport/src ffi/src scripts/miri.sh scripts/miri-shm.sh scripts/miri-region.sh scripts/miri-ffi.sh Cargo.lock)
 if scripts/ci-unchanged.sh miri "${miri_inputs[@]}"; then
@@ -120,6 +144,10 @@ else
   scripts/miri.sh --quick
   scripts/ci-unchanged.sh --green miri "${miri_inputs[@]}"
 fi
+# The builds below are the release builds a user makes (without the verbs
+# wire): the lints above did not see the code as they compile it, so a
+# warning there is an error here too.
+export RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-D warnings"
 stage "the Python package and its torch tests (scripts/python-tests.sh: a cached venv with torch, pip install ./python, pytest)"
 scripts/python-tests.sh
 stage "the commands of README.md and docs/ (release builds, then each block)"

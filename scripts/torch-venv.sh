@@ -25,8 +25,29 @@ if [ "$have" != "$TORCH_VERSION" ]; then
   "$py" -m pip install -q "torch==$TORCH_VERSION" pytest numpy >&2
 fi
 if [ "${1:-}" = --install ]; then
-  echo "== pip install ./python (into $venv)" >&2
-  "$py" -m pip install -q ./python >&2
+  # What the package is made of: libkungfu as cargo builds it now, kungfu.h
+  # and the package's files. The same again (one run of the test suite
+  # installs three times: its tests and two pages of docs) is not
+  # installed again.
+  echo "== libkungfu (cargo build --release -p kungfu-ffi)" >&2
+  cargo build --release --locked -q -p kungfu-ffi >&2
+  lib="$(cargo metadata --format-version 1 --no-deps |
+    "$py" -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/release/libkungfu.so"
+  # (outside a git clone there is no list of the package's files: it is
+  # installed every time)
+  made_of=$({
+    sha256sum "$lib" ffi/include/kungfu.h
+    git ls-files -z -- python ':!python/tests' | xargs -0 sha256sum
+  } 2>/dev/null | sha256sum | cut -c1-32) || made_of=""
+  stamp="$venv/.kungfu-installed"
+  if [ -n "$made_of" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$made_of" ]; then
+    echo "== ./python is installed in $venv as it is here" >&2
+  else
+    echo "== pip install ./python (into $venv)" >&2
+    rm -f "$stamp"
+    KUNGFU_LIB="$lib" "$py" -m pip install -q ./python >&2
+    echo "$made_of" >"$stamp"
+  fi
   echo "== the torch extension (python -m kungfu.torch.build)" >&2
   (cd / && "$py" -m kungfu.torch.build) >&2
 fi
