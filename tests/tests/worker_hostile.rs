@@ -31,7 +31,7 @@ const LIMIT: Duration = Duration::from_secs(20);
 const OP_TIMEOUT: Duration = Duration::from_secs(10);
 const HELLO_LEN: usize = kungfu_transport::handshake::HELLO_LEN;
 const ACK_LEN: usize = kungfu_transport::handshake::ACK_LEN;
-/// A hello's status codes (transport/src/handshake.rs).
+/// A hello's status codes (transport/src/handshake/messages.rs).
 const CLUSTER: u8 = 1;
 const BAD_RANK: u8 = 5;
 const MALFORMED: u8 = 6;

@@ -21,6 +21,9 @@
 
 use std::path::Path;
 
+use anyhow::Context;
+use tokio::process::Command;
+
 use crate::launch::{Bind, LaunchOptions, OnFailure};
 
 /// The flag that makes `kungfu-run` read the job secret from its standard
@@ -32,6 +35,26 @@ pub const SECRET_STDIN: &str = "--secret-stdin";
 /// signals to forward to its workers, one per line, and at its end (that
 /// launcher, or the connection to it, is gone) it stops its workers.
 pub const CONTROL_STDIN: &str = "--control-stdin";
+
+/// The command that runs `line` on `host` through `ssh` (`--ssh`: the
+/// command and its own arguments).
+pub fn ssh_command(ssh: &[String], host: &str, line: &str) -> anyhow::Result<Command> {
+    let (ssh, ssh_args) = ssh.split_first().context("--ssh: no command")?;
+    let mut cmd = Command::new(ssh);
+    // keepalives: a connection that dies silently ends the ssh, and so
+    // the remote launcher's control channel
+    cmd.args(ssh_args).args([
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "ServerAliveInterval=5",
+        "-o",
+        "ServerAliveCountMax=3",
+        host,
+        line,
+    ]);
+    Ok(cmd)
+}
 
 /// The command line of the launcher on `host`, `exe` the path of
 /// `kungfu-run` (the same on every host), as one shell-quoted string for

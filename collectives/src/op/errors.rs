@@ -1,11 +1,12 @@
 //! How an op names what went wrong: transport errors, a peer's abort, a
-//! frame for another spec, a protocol violation; and which of its own
-//! errors it tells the other ranks about.
+//! frame for another spec, a protocol violation; which of its own errors
+//! it tells the other ranks about; and how it fails (queuing those
+//! aborts).
 
 use kungfu_topology::Rank;
-use kungfu_transport::TransportError;
+use kungfu_transport::{FrameKind, TransportError};
 
-use super::OpMachine;
+use super::{OpEvent, OpMachine, State, Transmit};
 use crate::abort::{Abort, AbortReason};
 use crate::CollectiveError;
 
@@ -79,5 +80,41 @@ impl OpMachine {
             peer: from,
             reason,
         }
+    }
+
+    /// The transport failed for this op (a lost peer at the start, a
+    /// closed endpoint, a protocol error below the op).
+    pub fn handle_error(&mut self, e: TransportError) {
+        if self.is_running() {
+            self.fail(self.transport_error(e));
+        }
+    }
+
+    /// Ends the op with `e`, and queues an abort to every rank not known
+    /// lost, unless the error came from a peer's abort or concerns no one
+    /// else.
+    pub(super) fn fail(&mut self, e: CollectiveError) {
+        if let Some(abort) = self.abort_for(&e) {
+            let payload = abort.encode();
+            let header = self.header(FrameKind::Abort, 0, 0);
+            for to in (0..self.size as u32).map(Rank) {
+                if to != self.me && !self.lost.contains(to) {
+                    self.aborts.push_back(Transmit::Abort {
+                        to,
+                        header,
+                        payload: payload.clone(),
+                    });
+                }
+            }
+        }
+        self.state = State::Ended(OpEvent::Failed(e));
+    }
+
+    fn abort_for(&self, e: &CollectiveError) -> Option<Abort> {
+        if self.remote_abort {
+            return None;
+        }
+        abort_reason(e, self.me)
+            .map(|(reason, offender)| Abort::new(reason, self.me, offender, &self.op.spec))
     }
 }

@@ -1,7 +1,7 @@
 //! One machine, fed by hand on a clock the test moves.
 
 use super::*;
-use crate::abort::AbortReason;
+use crate::abort::{Abort, AbortReason};
 use crate::plan::PlanBuilder;
 use crate::{DType, OpKind};
 use kungfu_transport::{Epoch, OpId};

@@ -1,5 +1,6 @@
-//! Spawns ops and reports their completions; sends aborts and watches
-//! strays.
+//! Starts ops (through the swap gate, then on the host fast path or as a
+//! task of their own) and reports their completions; sends aborts and
+//! watches strays.
 
 use std::sync::Arc;
 
@@ -13,13 +14,29 @@ use std::sync::atomic::Ordering;
 
 use super::fast::{Drive, Fast};
 use super::opmem;
-use super::output::Start;
+use super::output::{HeldMemory, Start};
+use super::swap::Deferred;
 use super::{lock, Callback, Inner, Memory, Session};
 use crate::abort::{Abort, AbortReason};
 use crate::names::check_name;
 use crate::{CollectiveError, OpSpec};
 
 impl<T: Transport> Session<T> {
+    /// Validates, plans and spawns one op. Errors before the spawn complete
+    /// the callback at once. During a swap, the caller's ops wait for it.
+    /// An op on the fast path returns what its waited handle drives.
+    pub(super) fn start(&self, s: Start<'_>) -> Option<Arc<dyn Drive>> {
+        let admitted = lock(&self.inner.gate).admit(s, |s| Deferred {
+            name: s.name,
+            spec: s.spec,
+            memory: HeldMemory::of(s.mem),
+            done: s.done,
+            internal: s.internal,
+            since: std::time::Instant::now(),
+        });
+        admitted.and_then(|s| self.start_now(s))
+    }
+
     /// Starts an op now (past the swap gate): on the host fast path if it
     /// takes it (then returns what a waiting handle drives), else as a
     /// task of its own.

@@ -1,7 +1,12 @@
 //! libfabric backend (RDMA through OFI): one reliable-datagram endpoint
 //! (`FI_EP_RDM`) per rank, tagged messages, receives posted straight into
-//! the op's memory (the `core` module says how frames travel and what holds their
-//! memory).
+//! the op's memory (the `post` module says how frames travel, `core` what
+//! holds their memory, `progress` what reads their completions).
+//!
+//! The parts: the settings (`config`), the bootstrap links (`bootstrap`),
+//! which stay open as control links (`control`), libfabric's objects and
+//! calls (`ofi`), and the wire's operations in flight (`core`, `post`,
+//! `progress`).
 //!
 //! **Providers.** [`FabricConfig::provider`] names one (`verbs;ofi_rxm` or
 //! `efa` on clusters; `tcp;ofi_rxm` and `shm` work on any Linux host), or
@@ -17,10 +22,10 @@
 //! lost (libfabric itself may not notice a silent peer), and on close each
 //! side writes its goodbye there: `BYE!` and how many frames it sent this
 //! peer, which the peer waits for before it calls the link closed.
-//! Heartbeats and loss notices ([`FrameKind::Heartbeat`],
-//! [`FrameKind::Lost`]) go on the control links too, not through the
+//! Heartbeats and loss notices ([`FrameKind::Heartbeat`](crate::FrameKind::Heartbeat),
+//! [`FrameKind::Lost`](crate::FrameKind::Lost)) go on the control links too, not through the
 //! fabric: `FRM!`, the frame's header and its payload (at most
-//! [`MAX_BEACON`] bytes). Through the fabric they would take the
+//! [`MAX_BEACON`](crate::endpoint::MAX_BEACON) bytes). Through the fabric they would take the
 //! receiver's eager slots, which the ops' frames need (under load a
 //! barrier's last sends once waited behind them).
 //!
@@ -31,34 +36,35 @@
 //! it. [`FabricConfig::register_always`] takes that path on providers that
 //! do not need it, to test it without hardware.
 
-use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kungfu_topology::{PeerList, Rank};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::OwnedReadHalf;
-use tokio::net::{TcpListener, TcpStream};
+use kungfu_topology::Rank;
+use tokio::net::TcpListener;
 use tokio::sync::Mutex as AsyncMutex;
 
+use self::bootstrap::{accept_higher, dial_lower};
+use self::control::{on_control_link, watch};
 use self::core::{Core, Hold};
 use self::ofi::Ofi;
-use crate::connect::{self, Incoming};
-use crate::endpoint::{
-    Endpoint, EndpointConfig, Matcher, Pump, RecvKey, CLOSED_BY_PEER, MAX_BEACON,
-};
-use crate::handshake::Identity;
+use crate::connect;
+use crate::endpoint::{Endpoint, EndpointConfig, Matcher, Pump, RecvKey};
 use crate::pool::BufferPool;
 use crate::region::{Mem, MemMut, Region};
 use crate::wire::{Apply, Caps, Tasks, Wire};
-use crate::{
-    ClusterVersion, Epoch, FrameKind, Header, Instant, OpTag, PeerSet, TransportError, HEADER_LEN,
-};
+use crate::{Header, Instant, OpTag, PeerSet, TransportError};
 
+mod bootstrap;
+mod config;
+mod control;
 mod core;
 mod ofi;
+mod post;
+mod progress;
+
+pub use self::config::FabricConfig;
 
 /// The providers that mean RDMA hardware, in the order `auto` tries them.
 pub const HARDWARE_PROVIDERS: [&str; 2] = ["efa", "verbs;ofi_rxm"];
@@ -88,96 +94,6 @@ fn unavailable(reason: String) -> TransportError {
     TransportError::Unavailable {
         transport: "fabric".into(),
         reason,
-    }
-}
-
-/// Settings of a fabric endpoint.
-#[derive(Clone)]
-pub struct FabricConfig {
-    pub cluster_id: u64,
-    pub version: ClusterVersion,
-    pub epoch: Epoch,
-    pub rank: Rank,
-    pub peers: PeerList,
-    /// The job's secret: every peer must prove it holds it (see
-    /// [`crate::handshake`]); `None`: links are not authenticated.
-    pub secret: Option<crate::auth::JobSecret>,
-    /// The libfabric provider (`tcp;ofi_rxm`, `shm`, `verbs;ofi_rxm`,
-    /// `efa`); `None`: libfabric's first choice (see `FI_PROVIDER`).
-    pub provider: Option<String>,
-    /// The provider's domain (for `tcp`, the network interface, e.g. `lo`);
-    /// `None`: its first.
-    pub domain: Option<String>,
-    pub connect_timeout: Duration,
-    pub max_frame: usize,
-    pub mailbox_bytes: usize,
-    pub pool: Option<Arc<BufferPool>>,
-    /// How long the progress task keeps polling after activity before it
-    /// sleeps.
-    pub spin: Duration,
-    /// Frames up to this size go eagerly into the wire's receive slots;
-    /// larger ones only into receives posted for them. Every rank must
-    /// use the same (checked at connect).
-    pub eager_max: usize,
-    /// Eager receive slots kept posted.
-    pub eager_slots: usize,
-    /// Register every buffer even where the provider does not ask for it.
-    pub register_always: bool,
-}
-
-impl FabricConfig {
-    /// This rank's identity, once its rank is checked against the peers.
-    fn identity_checked(&self) -> Result<Identity, TransportError> {
-        Identity::of(
-            self.cluster_id,
-            self.version,
-            self.epoch,
-            self.rank,
-            &self.peers,
-            self.secret.as_ref(),
-        )
-    }
-
-    /// Defaults: 30 s to connect, 64 MiB frames, a 256 MiB mailbox, 64 KiB
-    /// eager frames into 64 slots, 50 us of polling after activity.
-    pub fn new(
-        cluster_id: u64,
-        version: ClusterVersion,
-        epoch: Epoch,
-        rank: Rank,
-        peers: PeerList,
-        provider: Option<String>,
-    ) -> FabricConfig {
-        FabricConfig {
-            cluster_id,
-            version,
-            epoch,
-            rank,
-            peers,
-            secret: None,
-            provider,
-            domain: None,
-            connect_timeout: Duration::from_secs(30),
-            max_frame: 64 << 20,
-            mailbox_bytes: 256 << 20,
-            pool: None,
-            spin: Duration::from_micros(50),
-            eager_max: 64 << 10,
-            eager_slots: 64,
-            register_always: false,
-        }
-    }
-
-    fn identity(&self) -> Identity {
-        Identity::of(
-            self.cluster_id,
-            self.version,
-            self.epoch,
-            self.rank,
-            &self.peers,
-            self.secret.as_ref(),
-        )
-        .expect("the rank is checked at connect")
     }
 }
 
@@ -218,47 +134,6 @@ impl Endpoint<FabricWire> {
         Ok(Arc::new(e))
     }
 }
-
-/// What a rank tells each peer at connect: its eager limit and its address.
-async fn exchange(
-    s: &mut TcpStream,
-    eager_max: usize,
-    name: &[u8],
-    dialer: bool,
-) -> Result<(u32, Vec<u8>), String> {
-    let mut out = Vec::with_capacity(6 + name.len());
-    out.extend_from_slice(&(eager_max as u32).to_le_bytes());
-    out.extend_from_slice(&(name.len() as u16).to_le_bytes());
-    out.extend_from_slice(name);
-    if dialer {
-        s.write_all(&out)
-            .await
-            .map_err(|e| format!("send address: {e}"))?;
-        read_address(s).await
-    } else {
-        let got = read_address(s).await?;
-        s.write_all(&out)
-            .await
-            .map_err(|e| format!("send address: {e}"))?;
-        Ok(got)
-    }
-}
-
-async fn read_address(s: &mut TcpStream) -> Result<(u32, Vec<u8>), String> {
-    let mut head = [0u8; 6];
-    s.read_exact(&mut head)
-        .await
-        .map_err(|e| format!("read address: {e}"))?;
-    let eager = u32::from_le_bytes(head[..4].try_into().expect("4 bytes"));
-    let len = u16::from_le_bytes(head[4..].try_into().expect("2 bytes"));
-    let mut name = vec![0u8; usize::from(len)];
-    s.read_exact(&mut name)
-        .await
-        .map_err(|e| format!("read address: {e}"))?;
-    Ok((eager, name))
-}
-
-type Link = (TcpStream, u32, Vec<u8>);
 
 impl FabricWire {
     /// [`FabricTransport::connect`]'s wire, with its matcher, pool and how
@@ -331,7 +206,7 @@ impl FabricWire {
             cfg.rank,
         ));
         core.post_slots(cfg.eager_slots).map_err(unavailable)?;
-        let progress = Tasks::new(vec![tokio::spawn(core::run(core.clone()))]);
+        let progress = Tasks::new(vec![tokio::spawn(progress::run(core.clone()))]);
         let (mut writers, mut watchers) = (Vec::with_capacity(n), Vec::new());
         for r in 0..n {
             let peer = Rank(r as u32);
@@ -368,137 +243,6 @@ impl FabricWire {
     pub fn provider(&self) -> &str {
         &self.core.ofi.provider
     }
-}
-
-async fn dial_lower(
-    cfg: &Arc<FabricConfig>,
-    name: &[u8],
-    deadline: Instant,
-) -> Result<HashMap<Rank, Link>, TransportError> {
-    let lower = (0..cfg.rank.0).map(Rank);
-    connect::dial_all(lower, |peer| {
-        let (cfg, name) = (cfg.clone(), name.to_vec());
-        async move {
-            let p = cfg.peers.peer(peer).expect("peer below our rank");
-            let me = cfg.identity();
-            connect::dial(peer, p.to_string(), deadline, || async {
-                let mut s = connect::tcp_hello(p, &me, peer).await?;
-                let (eager, addr) = exchange(&mut s, cfg.eager_max, &name, true)
-                    .await
-                    .map_err(|e| (true, e))?;
-                Ok((s, eager, addr))
-            })
-            .await
-        }
-    })
-    .await
-}
-
-async fn accept_higher(
-    cfg: &Arc<FabricConfig>,
-    name: &[u8],
-    listener: TcpListener,
-    deadline: Instant,
-) -> Result<HashMap<Rank, Link>, TransportError> {
-    let wanted: Vec<Rank> = (cfg.rank.0 + 1..cfg.peers.len() as u32).map(Rank).collect();
-    let local = listener
-        .local_addr()
-        .map(|a| a.to_string())
-        .unwrap_or_default();
-    let incoming = || async {
-        match listener.accept().await {
-            Ok((s, addr)) => Incoming::Conn(s, addr.to_string()),
-            Err(e) => Incoming::Failed(format!("accept: {e}")),
-        }
-    };
-    let answer = |mut s: TcpStream| {
-        let (cfg, name) = (cfg.clone(), name.to_vec());
-        async move {
-            let may_dial = |r: Rank| r > cfg.rank;
-            let from = connect::tcp_answer(&mut s, &cfg.identity(), may_dial).await?;
-            let (eager, addr) = exchange(&mut s, cfg.eager_max, &name, false).await?;
-            Ok((from, (s, eager, addr)))
-        }
-    };
-    connect::accept(&wanted, &local, deadline, Some(cfg.rank), incoming, answer).await
-}
-
-/// The largest payload of a frame on a control link.
-const MAX_CONTROL_FRAME: usize = MAX_BEACON;
-
-/// Whether `header` travels on the control link rather than the fabric.
-fn on_control_link(header: &Header) -> bool {
-    matches!(header.kind, FrameKind::Heartbeat | FrameKind::Lost)
-}
-
-/// Reads the control frames of `peer` (heartbeats, loss notices: see the
-/// module docs) into the matcher until the link ends; returns the first
-/// four bytes of what is not one, or the read's error.
-async fn control_frames(
-    rd: &mut OwnedReadHalf,
-    peer: Rank,
-    matcher: &Matcher,
-) -> Result<[u8; 4], String> {
-    loop {
-        let mut magic = [0u8; 4];
-        rd.read_exact(&mut magic)
-            .await
-            .map_err(|e| match e.kind() {
-                std::io::ErrorKind::UnexpectedEof => CLOSED_BY_PEER.to_string(),
-                _ => format!("control link: {e}"),
-            })?;
-        if magic != *b"FRM!" {
-            return Ok(magic);
-        }
-        let mut hb = [0u8; HEADER_LEN];
-        rd.read_exact(&mut hb)
-            .await
-            .map_err(|e| format!("control link: {e}"))?;
-        let header = Header::decode(&hb, MAX_CONTROL_FRAME)
-            .map_err(|e| format!("protocol violation on the control link: {e}"))?;
-        if !on_control_link(&header) {
-            return Err(format!(
-                "protocol violation on the control link: a {:?} frame",
-                header.kind
-            ));
-        }
-        let mut payload = vec![0u8; header.len as usize]; // at most MAX_CONTROL_FRAME
-        rd.read_exact(&mut payload)
-            .await
-            .map_err(|e| format!("control link: {e}"))?;
-        // heartbeats and notices never wait for room
-        let _ = matcher.deliver_now(peer, header, payload.into());
-    }
-}
-
-/// Watches the control link of `peer`: its goodbye (then waits until its
-/// frames all arrived), or its end, is the end of the peer; heartbeats and
-/// loss notices on the way go to the matcher.
-async fn watch(mut rd: OwnedReadHalf, peer: Rank, core: Arc<Core>) {
-    let magic = control_frames(&mut rd, peer, &core.matcher).await;
-    let mut b = [0u8; 12];
-    let read = match magic {
-        Ok(m) => {
-            b[..4].copy_from_slice(&m);
-            rd.read_exact(&mut b[4..]).await.map(drop)
-        }
-        Err(why) => return core.matcher.fail_peer(peer, why),
-    };
-    let why = match read {
-        Ok(_) if b[..4] == *b"BYE!" => {
-            let sent = u64::from_le_bytes(b[4..].try_into().expect("8 bytes"));
-            // its frames may still be in flight: wait for them (the close
-            // that reads this bounds the wait)
-            while core.received[peer.idx()].load(Ordering::Relaxed) < sent {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-            CLOSED_BY_PEER.to_string()
-        }
-        Ok(_) => "protocol violation: bad goodbye on the control link".to_string(),
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => CLOSED_BY_PEER.to_string(),
-        Err(e) => format!("control link: {e}"),
-    };
-    core.matcher.fail_peer(peer, why);
 }
 
 impl Wire for FabricWire {
@@ -576,43 +320,6 @@ impl Wire for FabricWire {
         self.watchers.abort();
         // the links end: the peers see this rank gone
         connect::drop_links(&self.links);
-    }
-}
-
-impl FabricWire {
-    /// Writes a heartbeat or a loss notice on `to`'s control link.
-    async fn send_control(
-        &self,
-        to: Rank,
-        mut header: Header,
-        payload: &[u8],
-    ) -> Result<(), TransportError> {
-        let lost = |why: String| TransportError::PeerLost {
-            peer: to,
-            reason: why.into(),
-        };
-        if payload.len() > MAX_CONTROL_FRAME {
-            return Err(TransportError::FrameTooLarge {
-                len: payload.len(),
-                max: MAX_CONTROL_FRAME,
-            });
-        }
-        header.len = payload.len() as u64;
-        let mut msg = Vec::with_capacity(4 + HEADER_LEN + payload.len());
-        msg.extend_from_slice(b"FRM!");
-        msg.extend_from_slice(&header.encode());
-        msg.extend_from_slice(payload);
-        let link = self.links.get(to.idx()).ok_or(TransportError::NoSuchPeer {
-            peer: to,
-            size: self.size,
-        })?;
-        let mut w = link.lock().await;
-        let w = w
-            .as_mut()
-            .ok_or_else(|| lost("its control link is closed".into()))?;
-        w.write_all(&msg)
-            .await
-            .map_err(|e| lost(format!("control link: {e}")))
     }
 }
 

@@ -6,7 +6,7 @@
 //! context given stay valid (and the receive buffers unaliased) until the
 //! completion carrying that context has been read, or the endpoint is
 //! closed ([`Ofi`]'s drop closes it first). The wire's pending table
-//! ([`super::progress`]) keeps that promise.
+//! ([`super::core`]) keeps that promise.
 
 use std::ffi::{CStr, CString};
 use std::os::raw::{c_int, c_void};

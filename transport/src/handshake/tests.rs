@@ -4,9 +4,13 @@
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use tokio::io::{duplex, DuplexStream, ReadBuf};
+use tokio::io::{
+    duplex, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream, ReadBuf,
+};
 
+use super::messages::{message, Ack, KIND_PROOF, KIND_VERDICT, PROOF_LEN, VERDICT_LEN};
 use super::*;
+use crate::auth::NONCE_LEN;
 
 fn me() -> Identity {
     Identity {

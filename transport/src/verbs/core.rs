@@ -1,9 +1,11 @@
-//! The state of a verbs wire and its sending side: the work requests in
-//! flight (each with the memory it holds until its completion), the eager
-//! slots, the send slots and send-queue credits, and the two halves of
-//! the rendezvous (readies waiting for their frames at the sender, posted
-//! receives waiting for their writes at the receiver). What completions
-//! do is in `arrive`; the task that reads them in `progress`.
+//! The state of a verbs wire: the work requests in flight (each with the
+//! memory it holds until its completion), the eager slots, the send slots
+//! and send-queue credits, and the two halves of the rendezvous (readies
+//! waiting for their frames at the sender, posted receives waiting for
+//! their writes at the receiver); and what acts on all of it: setting up
+//! the queue pairs, registering memory, losing a peer, shutting down.
+//! Sending is in `send`, posting rendezvous receives in `posted`; what
+//! completions do is in `arrive`; the task that reads them in `progress`.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -14,12 +16,12 @@ use bytes::Bytes;
 use kungfu_topology::Rank;
 use tokio::sync::{oneshot, Notify};
 
-use super::proto::{self, FrameKey, Imm, QpInfo, QpStep, Ready, Sge, WrId, RID_BITS};
+use super::proto::{self, FrameKey, QpInfo, QpStep, Ready, Sge, WrId};
 use super::seam::{Reg, Verbs};
 use crate::endpoint::{Matcher, RecvKey};
 use crate::pool::BufferPool;
 use crate::region::{Mem, MemMut, Region};
-use crate::{Header, TransportError, HEADER_LEN};
+use crate::{TransportError, HEADER_LEN};
 
 /// Bytes a send holds until its completion.
 pub(super) enum Hold {
@@ -78,8 +80,8 @@ pub(super) struct State {
     pub(super) readies: HashMap<(Rank, FrameKey), VecDeque<Ready>>,
     /// At the receiver: posted rendezvous receives by id.
     pub(super) rdv: HashMap<u32, Rdv>,
-    next_rid: u32,
-    next_seq: u32,
+    pub(super) next_rid: u32,
+    pub(super) next_seq: u32,
     /// Pairs moved to the error state: nothing is posted on them again.
     pub(super) dead: Vec<bool>,
 }
@@ -123,7 +125,7 @@ pub(super) struct Core {
     /// completions are acted on in order.
     pub(super) progressing: Mutex<()>,
     recv_reg: Reg,
-    send_reg: Reg,
+    pub(super) send_reg: Reg,
     recv_region: Arc<Region>,
     /// (Also held by the send slots' shares.)
     _send_region: Arc<Region>,
@@ -149,7 +151,7 @@ pub(super) fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn sge_of(mem: &[u8], reg: &Reg) -> Sge {
+pub(super) fn sge_of(mem: &[u8], reg: &Reg) -> Sge {
     Sge {
         addr: mem.as_ptr() as u64,
         len: mem.len() as u32,
@@ -315,325 +317,6 @@ impl Core {
         region.set_registration(self.reg_id, reg.clone());
         Ok(reg)
     }
-
-    /// A registration for a send's payload above the eager limit.
-    fn payload_reg(&self, payload: &Hold) -> Result<Arc<Reg>, String> {
-        match payload {
-            Hold::Mem(m) => self.region_reg(m.region(), false),
-            Hold::Bytes(b) => {
-                // SAFETY: the registration is held next to the bytes, in
-                // the send's entry, and dropped with them.
-                unsafe { self.verbs.register(b.as_ptr(), b.len(), false) }.map(Arc::new)
-            }
-        }
-    }
-
-    fn next_seq(st: &mut State) -> u32 {
-        st.next_seq = st.next_seq.wrapping_add(1);
-        st.next_seq
-    }
-
-    fn next_rid(st: &mut State) -> u32 {
-        loop {
-            st.next_rid = (st.next_rid + 1) & ((1 << RID_BITS) - 1);
-            if !st.rdv.contains_key(&st.next_rid) {
-                return st.next_rid;
-            }
-        }
-    }
-
-    /// Posts `wrs` on the pair to `peer` with `entry` holding their memory
-    /// (keyed by the last, signaled one); gives the entry's slot back and
-    /// says why if the post failed.
-    fn post_locked(
-        &self,
-        st: &mut State,
-        peer: Rank,
-        wrs: &[proto::SendWr],
-        entry: Pending,
-    ) -> Result<(), String> {
-        let id = wrs.last().expect("one request at least").wr_id;
-        st.credits[peer.idx()] -= wrs.len();
-        st.pending.insert(id, entry);
-        // SAFETY: every buffer named is held by the entry just inserted,
-        // under the lock completions take, until its completion: a send
-        // slot, a payload with its registration, or none.
-        match unsafe { self.verbs.post_send(peer, wrs) } {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                st.credits[peer.idx()] += wrs.len();
-                if let Some(Pending::Send {
-                    slot: Some(slot), ..
-                }) = st.pending.remove(&id)
-                {
-                    st.free.push(slot);
-                }
-                Err(format!("post to {peer}: {e}"))
-            }
-        }
-    }
-
-    /// Posts what waits in `peer`'s control queue, as far as credits and
-    /// slots allow.
-    pub(super) fn drain_ctrl(&self, st: &mut State, peer: Rank) -> Result<(), String> {
-        let p = peer.idx();
-        loop {
-            let Some(c) = st.ctrl[p].front() else {
-                return Ok(());
-            };
-            let slot_needed = matches!(c, Ctrl::Ready(_));
-            if st.dead[p] || st.credits[p] == 0 || (slot_needed && st.free.is_empty()) {
-                return Ok(());
-            }
-            let c = st.ctrl[p].pop_front().expect("front seen");
-            let seq = Self::next_seq(st);
-            let (imm, slot) = match c {
-                Ctrl::Ready(r) => {
-                    let mut slot = st.free.pop().expect("checked");
-                    slot.as_mut_slice()[..Ready::LEN].copy_from_slice(&r.encode());
-                    (Imm::Ready(r.rid), Some(slot))
-                }
-                Ctrl::Cancel(rid) => (Imm::Cancel(rid), None),
-                Ctrl::CancelAck(rid) => (Imm::CancelAck(rid), None),
-            };
-            let sge = slot
-                .as_ref()
-                .map(|s| sge_of(&s.as_slice()[..Ready::LEN], &self.send_reg));
-            let wr = proto::message(peer, seq, imm, sge);
-            let entry = Pending::Send {
-                done: None,
-                credits: 1,
-                slot,
-                _payload: None,
-                _reg: None,
-            };
-            self.post_locked(st, peer, &[wr], entry)?;
-        }
-    }
-
-    /// Queues a control message to `peer` and posts what can go.
-    pub(super) fn send_ctrl(&self, peer: Rank, c: Ctrl) {
-        let r = {
-            let mut st = lock(&self.state);
-            if st.dead[peer.idx()] {
-                return;
-            }
-            st.ctrl[peer.idx()].push_back(c);
-            self.drain_ctrl(&mut st, peer)
-        };
-        if let Err(why) = r {
-            self.lose(peer, why, true);
-        }
-        self.wake.notify_one();
-    }
-
-    /// Whether a send to `to` may go on.
-    fn usable(&self, st: &State, to: Rank) -> Result<(), TransportError> {
-        if self.closing.load(Ordering::Acquire) {
-            return Err(TransportError::Closed);
-        }
-        if let Some(reason) = self.matcher.lost_reason(to) {
-            return Err(TransportError::PeerLost { peer: to, reason });
-        }
-        if st.dead[to.idx()] {
-            return Err(TransportError::PeerLost {
-                peer: to,
-                reason: "the queue pair is in the error state".into(),
-            });
-        }
-        Ok(())
-    }
-
-    /// Sends a frame: into an eager slot of the peer (copied into a send
-    /// slot here), or, above the eager limit, straight from `payload` into
-    /// the receive the peer posted for it, once its `Ready` came.
-    /// Resolves at the send's completion: the peer's adapter has it.
-    pub(super) async fn send(
-        self: &Arc<Self>,
-        to: Rank,
-        header: Header,
-        payload: Hold,
-    ) -> Result<(), TransportError> {
-        let len = payload.as_slice().len();
-        let mut header = header;
-        header.len = len as u64;
-        let lost = |why: String| TransportError::PeerLost {
-            peer: to,
-            reason: why.into(),
-        };
-        let reg = if len > self.layout.eager_max {
-            let reg = self
-                .payload_reg(&payload)
-                .map_err(|why| unavailable(format!("registering a send's memory: {why}")))?;
-            if !reg.covers(payload.as_slice().as_ptr() as u64, len) {
-                return Err(lost(format!("payload outside its registration {reg:?}")));
-            }
-            Some(reg)
-        } else {
-            None
-        };
-        let key = FrameKey {
-            tag: header.tag,
-            chunk: header.chunk,
-            step: header.step,
-        };
-        let mut payload = Some(payload);
-        let rx = loop {
-            let room = self.room.notified();
-            let tried = {
-                let mut st = lock(&self.state);
-                self.usable(&st, to)?;
-                self.try_send(&mut st, to, &header, key, &mut payload, &reg)
-            };
-            match tried {
-                Ok(Some(rx)) => break rx,
-                Ok(None) => room.await,
-                Err(why) => {
-                    self.lose(to, why.clone(), true);
-                    return Err(lost(why));
-                }
-            }
-        };
-        self.wake.notify_one();
-        match rx.await {
-            Ok(Ok(())) => {
-                self.sent[to.idx()].fetch_add(1, Ordering::Relaxed);
-                Ok(())
-            }
-            _ if self.closing.load(Ordering::Acquire) => Err(TransportError::Closed),
-            Ok(Err(why)) => {
-                self.lose(to, format!("write: {why}"), true);
-                let reason = self.matcher.lost_reason(to).unwrap_or(why.into());
-                Err(TransportError::PeerLost { peer: to, reason })
-            }
-            Err(_) => Err(TransportError::Closed),
-        }
-    }
-
-    /// Posts the frame if what it needs is there (`Ok(None)`: wait).
-    fn try_send(
-        &self,
-        st: &mut State,
-        to: Rank,
-        header: &Header,
-        key: FrameKey,
-        payload: &mut Option<Hold>,
-        reg: &Option<Arc<Reg>>,
-    ) -> Result<Option<oneshot::Receiver<Result<(), String>>>, String> {
-        let p = to.idx();
-        let len = header.len as usize;
-        let rendezvous = reg.is_some();
-        let ready_there = !rendezvous || st.readies.contains_key(&(to, key));
-        let credits = if rendezvous { 2 } else { 1 };
-        if !st.ctrl[p].is_empty() || st.credits[p] < credits || st.free.is_empty() || !ready_there {
-            return Ok(None);
-        }
-        let mut slot = st.free.pop().expect("checked");
-        let buf = slot.as_mut_slice();
-        buf[..HEADER_LEN].copy_from_slice(&header.encode());
-        let seq = Self::next_seq(st);
-        let (tx, rx) = oneshot::channel();
-        let (wrs, kept, kept_reg) = match reg {
-            None => {
-                let data = payload.take().expect("not sent yet");
-                buf[HEADER_LEN..HEADER_LEN + len].copy_from_slice(data.as_slice());
-                let sge = sge_of(&slot.as_slice()[..HEADER_LEN + len], &self.send_reg);
-                (
-                    vec![proto::message(to, seq, Imm::Eager, Some(sge))],
-                    None,
-                    None,
-                )
-            }
-            Some(reg) => {
-                let q = st.readies.get_mut(&(to, key)).expect("checked");
-                let ready = q.pop_front().expect("queues are never empty");
-                if q.is_empty() {
-                    st.readies.remove(&(to, key));
-                }
-                let data = payload.take().expect("not sent yet");
-                let head = sge_of(&slot.as_slice()[..HEADER_LEN], &self.send_reg);
-                let body = sge_of(data.as_slice(), reg);
-                let wrs = if ready.len == len as u64 {
-                    proto::rendezvous(to, seq, body, &ready, head).to_vec()
-                } else {
-                    // the peer posted another length: the header alone
-                    // tells it so (it fails the frame as a violation)
-                    vec![proto::message(to, seq, Imm::Done(ready.rid), Some(head))]
-                };
-                (wrs, Some(data), Some(reg.clone()))
-            }
-        };
-        let entry = Pending::Send {
-            done: Some(tx),
-            credits: wrs.len(),
-            slot: Some(slot),
-            _payload: kept,
-            _reg: kept_reg,
-        };
-        self.post_locked(st, to, &wrs, entry)?;
-        Ok(Some(rx))
-    }
-
-    /// Takes a receive posted for a frame above the eager limit: registers
-    /// its memory and tells the sender where to write it. Smaller ones go
-    /// back to the matcher, and so do those it refuses or drops (a lost
-    /// peer, an older epoch, a retired op, a closed endpoint).
-    pub(super) fn post(&self, key: RecvKey, mem: MemMut) -> Result<Option<MemMut>, TransportError> {
-        let from = key.from;
-        if mem.len() <= self.layout.eager_max
-            || from.idx() >= self.layout.size
-            || from == self.layout.me
-            || self.closing.load(Ordering::Acquire)
-            || self.matcher.lost_reason(from).is_some()
-            || !self.matcher.wants(key.tag)
-        {
-            return Ok(Some(mem));
-        }
-        let reg = self
-            .region_reg(mem.region(), true)
-            .map_err(|why| unavailable(format!("registering receive memory: {why}")))?;
-        let addr = mem.region().as_ptr() as u64 + mem.range().start as u64;
-        if !reg.covers(addr, mem.len()) {
-            return Err(unavailable(format!(
-                "a receive outside its registration {reg:?}"
-            )));
-        }
-        let r = {
-            let mut st = lock(&self.state);
-            if st.dead[from.idx()] {
-                return Ok(Some(mem));
-            }
-            let rid = Self::next_rid(&mut st);
-            let ready = Ready {
-                key: FrameKey {
-                    tag: key.tag,
-                    chunk: key.chunk,
-                    step: key.step,
-                },
-                len: mem.len() as u64,
-                addr,
-                rkey: reg.rkey,
-                rid,
-            };
-            st.rdv.insert(
-                rid,
-                Rdv {
-                    key,
-                    mem,
-                    _reg: reg,
-                    cancelled: false,
-                },
-            );
-            st.ctrl[from.idx()].push_back(Ctrl::Ready(ready));
-            self.drain_ctrl(&mut st, from)
-        };
-        if let Err(why) = r {
-            self.lose(from, why, true);
-        }
-        self.wake.notify_one();
-        Ok(None)
-    }
-
     /// `peer` is lost: its receives fail, its rendezvous state goes, and,
     /// if `error_qp` (anything but a goodbye), its pair is moved to the
     /// error state first, so that nothing more lands in memory released
@@ -665,34 +348,6 @@ impl Core {
         drop(released);
         self.room.notify_waiters();
     }
-
-    /// Asks senders to withdraw the receives of ops that ended (retired,
-    /// an older epoch, a closed matcher): their memory is released once
-    /// the sender answers.
-    pub(super) fn cancel_stale(&self) {
-        let mut st = lock(&self.state);
-        let stale: Vec<(u32, Rank)> = st
-            .rdv
-            .iter()
-            .filter(|(_, r)| !r.cancelled && !self.matcher.wants(r.key.tag))
-            .map(|(id, r)| (*id, r.key.from))
-            .collect();
-        let mut failed = Vec::new();
-        for (rid, from) in stale {
-            if let Some(r) = st.rdv.get_mut(&rid) {
-                r.cancelled = true;
-            }
-            st.ctrl[from.idx()].push_back(Ctrl::Cancel(rid));
-            if let Err(why) = self.drain_ctrl(&mut st, from) {
-                failed.push((from, why));
-            }
-        }
-        drop(st);
-        for (from, why) in failed {
-            self.lose(from, why, true);
-        }
-    }
-
     /// Stops: every pair to the error state, sends still waiting fail.
     /// Memory the adapter may still touch stays held until the core (and
     /// with it the queue pairs) is dropped.

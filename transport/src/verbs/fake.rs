@@ -1,4 +1,4 @@
-//! An in-process RC fabric behind the [`Verbs`] seam, for tests (and the
+//! An in-process RC fabric behind the `Verbs` seam (`seam.rs`), for tests (and the
 //! conformance suite): queue pairs that move through the verbs states
 //! (and refuse illegal transitions, and posts in the wrong state),
 //! registrations checked on every access, sends that wait for a receive

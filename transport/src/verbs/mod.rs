@@ -102,146 +102,43 @@
 //! the conformance suite with `-p kungfu-tests --features verbs`) runs
 //! anywhere.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kungfu_topology::{PeerList, Rank};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::OwnedReadHalf;
-use tokio::net::{TcpListener, TcpStream};
+use kungfu_topology::Rank;
+use tokio::net::TcpListener;
 use tokio::sync::Mutex as AsyncMutex;
 
+use self::bootstrap::{accept_higher, dial_lower, random_psn, ready_all, watch};
 use self::core::{Core, Hold, Layout};
 use self::proto::QpInfo;
 use self::seam::Verbs;
-use crate::connect::{self, Incoming};
-use crate::endpoint::{Endpoint, EndpointConfig, Matcher, Pump, RecvKey, CLOSED_BY_PEER};
+use crate::connect;
+use crate::endpoint::{Endpoint, EndpointConfig, Matcher, Pump, RecvKey};
 use crate::handshake::Identity;
 use crate::pool::BufferPool;
 use crate::region::{Mem, MemMut, Region};
 use crate::wire::{Apply, Caps, Tasks, Wire};
-use crate::{ClusterVersion, Epoch, Header, Instant, OpTag, PeerSet, TransportError};
+use crate::{Header, Instant, OpTag, PeerSet, TransportError};
 
 mod arrive;
+mod bootstrap;
+mod config;
 mod core;
 #[cfg(any(test, feature = "verbs-fake"))]
 pub mod fake;
+mod posted;
 mod progress;
 mod proto;
 mod seam;
+mod send;
 mod sys;
 #[cfg(test)]
 mod tests;
 
-/// Settings of a verbs endpoint.
-#[derive(Clone)]
-pub struct VerbsConfig {
-    pub cluster_id: u64,
-    pub version: ClusterVersion,
-    pub epoch: Epoch,
-    pub rank: Rank,
-    pub peers: PeerList,
-    /// The job's secret: every peer must prove it holds it (see
-    /// [`crate::handshake`]); `None`: links are not authenticated.
-    pub secret: Option<crate::auth::JobSecret>,
-    /// The RDMA device (`mlx5_0`, `rxe0`); `None`: the first.
-    pub device: Option<String>,
-    /// The GID index of port 1; `None`: a RoCE v2 GID (IPv4-mapped first),
-    /// else 0.
-    pub gid_index: Option<u8>,
-    pub connect_timeout: Duration,
-    pub max_frame: usize,
-    pub mailbox_bytes: usize,
-    pub pool: Option<Arc<BufferPool>>,
-    /// How long the progress task keeps polling after activity before it
-    /// sleeps on the completion channel.
-    pub spin: Duration,
-    /// Frames up to this size go eagerly into the receive slots; larger
-    /// ones only into receives posted for them (rendezvous). Every rank
-    /// must use the same (checked at connect).
-    pub eager_max: usize,
-    /// Receive slots kept posted per peer (of `eager_max` bytes and a
-    /// header each); twice as many send slots are shared by all peers.
-    pub eager_slots: usize,
-}
-
-impl VerbsConfig {
-    /// Defaults: 30 s to connect, 64 MiB frames, a 256 MiB mailbox, 16 KiB
-    /// eager frames into 32 slots per peer, 50 us of polling after
-    /// activity.
-    pub fn new(
-        cluster_id: u64,
-        version: ClusterVersion,
-        epoch: Epoch,
-        rank: Rank,
-        peers: PeerList,
-        device: Option<String>,
-    ) -> VerbsConfig {
-        VerbsConfig {
-            cluster_id,
-            version,
-            epoch,
-            rank,
-            peers,
-            secret: None,
-            device,
-            gid_index: None,
-            connect_timeout: Duration::from_secs(30),
-            max_frame: 64 << 20,
-            mailbox_bytes: 256 << 20,
-            pool: None,
-            spin: Duration::from_micros(50),
-            eager_max: 16 << 10,
-            eager_slots: 32,
-        }
-    }
-
-    fn identity(&self) -> Identity {
-        Identity::of(
-            self.cluster_id,
-            self.version,
-            self.epoch,
-            self.rank,
-            &self.peers,
-            self.secret.as_ref(),
-        )
-        .expect("the rank is checked at connect")
-    }
-
-    fn layout(&self) -> Layout {
-        Layout {
-            me: self.rank,
-            size: self.peers.len(),
-            eager_max: self.eager_max,
-            slots: self.eager_slots,
-            send_slots: 2 * self.eager_slots,
-            sq_depth: (2 * self.eager_slots).max(16),
-            max_frame: self.max_frame,
-            spin: self.spin,
-        }
-    }
-
-    /// Limits the wire's encodings put on a config.
-    fn check(&self) -> Result<(), String> {
-        if self.peers.len() >= 1 << 24 {
-            return Err(format!("{} ranks: at most 2^24", self.peers.len()));
-        }
-        if self.max_frame > i32::MAX as usize {
-            return Err(format!("max_frame {}: at most 2 GiB", self.max_frame));
-        }
-        if self.eager_max > 64 << 20 {
-            return Err(format!("eager_max {}: at most 64 MiB", self.eager_max));
-        }
-        if self.eager_slots == 0 {
-            return Err("eager_slots must be at least 1".into());
-        }
-        Ok(())
-    }
-}
+pub use self::config::VerbsConfig;
 
 /// Checks whether RDMA device `device` (or any) can be used here, without
 /// connecting: its name, or [`TransportError::Unavailable`] saying what is
@@ -419,144 +316,6 @@ impl VerbsWire {
     pub fn frames_posted(&self) -> u64 {
         self.core.posted_landed.load(Ordering::Relaxed)
     }
-}
-
-/// A random first packet sequence number (24 bits).
-fn random_psn() -> u32 {
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(Instant::now().elapsed().as_nanos() as u64);
-    (h.finish() & 0xff_ffff) as u32
-}
-
-type Link = (TcpStream, QpInfo);
-
-/// Sends `mine` and reads the peer's (the dialer writes first). A link
-/// that breaks may be tried again; a peer that is not a verbs wire may not.
-async fn exchange(
-    s: &mut TcpStream,
-    mine: &QpInfo,
-    dialer: bool,
-) -> Result<QpInfo, (bool, String)> {
-    let out = mine.encode();
-    let mut got = [0u8; QpInfo::LEN];
-    let send = |e: std::io::Error| (true, format!("send queue pair info: {e}"));
-    let read = |e: std::io::Error| (true, format!("read queue pair info: {e}"));
-    if dialer {
-        s.write_all(&out).await.map_err(send)?;
-        s.read_exact(&mut got).await.map_err(read)?;
-    } else {
-        s.read_exact(&mut got).await.map_err(read)?;
-        s.write_all(&out).await.map_err(send)?;
-    }
-    QpInfo::decode(&got).map_err(|e| (false, e))
-}
-
-/// Tells every peer this rank's pair to it is ready to send (so it can
-/// receive), and waits for each to say the same.
-async fn ready_all(
-    links: &mut HashMap<Rank, Link>,
-    deadline: Instant,
-) -> Result<(), TransportError> {
-    const READY: &[u8; 4] = b"RTS!";
-    let fail = |peer: Rank, reason: String| TransportError::Handshake {
-        peer: Some(peer),
-        addr: String::new(),
-        reason,
-    };
-    for (peer, (s, _)) in links.iter_mut() {
-        s.write_all(READY)
-            .await
-            .map_err(|e| fail(*peer, format!("send ready: {e}")))?;
-    }
-    for (peer, (s, _)) in links.iter_mut() {
-        let mut b = [0u8; 4];
-        match tokio::time::timeout_at(deadline, s.read_exact(&mut b)).await {
-            Ok(Ok(_)) if &b == READY => {}
-            Ok(Ok(_)) => return Err(fail(*peer, "bad ready".into())),
-            Ok(Err(e)) => return Err(fail(*peer, format!("read ready: {e}"))),
-            Err(_) => return Err(fail(*peer, "not ready before the deadline".into())),
-        }
-    }
-    Ok(())
-}
-
-async fn dial_lower(
-    cfg: &Arc<VerbsConfig>,
-    infos: &Arc<Vec<QpInfo>>,
-    deadline: Instant,
-) -> Result<HashMap<Rank, Link>, TransportError> {
-    let lower = (0..cfg.rank.0).map(Rank);
-    connect::dial_all(lower, |peer| {
-        let (cfg, infos) = (cfg.clone(), infos.clone());
-        async move {
-            let p = cfg.peers.peer(peer).expect("peer below our rank");
-            let me = cfg.identity();
-            connect::dial(peer, p.to_string(), deadline, || async {
-                let mut s = connect::tcp_hello(p, &me, peer).await?;
-                let remote = exchange(&mut s, &infos[peer.idx()], true).await?;
-                Ok((s, remote))
-            })
-            .await
-        }
-    })
-    .await
-}
-
-async fn accept_higher(
-    cfg: &Arc<VerbsConfig>,
-    infos: &Arc<Vec<QpInfo>>,
-    listener: TcpListener,
-    deadline: Instant,
-) -> Result<HashMap<Rank, Link>, TransportError> {
-    let wanted: Vec<Rank> = (cfg.rank.0 + 1..cfg.peers.len() as u32).map(Rank).collect();
-    let local = listener
-        .local_addr()
-        .map(|a| a.to_string())
-        .unwrap_or_default();
-    let incoming = || async {
-        match listener.accept().await {
-            Ok((s, addr)) => Incoming::Conn(s, addr.to_string()),
-            Err(e) => Incoming::Failed(format!("accept: {e}")),
-        }
-    };
-    let answer = |mut s: TcpStream| {
-        let (cfg, infos) = (cfg.clone(), infos.clone());
-        async move {
-            let may_dial = |r: Rank| r > cfg.rank;
-            let from = connect::tcp_answer(&mut s, &cfg.identity(), may_dial).await?;
-            let remote = exchange(&mut s, &infos[from.idx()], false)
-                .await
-                .map_err(|(_, e)| e)?;
-            Ok((from, (s, remote)))
-        }
-    };
-    connect::accept(&wanted, &local, deadline, Some(cfg.rank), incoming, answer).await
-}
-
-/// Watches the control link of `peer`: its goodbye (then waits until its
-/// frames all arrived), or its end, is the end of the peer.
-async fn watch(mut rd: OwnedReadHalf, peer: Rank, core: Arc<Core>) {
-    let mut b = [0u8; 12];
-    let (why, broken) = match rd.read_exact(&mut b).await {
-        Ok(_) if b[..4] == *b"BYE!" => {
-            let sent = u64::from_le_bytes(b[4..].try_into().expect("8 bytes"));
-            // its frames may still be in flight: wait for them (the close
-            // that reads this bounds the wait)
-            while core.received[peer.idx()].load(Ordering::Relaxed) < sent {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-            (CLOSED_BY_PEER.to_string(), false)
-        }
-        Ok(_) => (
-            "protocol violation: bad goodbye on the control link".to_string(),
-            true,
-        ),
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-            (CLOSED_BY_PEER.to_string(), true)
-        }
-        Err(e) => (format!("control link: {e}"), true),
-    };
-    core.lose(peer, why, broken);
 }
 
 impl Wire for VerbsWire {

@@ -23,7 +23,8 @@ use bytes::{BufMut, Bytes, BytesMut};
 use kungfu_topology::Rank;
 use tokio::sync::Notify;
 
-use super::{locate, wake_all, Matcher};
+use super::lost::locate;
+use super::{wake_all, Matcher};
 
 /// The longest reason a notice carries (a longer one is cut).
 const MAX_REASON: usize = 1024;

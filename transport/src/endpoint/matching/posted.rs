@@ -3,7 +3,8 @@
 
 use kungfu_topology::Rank;
 
-use super::{push_stray, Inner, Matcher, RecvKey};
+use super::strays::push_stray;
+use super::{Inner, Matcher, RecvKey};
 use crate::region::MemMut;
 use crate::{Header, Instant, TransportError};
 

@@ -9,154 +9,26 @@
 
 use std::collections::HashSet;
 use std::io::Write;
-use std::os::fd::AsRawFd;
 use std::time::Duration;
 
 use anyhow::Context;
-use kungfu_topology::fnv1a64;
+use kungfu_topology::Rank;
+use kungfu_transport::auth::JobSecret;
 use nix::sys::signal::Signal;
-use tokio::process::Command;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::time::Instant;
 
+use crate::bind::allowed_cpus;
 use crate::certs::job_tls;
 use crate::procs::{
     control_channel, describe, report_live, signal_all, Control, Job, TERM_TO_KILL,
 };
 use crate::remote;
-use crate::served::{config_server, listener_for, Pending};
+use crate::served::listener_for;
 use crate::{assign_ranks, is_local_host, job_ports, JobPorts};
-use kungfu::elastic::ClusterConfig;
-use kungfu::env::SECRET_VAR;
-use kungfu::store::ConfigStore;
-use kungfu_topology::{PeerList, Rank};
-use kungfu_transport::auth::JobSecret;
 
 pub use crate::bind::cpu_for;
-use crate::bind::{allowed_cpus, pin};
 pub use crate::options::{Bind, LaunchOptions, OnFailure};
-
-/// Hands `l` to the child `cmd` starts, as an inherited descriptor named
-/// in `KUNGFU_LISTEN_FD` (the runtime adopts it; see `kungfu::listen`).
-/// Rust opens every descriptor close-on-exec, so a worker inherits its own
-/// socket and no other; the flag is cleared in the child alone, between
-/// fork and exec. The launcher's copy closes with `cmd`, after the spawn.
-fn pass_listener(cmd: &mut Command, l: std::net::TcpListener) -> anyhow::Result<()> {
-    use nix::fcntl::{fcntl, FcntlArg, FdFlag};
-    // 0-2 become the child's stdio: a duplicate lands at 3 or above
-    let l = if l.as_raw_fd() < 3 {
-        l.try_clone().context("duplicating a listening socket")?
-    } else {
-        l
-    };
-    cmd.env(kungfu::listen::LISTEN_FD_VAR, l.as_raw_fd().to_string());
-    #[allow(unsafe_code)]
-    // SAFETY: the closure runs in the child between fork and exec, where
-    // only async-signal-safe calls are allowed: it makes one fcntl on a
-    // descriptor the child inherited (the closure's `l` keeps it open in
-    // the parent until the spawn is over), and allocates nothing.
-    unsafe {
-        cmd.pre_exec(move || {
-            fcntl(&l, FcntlArg::F_SETFD(FdFlag::empty()))
-                .map(drop)
-                .map_err(std::io::Error::from)
-        });
-    }
-    Ok(())
-}
-
-/// The identity of one worker of one cluster version.
-struct WorkerSpec<'a> {
-    rank: usize,
-    size: usize,
-    local_rank: usize,
-    local_size: usize,
-    peers: &'a PeerList,
-    version: u32,
-}
-
-fn worker_cmd(
-    opts: &LaunchOptions,
-    allowed: &[usize],
-    w: &WorkerSpec<'_>,
-    job: &JobKeys,
-    config_url: Option<&str>,
-    listener: Option<std::net::TcpListener>,
-) -> anyhow::Result<Command> {
-    let mut cmd = Command::new(&opts.program[0]);
-    if let Some(cpu) = cpu_for(opts.bind, allowed, w.local_rank, w.local_size) {
-        pin(&mut cmd, cpu)?;
-    }
-    match listener {
-        Some(l) => pass_listener(&mut cmd, l)?,
-        // one inherited from whoever started kungfu-run names nothing here
-        None => {
-            cmd.env_remove(kungfu::listen::LISTEN_FD_VAR);
-        }
-    }
-    cmd.args(&opts.program[1..])
-        .env("KUNGFU_RANK", w.rank.to_string())
-        .env("KUNGFU_SIZE", w.size.to_string())
-        .env("KUNGFU_LOCAL_RANK", w.local_rank.to_string())
-        .env("KUNGFU_LOCAL_SIZE", w.local_size.to_string())
-        .env("KUNGFU_PEERS", w.peers.to_string())
-        .env("KUNGFU_TRANSPORT", opts.transport.name())
-        .env("KUNGFU_CLUSTER_VERSION", w.version.to_string())
-        .env("KUNGFU_CLUSTER_ID", format!("{:x}", job.cluster_id))
-        // the environment, not the command line, which every user can read
-        .env(SECRET_VAR, &job.secret)
-        // what torch.distributed's env:// init reads, so that a script
-        // calls `init_process_group("kungfu")` (or any backend) as under
-        // torchrun; KUNGFU_* stay the library's own
-        .env("RANK", w.rank.to_string())
-        .env("WORLD_SIZE", w.size.to_string())
-        .env("LOCAL_RANK", w.local_rank.to_string())
-        .env("LOCAL_WORLD_SIZE", w.local_size.to_string())
-        .env("MASTER_PORT", job.torch_port.to_string());
-    if let Some(first) = w.peers.peers().first() {
-        cmd.env("MASTER_ADDR", &first.host);
-    }
-    if let Some(url) = config_url {
-        cmd.env("KUNGFU_CONFIG_SERVER", url);
-    }
-    if let Some(st) = &opts.strategy {
-        cmd.env("KUNGFU_STRATEGY", st);
-    }
-    for (k, v) in &opts.env {
-        cmd.env(k, v);
-    }
-    Ok(cmd)
-}
-
-/// What identifies a job to its workers.
-struct JobKeys {
-    cluster_id: u64,
-    /// The job secret, as the workers get it (`KUNGFU_JOB_SECRET`).
-    secret: String,
-    /// `MASTER_PORT`, for torch.distributed's store on rank 0's host.
-    torch_port: u16,
-}
-
-/// A port that was free here a moment ago, for `MASTER_PORT` (rank 0's
-/// torch store binds it; `-x MASTER_PORT=...` chooses another).
-fn free_port() -> anyhow::Result<u16> {
-    let l = std::net::TcpListener::bind(("0.0.0.0", 0)).context("finding a free port")?;
-    Ok(l.local_addr()?.port())
-}
-
-/// The job's secret: `given`, else `KUNGFU_JOB_SECRET` from the
-/// environment (so that launchers started apart on each host share one),
-/// else 32 fresh random bytes in hex.
-pub fn job_secret(given: Option<&str>) -> anyhow::Result<String> {
-    let from_env = std::env::var(SECRET_VAR).ok().filter(|s| !s.is_empty());
-    let secret = match given.map(str::to_string).or(from_env) {
-        Some(s) => s,
-        None => JobSecret::generate_hex()?,
-    };
-    // refused here rather than by every worker
-    JobSecret::new(secret.as_bytes()).context(SECRET_VAR)?;
-    Ok(secret)
-}
 
 /// `eprintln!` that ignores a closed standard error: a launcher started
 /// through ssh loses its output with the connection, and must still stop
@@ -176,43 +48,21 @@ const ENDING_TO_KILL: Duration = Duration::from_secs(10);
 const FOLLOW_EVERY: Duration = Duration::from_millis(100);
 const FOLLOW_GIVE_UP: Duration = Duration::from_secs(30);
 
-/// A fresh cluster id: from the clock and the process id.
-pub fn job_id() -> u64 {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    fnv1a64(
-        fnv1a64(0xcbf2_9ce4_8422_2325, &now.to_le_bytes()),
-        &std::process::id().to_le_bytes(),
-    )
-}
+mod elastic;
+mod rings;
+mod worker;
 
-/// Removes this host's shared-memory ring files of the job when dropped.
-/// A worker killed while connecting leaves rings behind that no process of
-/// the job can remove any more (see `kungfu_transport::shm`, "Lifetime of
-/// the files"); this runs once `run` has reaped every worker, however the
-/// job ended: success, a failed or killed worker, the timeout, a signal to
-/// kungfu-run, or an error of the launcher itself.
-struct JobRings(u64);
+use elastic::{replace_lost, Elastic, Survived};
+use rings::JobRings;
+use worker::{free_port, JobKeys, Starter, WorkerSpec};
+pub use worker::{job_id, job_secret};
 
-impl Drop for JobRings {
-    fn drop(&mut self) {
-        let dir = std::path::Path::new(kungfu_transport::shm::RING_DIR);
-        let msg = match kungfu_transport::shm::remove_cluster_files(dir, self.0) {
-            Ok(names) if names.is_empty() => return,
-            Ok(names) => format!(
-                "kungfu-run: removed {} shared-memory ring file(s) the job left in {}: {}",
-                names.len(),
-                dir.display(),
-                names.join(" ")
-            ),
-            Err(e) => format!(
-                "kungfu-run: could not remove the job's ring files from {}: {e}",
-                dir.display()
-            ),
-        };
-        // stderr may be closed; a drop must not panic
-        let _ = writeln!(std::io::stderr(), "{msg}");
+/// Whether `host` is one this launcher starts workers on: the host of
+/// `--self`, or else any local one.
+fn is_mine(opts: &LaunchOptions, host: &str) -> bool {
+    match &opts.self_host {
+        Some(me) => host == me,
+        None => is_local_host(host),
     }
 }
 
@@ -242,10 +92,7 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
         torch_port: free_port()?,
     };
     let secret = JobSecret::new(keys.secret.as_bytes())?;
-    let mine = |host: &str| match &opts.self_host {
-        Some(me) => host == me,
-        None => is_local_host(host),
-    };
+    let mine = |host: &str| is_mine(&opts, host);
     // per-node mode, elastic: every launcher makes or finds the job's keys
     // in etcd and follows them
     let per_node = opts.self_host.is_some() && !opts.controlled;
@@ -255,73 +102,26 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
          per-node mode (--self, --rdzv): give --config-store etcd://..., or start the job \
          from one host (ssh mode)"
     );
-    // The config server: for -w (the launcher that starts the job serves
-    // it; those it starts on other hosts follow it), and for the
-    // survivors' recovery.
-    let elastic = opts.watch || opts.on_failure != OnFailure::Stop;
-    let serves = elastic && opts.self_host.is_none();
-    let follows = elastic && opts.self_host.is_some();
-    let here = if serves && !all_local && !in_etcd {
-        let h = opts.hosts.iter().find(|h| mine(&h.host)).with_context(|| {
-            "-w or --on-failure across hosts: start kungfu-run on one of the hosts of -H \
-             (its config server listens there, for the other hosts), or give --config-store"
-        })?;
-        Some(h.host.as_str())
-    } else {
-        None
-    };
-    let (server, pending) = if serves && !in_etcd {
-        let (s, p) = config_server(&opts, &peers, &secret, here).await?;
-        (Some(s), p)
-    } else {
-        (None, Pending::default())
-    };
-    // a per-node launcher that finds the job changed already starts the
-    // workers of its current version, not of the first
-    let mut late: Option<ClusterConfig> = None;
-    let store = match (&server, &opts.config_server) {
-        (Some(s), _) => Some(ConfigStore::Http(s.url())),
-        (None, _) if serves || (follows && per_node && in_etcd) => {
-            let (store, current) =
-                crate::config_store::create(&opts, &peers, cluster_id, !all_local).await?;
-            late = current;
-            Some(store)
-        }
-        (None, Some(u)) if follows => Some(ConfigStore::open(u).map_err(anyhow::Error::msg)?),
-        (None, _) if follows => {
-            anyhow::bail!("-w or --on-failure with --self needs --config-server URL")
-        }
-        _ => None,
-    };
-    let url = store.as_ref().map(ConfigStore::url);
-    // a job's keys in etcd go with it, however it ends
-    let _keys = crate::config_store::RemoveOnDrop(match &store {
-        Some(ConfigStore::Etcd(e)) if serves => Some(e.clone()),
-        _ => None,
-    });
-    let mut node = match (&store, &opts.self_host) {
-        (Some(ConfigStore::Etcd(e)), Some(me)) if per_node => {
-            Some(crate::config_store::PerNode::start(e.clone(), me, &opts).await?)
-        }
-        _ => None,
-    };
+    // The config server and the job's keys in etcd (removed when
+    // dropped) are held until the job is over.
+    let Elastic {
+        serves,
+        follows,
+        server: _server,
+        pending,
+        late,
+        store,
+        url,
+        keys: _keys,
+        mut node,
+        mut versions,
+        mut latest,
+    } = Elastic::start(
+        &opts, &peers, &secret, cluster_id, all_local, in_etcd, per_node,
+    )
+    .await?;
     let mut node_tick = tokio::time::interval(crate::config_store::PER_NODE_EVERY);
     let mut job_over = false;
-    // every version of the config after the first, in order
-    let mut versions = match (&server, &store) {
-        (Some(s), _) => Some(s.versions(0)),
-        (None, Some(st)) => {
-            // from the current version on, for a launcher that comes late
-            let after = late.as_ref().map_or(0, |c| c.version - 1);
-            Some(st.follow(after, FOLLOW_EVERY, FOLLOW_GIVE_UP))
-        }
-        _ => None,
-    };
-    // the latest version handled
-    let mut latest = versions.as_ref().map(|_| ClusterConfig {
-        version: 0,
-        peers: peers.clone(),
-    });
     // Before `job`, so that it is dropped after it: the workers are gone
     // first (reaped when the loop below ends; on an early error, sent
     // SIGKILL by the job's drop, which does not wait for them).
@@ -329,21 +129,14 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
     let one_host = all_local && opts.self_host.is_none();
     let tls = job_tls(opts.transport, opts.quic.as_ref(), one_host, cluster_id)?;
     let mut job = Job::default();
-    let width = (opts.np - 1).to_string().len();
-    // A worker's name in messages, and the prefix of its output lines: its
-    // rank, and its host too when the job spans more than one.
-    let many_hosts = opts.hosts.len() > 1;
-    let tags = |rank: usize, host: &str| {
-        if many_hosts {
-            (
-                format!("rank {rank} on {host}"),
-                format!("[{rank:>width$}@{host}] "),
-            )
-        } else {
-            (format!("rank {rank}"), format!("[{rank:>width$}] "))
-        }
-    };
     let allowed = allowed_cpus();
+    let starter = Starter {
+        opts: &opts,
+        allowed: &allowed,
+        keys: &keys,
+        url: url.as_deref(),
+        tls: tls.as_ref(),
+    };
     for s in slots.iter().filter(|s| mine(&s.host) && late.is_none()) {
         let w = WorkerSpec {
             rank: s.rank,
@@ -354,13 +147,8 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
             version: 0,
         };
         let listener = listeners[s.rank].take();
-        let mut cmd = worker_cmd(&opts, &allowed, &w, &keys, url.as_deref(), listener)?;
-        if let Some(t) = &tls {
-            t.apply(&mut cmd, s.rank)?;
-        }
         let addr = peers.peer(Rank(s.rank as u32)).map(|p| p.to_string());
-        let (label, prefix) = tags(s.rank, &s.host);
-        job.spawn(cmd, label, prefix, addr, None)?;
+        starter.start(&mut job, &w, &s.host, addr, listener, None)?;
     }
     if opts.self_host.is_none() {
         // Workers of other machines: the same launcher there, through ssh
@@ -371,20 +159,7 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                 continue;
             }
             let line = remote::remote_command(&opts, &h.host, cluster_id, &exe, url.as_deref());
-            let (ssh, ssh_args) = opts.ssh.split_first().context("--ssh: no command")?;
-            let mut cmd = Command::new(ssh);
-            // keepalives: a connection that dies silently ends the ssh,
-            // and so the remote launcher's control channel
-            cmd.args(ssh_args).args([
-                "-o",
-                "BatchMode=yes",
-                "-o",
-                "ServerAliveInterval=5",
-                "-o",
-                "ServerAliveCountMax=3",
-                &h.host,
-                &line,
-            ]);
+            let cmd = remote::ssh_command(&opts.ssh, &h.host, &line)?;
             // the secret on ssh's standard input (see `remote`)
             let secret = Some(keys.secret.as_str());
             job.spawn(
@@ -534,18 +309,10 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                             peers: &c.peers,
                             version: c.version,
                         };
-                        let started = listener_for(&pending, p)
-                            .and_then(|l| worker_cmd(&opts, &allowed, &w, &keys, url.as_deref(), Some(l)))
-                            .and_then(|mut cmd| {
-                                if let Some(t) = &tls {
-                                    t.apply(&mut cmd, rank)?;
-                                }
-                                Ok(cmd)
-                            })
-                            .and_then(|cmd| {
-                                let (_, prefix) = tags(rank, &p.host);
-                                job.spawn(cmd, format!("worker {addr}"), prefix, Some(addr), None)
-                            });
+                        let started = listener_for(&pending, p).and_then(|l| {
+                            let label = format!("worker {addr}");
+                            starter.start(&mut job, &w, &p.host, Some(addr), Some(l), Some(label))
+                        });
                         match started {
                             Ok(()) => remaining += 1,
                             Err(e) => {
@@ -661,31 +428,4 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
         Some(code) if job.procs.iter().all(|p| !p.succeeded) => code,
         _ => 0,
     }))
-}
-
-/// `--on-failure replace`: asks the config server for `np` workers again
-/// (the launcher starts the new ones when the config changes).
-fn replace_lost(store: Option<ConfigStore>, secret: JobSecret, np: usize) {
-    let Some(store) = store else { return };
-    tokio::spawn(async move {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let body = format!("size {np}");
-        match store.put(&body, Some(&secret), deadline).await {
-            Ok(c) => say!(
-                "kungfu-run: replacing the lost: version {} of {} workers",
-                c.version,
-                c.peers.len()
-            ),
-            Err(e) => say!("kungfu-run: could not start replacements: {e}"),
-        }
-    });
-}
-
-/// What `--on-failure shrink|replace` keeps track of.
-#[derive(Default)]
-struct Survived {
-    /// The status of the first worker that failed.
-    failed: Option<i32>,
-    /// Failed workers a replacement is still to be started for.
-    to_replace: usize,
 }

@@ -1,0 +1,269 @@
+//! Who moves the fast path's ops, and how they complete: a caller that
+//! waits on its handle polls every op in flight for [`INLINE_SPIN`], then
+//! hands over to the progress thread (one per [`Fast`]), which polls while
+//! ops are in flight and no caller does; ended ops are completed outside
+//! the engine's lock (see the parent module's docs, "Progress and
+//! waiting").
+
+use std::sync::atomic::Ordering;
+use std::sync::Weak;
+use std::time::{Duration, Instant};
+
+use kungfu_topology::Strategy;
+use kungfu_transport::Transport;
+
+use super::{lock, Ended, Fast, FastOp, State};
+use crate::abort::Abort;
+use crate::op::errors::abort_reason;
+use crate::session::driver::{send_aborts, trace_op};
+use crate::CollectiveError;
+
+/// How long a waiting caller polls before it hands over to the thread.
+pub(super) const INLINE_SPIN: Duration = Duration::from_micros(200);
+/// The thread's longest idle sleep (it notices a dropped session by then).
+const IDLE_NAP: Duration = Duration::from_millis(100);
+/// After this long with ops in flight and nothing moving, the thread naps
+/// between polls instead of spinning.
+const NAP_AFTER: Duration = Duration::from_millis(2);
+const NAP: Duration = Duration::from_micros(50);
+
+impl<T: Transport> Fast<T> {
+    /// Posts the op's contribution and runs it as far as it goes now;
+    /// `waited`: a caller will poll its handle (else the thread is told).
+    pub(in crate::session) fn start(&self, mut op: FastOp<T>, waited: bool) {
+        op.waited = waited;
+        let mut st = lock(&self.state);
+        st.ops.push(op);
+        let ended = self.progress(&mut st, false);
+        // A contribution that found no free slot, or a later phase's, must
+        // not wait for the handle to be polled: peers wait for it.
+        let stuck = st
+            .ops
+            .iter()
+            .any(|o| o.unposted != 0 || o.split.is_some() || o.large.is_some());
+        let left = !st.ops.is_empty();
+        drop(st);
+        finish(ended, false);
+        if left && (!waited || stuck) {
+            self.cv.notify_one();
+        }
+    }
+
+    /// Fails every op in flight as closed (the session is closing or shut
+    /// down: nothing will complete them).
+    pub(in crate::session) fn fail_all(&self) {
+        let mut st = lock(&self.state);
+        let ops = std::mem::take(&mut st.ops);
+        self.live.store(0, Ordering::SeqCst);
+        drop(st);
+        let ended = ops
+            .into_iter()
+            .map(|mut op| {
+                op.end(&self.lanes);
+                (op, Err(CollectiveError::Closed))
+            })
+            .collect();
+        // the caller closes the session: it holds none of the session's
+        // locks, and the runtime may be about to stop
+        finish(ended, true);
+    }
+
+    fn now_ns(&self) -> u64 {
+        self.zero.elapsed().as_nanos() as u64
+    }
+
+    /// Polls the ops in flight from a waiting caller until `done()`, for
+    /// [`INLINE_SPIN`] at most; `false`: handed over to the thread.
+    fn drive(&self, done: &mut dyn FnMut() -> bool) -> bool {
+        let start = Instant::now();
+        let budget = INLINE_SPIN.as_nanos() as u64;
+        let mut k = 0u32;
+        loop {
+            // The clock is read every few rounds only: a round is much
+            // shorter than a read of it.
+            if k.is_multiple_of(16) {
+                if start.elapsed() > INLINE_SPIN {
+                    self.hand_over();
+                    return false;
+                }
+                self.inline_until
+                    .store(self.now_ns() + 2 * budget, Ordering::Relaxed);
+            }
+            k = k.wrapping_add(1);
+            if let Ok(mut st) = self.state.try_lock() {
+                let ended = self.progress(&mut st, k.is_multiple_of(64));
+                drop(st);
+                finish(ended, false);
+            }
+            if done() {
+                // Other ops in flight are the thread's now (it sleeps while
+                // a caller polls); none: no wake-up. Cleared first, both
+                // sequentially consistent: an op started meanwhile is
+                // either seen here (`live`) or its notice finds the deadline
+                // cleared.
+                self.inline_until.store(0, Ordering::SeqCst);
+                if self.live.load(Ordering::SeqCst) > 0 {
+                    self.hand_over();
+                }
+                return true;
+            }
+            self.pause();
+        }
+    }
+
+    /// A polling caller stops: the thread takes over. Under the lock, so
+    /// that the thread either sees it or is already waiting for the
+    /// notice (it checks and waits under the lock).
+    fn hand_over(&self) {
+        let st = lock(&self.state);
+        self.inline_until.store(0, Ordering::Relaxed);
+        drop(st);
+        self.cv.notify_one();
+    }
+
+    fn pause(&self) {
+        if self.oversubscribed {
+            std::thread::yield_now();
+        } else {
+            // A pause instruction takes up to ~140 cycles on recent x86: a
+            // few between polls, or the wait itself becomes the latency.
+            for _ in 0..2 {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// Moves every op in flight as far as it goes; returns the ended ones
+    /// (to complete without the lock: their callbacks may start ops).
+    /// `timed`: reads the clock for deadlines and liveness checks.
+    fn progress(&self, st: &mut State<T>, timed: bool) -> Vec<Ended<T>> {
+        let mut ended = Vec::new();
+        let mut i = 0;
+        while i < st.ops.len() {
+            match self.step(&mut st.ops[i], timed) {
+                None => i += 1,
+                Some(r) => {
+                    let mut op = st.ops.swap_remove(i);
+                    op.end(&self.lanes);
+                    ended.push((op, r));
+                }
+            }
+        }
+        self.live.store(st.ops.len(), Ordering::SeqCst);
+        ended
+    }
+}
+
+/// Completes ended ops (outside the engine's lock). A failed op tells
+/// every peer why, as the message path does, unless a peer told it.
+///
+/// A caller's callback runs on the progress thread (`on_thread`) or on the
+/// session's runtime, never on a thread that happened to start or wait
+/// for another op: that thread may hold locks the callback needs (the
+/// swap gate, while deferred ops start). Handles (`waited`) are completed
+/// in place: that only sends on a oneshot.
+fn finish<T: Transport>(ended: Vec<Ended<T>>, on_thread: bool) {
+    let (now, later): (Vec<_>, Vec<_>) = ended
+        .into_iter()
+        .partition(|(op, _)| on_thread || op.waited);
+    if let Some((op, _)) = later.first() {
+        let rt = op.inner.runtime.clone();
+        rt.spawn(async move { complete(later) });
+    }
+    complete(now);
+}
+
+fn complete<T: Transport>(ended: Vec<Ended<T>>) {
+    for (mut op, r) in ended {
+        // A failed op may have frames of its tag coming (a rank on the
+        // message path): they are strays from now on, judged by its
+        // tombstone. An op that succeeded had every rank on this path, so
+        // no frame of its tag exists, and retiring it costs the matcher's
+        // lock and a wake-up of the stray watcher per op (1.2 -> 2-9 us).
+        if r.is_err() {
+            op.inner.transport().retire(op.tag);
+            lock(&op.inner.tombstones).insert(op.tag, op.digest, op.spec);
+        }
+        if let (Err(e), false) = (&r, op.remote_abort) {
+            let me = op.inner.transport().rank();
+            if let Some((reason, offender)) = abort_reason(e, me) {
+                let abort = Abort::new(reason, me, offender, &op.spec);
+                send_aborts(&op.inner, op.tag, op.digest, &abort);
+            }
+        }
+        let done = op.done.take().expect("completed once");
+        let bytes = op.spec.block_bytes().unwrap_or(0);
+        if let Some(tl) = &op.inner.config.timeline {
+            trace_op(
+                tl,
+                &op.name,
+                &op.spec,
+                Strategy::Clique,
+                "fast",
+                op.started,
+                &r,
+            );
+        }
+        let ok = r
+            .is_ok()
+            .then(|| (Strategy::Clique, bytes, op.started.elapsed()));
+        op.inner.end_op(op.tag, ok, done, r);
+    }
+}
+
+/// What a waiting handle drives (a [`Fast`] of any transport).
+pub(crate) trait Drive: Send + Sync {
+    /// See [`Fast::drive`].
+    fn drive(&self, done: &mut dyn FnMut() -> bool) -> bool;
+}
+
+impl<T: Transport> Drive for Fast<T> {
+    fn drive(&self, done: &mut dyn FnMut() -> bool) -> bool {
+        Fast::drive(self, done)
+    }
+}
+
+/// The progress thread of one [`Fast`]: polls while ops are in flight and
+/// no caller does, sleeps otherwise; ends with the session.
+pub(super) fn progress_thread<T: Transport>(weak: Weak<Fast<T>>) {
+    let mut idle_since: Option<Instant> = None;
+    loop {
+        let Some(f) = weak.upgrade() else { return };
+        let mut st = lock(&f.state);
+        if st.ops.is_empty() {
+            idle_since = None;
+            drop(f.cv.wait_timeout(st, IDLE_NAP));
+            continue;
+        }
+        if f.inline_until.load(Ordering::SeqCst) > f.now_ns() {
+            // a caller polls every op; it hands over when it stops
+            // (`hand_over`), or its deadline passes
+            drop(f.cv.wait_timeout(st, IDLE_NAP));
+            continue;
+        }
+        // A panic (a bug, or a peer's bytes that slipped past a check) must
+        // not end the thread that completes callback ops: it fails them.
+        let r =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f.progress(&mut st, true)));
+        drop(st);
+        let ended = match r {
+            Ok(ended) => ended,
+            Err(_) => {
+                f.fail_all();
+                Vec::new()
+            }
+        };
+        let moved = !ended.is_empty();
+        finish(ended, true);
+        if moved {
+            idle_since = None;
+            continue;
+        }
+        let since = *idle_since.get_or_insert_with(Instant::now);
+        if since.elapsed() > NAP_AFTER {
+            std::thread::sleep(NAP);
+        } else {
+            f.pause();
+        }
+    }
+}
