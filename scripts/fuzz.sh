@@ -16,13 +16,15 @@ secs=${1:-60}
 shift || true
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-    targets=(header handshake http cluster_config rendezvous)
+    targets=(header handshake http cluster_config rendezvous etcd_response)
 fi
 status=0
 for t in "${targets[@]}"; do
-    # http: a head of up to 8 KiB and a body after it
+    # http: a head of up to 8 KiB and a body after it; etcd_response: a head
+    # of up to 16 KiB
     max_len=4096
     [ "$t" = http ] && max_len=16384
+    [ "$t" = etcd_response ] && max_len=32768
     echo "== $t: ${secs}s"
     if ! nice -n 19 cargo +nightly fuzz run -O "$t" -- \
         -max_total_time="$secs" -rss_limit_mb=512 -malloc_limit_mb=256 \

@@ -23,6 +23,12 @@ pub fn cluster_config(data: &[u8]) {
     }
 }
 
+/// The etcd client's responses: HTTP framing (lengths, chunks, trailers)
+/// read whole and in pieces, and the JSON of calls and watches.
+pub fn etcd_response(data: &[u8]) {
+    crate::etcd::fuzz_response(data);
+}
+
 /// The rendezvous lines: a registration and rank 0's reply.
 pub fn rendezvous(data: &[u8]) {
     crate::rendezvous::fuzz_rendezvous(data);

@@ -3,10 +3,10 @@
 //! interleaving at a small bound.
 //!
 //! # What is modelled
-//! - the **config server** (`runtime/src/elastic.rs`): its versions; a
+//! - the **config server** (`runtime/src/elastic/`): its versions; a
 //!   `PUT /cluster size N` (from the script, at any time) makes the next
 //!   one, keeping the first `N` peers or adding new ones;
-//! - the **launcher** (`tools/src/launch.rs`): it watches the config
+//! - the **launcher** (`tools/src/launch/`): it watches the config
 //!   through a `watch` channel, which shows the latest config and may skip
 //!   one put right after another; it starts each member of a config it
 //!   sees that it never started, at that config's version, and stops a

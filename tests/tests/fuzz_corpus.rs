@@ -57,3 +57,8 @@ fn cluster_config() {
 fn rendezvous() {
     replay("rendezvous", kungfu::fuzzing::rendezvous);
 }
+
+#[test]
+fn etcd_response() {
+    replay("etcd_response", kungfu::fuzzing::etcd_response);
+}

@@ -1,64 +1,79 @@
-//! The HTTP/1.1 of the client: one request per connection (`Connection:
-//! close`), over TCP or TLS, its response read with every length bounded.
+//! The etcd client's connections: HTTP/1.1 ([`crate::http`]) over TCP or
+//! TLS, kept open between unary calls. A member's idle connections wait
+//! in its [`Pool`] (at most [`POOL`] of them, each at most [`IDLE`] old),
+//! so that a lease's keepalive every second or two costs no new TCP or TLS
+//! handshake; a watch has a connection of its own.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 
 use super::access::Tls;
 use super::{MAX_BODY, MAX_HEAD};
+use crate::http::{Body, Framing, Limits, Reader};
+
+/// The most idle connections kept per member.
+const POOL: usize = 4;
+
+/// How long a connection may wait idle before it is closed rather than
+/// used (well under any server's idle time-out).
+const IDLE: Duration = Duration::from_secs(30);
+
+const LIMITS: Limits = Limits {
+    head: MAX_HEAD,
+    body: MAX_BODY,
+};
 
 /// A connection to etcd, plain or in TLS.
-enum Stream {
+pub(super) enum Stream {
     Plain(TcpStream),
     Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
 }
 
 impl Stream {
-    async fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+    fn tcp(&self) -> &TcpStream {
         match self {
-            Stream::Plain(s) => s.read(buf).await,
-            Stream::Tls(s) => s.read(buf).await,
-        }
-    }
-
-    /// Writes `b` and flushes it (TLS buffers records).
-    async fn write_all(&mut self, b: &[u8]) -> std::io::Result<()> {
-        match self {
-            Stream::Plain(s) => s.write_all(b).await,
-            Stream::Tls(s) => {
-                s.write_all(b).await?;
-                s.flush().await
-            }
+            Stream::Plain(s) => s,
+            Stream::Tls(s) => s.get_ref().0,
         }
     }
 }
 
-/// One HTTP/1.1 request's connection, and what of its response was read.
+impl AsyncRead for Stream {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => std::pin::Pin::new(s).poll_read(cx, buf),
+            Stream::Tls(s) => std::pin::Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+/// One HTTP/1.1 connection to a member, and the response it is reading.
 pub(super) struct Conn {
-    s: Stream,
-    buf: Vec<u8>,
+    r: Reader<Stream>,
+    body: Option<Body>,
+    keep_alive: bool,
+    /// Whether it served a request before this one.
+    pub(super) reused: bool,
     pub(super) chunked: bool,
-    length: Option<usize>,
 }
 
 impl Conn {
-    /// Sends `POST path` with `body` (and etcd's auth `token`, if any) to
-    /// `addr`, over TLS where `tls` is given. Every request asks a member
-    /// without a leader to refuse it at once (the gateway's
-    /// `Grpc-Metadata-Hasleader: true`), rather than to wait for one, and
-    /// a watch to end when its member loses the leader.
-    pub(super) async fn open(
-        addr: &str,
-        tls: Option<&Tls>,
-        path: &str,
-        body: &Value,
-        token: Option<&str>,
-    ) -> Result<Conn, String> {
+    /// A new connection to `addr`, over TLS where `tls` is given.
+    pub(super) async fn connect(addr: &str, tls: Option<&Tls>) -> Result<Conn, String> {
         let tcp = TcpStream::connect(addr)
             .await
             .map_err(|e| format!("connect: {e}"))?;
-        let mut s = match tls {
+        // requests are small and answered at once: no Nagle delay
+        let _ = tcp.set_nodelay(true);
+        let s = match tls {
             None => Stream::Plain(tcp),
             Some(t) => Stream::Tls(Box::new(
                 tokio_rustls::TlsConnector::from(t.config.clone())
@@ -67,160 +82,143 @@ impl Conn {
                     .map_err(|e| format!("TLS: {e}"))?,
             )),
         };
-        let body = body.to_string();
-        let auth = match token {
-            Some(t) => format!("Authorization: {t}\r\n"),
-            None => String::new(),
-        };
-        let req = format!(
-            "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n{auth}Grpc-Metadata-Hasleader: true\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        );
-        s.write_all(req.as_bytes())
-            .await
-            .map_err(|e| format!("write: {e}"))?;
         Ok(Conn {
-            s,
-            buf: Vec::new(),
+            r: Reader::new(s, LIMITS),
+            body: None,
+            keep_alive: false,
+            reused: false,
             chunked: false,
-            length: None,
         })
     }
 
-    /// More bytes into `buf`; an error at the end of the stream.
-    async fn fill(&mut self) -> Result<(), String> {
-        let mut chunk = [0u8; 8192];
-        let n = self
-            .s
-            .read(&mut chunk)
-            .await
-            .map_err(|e| format!("read: {e}"))?;
-        if n == 0 {
-            return Err("closed early".into());
+    /// Sends `POST path` with `body` (and etcd's auth `token`, if any).
+    /// Every request asks a member without a leader to refuse it at once
+    /// (the gateway's `Grpc-Metadata-Hasleader: true`), rather than to wait
+    /// for one, and a watch to end when its member loses the leader.
+    pub(super) async fn send(
+        &mut self,
+        addr: &str,
+        path: &str,
+        body: &Value,
+        token: Option<&str>,
+    ) -> Result<(), String> {
+        let body = body.to_string();
+        let mut headers = vec![
+            ("Host", addr),
+            ("Content-Type", "application/json"),
+            ("Grpc-Metadata-Hasleader", "true"),
+        ];
+        if let Some(t) = token {
+            headers.push(("Authorization", t));
         }
-        self.buf.extend_from_slice(&chunk[..n]);
-        Ok(())
+        let req = crate::http::request_bytes("POST", path, &headers, body.as_bytes())?;
+        self.r.mark();
+        let s = self.r.get_mut();
+        let written = match s {
+            Stream::Plain(s) => s.write_all(&req).await,
+            Stream::Tls(s) => match s.write_all(&req).await {
+                // TLS buffers records
+                Ok(()) => s.flush().await,
+                e => e,
+            },
+        };
+        written.map_err(|e| format!("write: {e}"))
     }
 
     /// Reads the response head: its status code.
     pub(super) async fn head(&mut self) -> Result<u16, String> {
-        let end = loop {
-            if let Some(i) = self.buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                break i;
-            }
-            if self.buf.len() > MAX_HEAD {
-                return Err("response head too long".into());
-            }
-            self.fill().await?;
-        };
-        let head = String::from_utf8_lossy(&self.buf[..end]).into_owned();
-        self.buf.drain(..end + 4);
-        let code = head
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .ok_or_else(|| format!("bad status line {:?}", head.lines().next()))?;
-        for line in head.lines().skip(1) {
-            let Some((k, v)) = line.split_once(':') else {
-                continue;
-            };
-            let (k, v) = (k.trim(), v.trim());
-            if k.eq_ignore_ascii_case("transfer-encoding") {
-                // chunked, last, and no other coding (none is asked for)
-                if !v.eq_ignore_ascii_case("chunked") {
-                    return Err(format!("Transfer-Encoding {v:?}: only chunked is read"));
-                }
-                self.chunked = true;
-            } else if k.eq_ignore_ascii_case("content-length") {
-                let n: usize = v.parse().map_err(|_| format!("bad Content-Length {v:?}"))?;
-                if n > MAX_BODY {
-                    return Err(format!("a body of {n} bytes; at most {MAX_BODY}"));
-                }
-                self.length = Some(n);
-            }
-        }
-        Ok(code)
+        let head = self.r.response_head().await?;
+        self.chunked = head.framing == Framing::Chunked;
+        self.keep_alive = head.keep_alive;
+        self.body = Some(Body::new(head.framing, LIMITS));
+        Ok(head.code)
     }
 
-    /// The next chunk of a chunked body (`None` at its end).
+    /// Whether a kept connection failed before any byte of an answer:
+    /// the member closed it while it was idle, so the request it carried
+    /// went nowhere unless the member died just after taking it.
+    pub(super) fn closed_unanswered(&self) -> bool {
+        self.reused && !self.r.read_any()
+    }
+
+    /// The next chunk of a chunked body, or the whole of another (`None`
+    /// at its end).
     pub(super) async fn chunk(&mut self) -> Result<Option<Vec<u8>>, String> {
-        let line_end = loop {
-            if let Some(i) = self.buf.windows(2).position(|w| w == b"\r\n") {
-                break i;
-            }
-            if self.buf.len() > 64 {
-                return Err("bad chunk size line".into());
-            }
-            self.fill().await?;
-        };
-        let size = std::str::from_utf8(&self.buf[..line_end])
-            .ok()
-            .and_then(|l| usize::from_str_radix(l.split(';').next()?.trim(), 16).ok())
-            .ok_or("bad chunk size")?;
-        if size > MAX_BODY {
-            return Err(format!("a chunk of {size} bytes; at most {MAX_BODY}"));
-        }
-        if size == 0 {
-            // the last chunk: trailer lines, if any, up to an empty one
-            self.buf.drain(..line_end + 2);
-            loop {
-                match self.buf.windows(2).position(|w| w == b"\r\n") {
-                    Some(0) => {
-                        self.buf.drain(..2);
-                        return Ok(None);
-                    }
-                    Some(i) => {
-                        self.buf.drain(..i + 2);
-                    }
-                    None if self.buf.len() > MAX_HEAD => return Err("trailers too long".into()),
-                    None => self.fill().await?,
-                }
-            }
-        }
-        while self.buf.len() < line_end + 2 + size + 2 {
-            self.fill().await?;
-        }
-        let data = self.buf[line_end + 2..line_end + 2 + size].to_vec();
-        if &self.buf[line_end + 2 + size..line_end + 4 + size] != b"\r\n" {
-            return Err("a chunk not ended by CRLF".into());
-        }
-        self.buf.drain(..line_end + 4 + size);
-        Ok(Some(data))
+        let body = self.body.as_mut().ok_or("no response head read")?;
+        self.r.next(body).await
     }
 
     /// The whole body, of whatever framing.
     pub(super) async fn body(&mut self) -> Result<Vec<u8>, String> {
-        if self.chunked {
-            let mut all = Vec::new();
-            while let Some(c) = self.chunk().await? {
-                all.extend_from_slice(&c);
-                if all.len() > MAX_BODY {
-                    return Err(format!("a body over {MAX_BODY} bytes"));
-                }
+        let mut all = Vec::new();
+        while let Some(c) = self.chunk().await? {
+            all.extend_from_slice(&c);
+            if all.len() > MAX_BODY {
+                return Err(format!("a body over {MAX_BODY} bytes"));
             }
-            return Ok(all);
         }
-        match self.length {
-            Some(n) => {
-                while self.buf.len() < n {
-                    self.fill().await?;
-                }
-                Ok(self.buf[..n].to_vec())
+        Ok(all)
+    }
+
+    /// Whether it may carry another request: the response was read to
+    /// its end, the member did not ask to close, sent nothing more, and
+    /// has not closed it since.
+    fn reusable(&self) -> bool {
+        self.keep_alive
+            && self.body.as_ref().is_some_and(Body::is_done)
+            && !self.r.has_buffered()
+            && quiet(self.r.get_ref().tcp())
+    }
+}
+
+/// Whether nothing can be read from `tcp` now: not closed, no error, no
+/// stray byte (a TLS close_notify included).
+#[allow(unsafe_code)]
+fn quiet(tcp: &TcpStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut b = [0u8; 1];
+    // SAFETY: a peek of at most one byte into `b`, which outlives the
+    // call, on a socket `tcp` keeps open.
+    let n = unsafe {
+        libc::recv(
+            tcp.as_raw_fd(),
+            b.as_mut_ptr().cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock
+}
+
+/// A member's idle connections, newest last.
+#[derive(Default)]
+pub(super) struct Pool {
+    idle: Mutex<Vec<(Conn, Instant)>>,
+}
+
+impl Pool {
+    /// An idle connection that may carry a request, if one is kept.
+    pub(super) fn take(&self) -> Option<Conn> {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        while let Some((mut conn, since)) = idle.pop() {
+            if since.elapsed() < IDLE && quiet(conn.r.get_ref().tcp()) {
+                conn.reused = true;
+                conn.body = None;
+                return Some(conn);
             }
-            None => {
-                // to the end of the connection
-                loop {
-                    if self.buf.len() > MAX_BODY {
-                        return Err(format!("a body over {MAX_BODY} bytes"));
-                    }
-                    let mut chunk = [0u8; 8192];
-                    match self.s.read(&mut chunk).await {
-                        Ok(0) => return Ok(std::mem::take(&mut self.buf)),
-                        Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
-                        Err(e) => return Err(format!("read: {e}")),
-                    }
-                }
-            }
+        }
+        None
+    }
+
+    /// Keeps `conn` for a later request, if it may carry one.
+    pub(super) fn give(&self, conn: Conn) {
+        if !conn.reusable() {
+            return;
+        }
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        idle.retain(|(_, since)| since.elapsed() < IDLE);
+        if idle.len() < POOL {
+            idle.push((conn, Instant::now()));
         }
     }
 }

@@ -18,17 +18,20 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use base64::engine::general_purpose::STANDARD as B64;
-use base64::Engine;
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
 pub mod access;
 mod http;
+mod json;
+mod watch;
 
 pub use access::Access;
 use access::{Auth, Tls};
-use http::Conn;
+use http::{Conn, Pool};
+pub use json::{b64, delete_op, num, prefix_end, put_op, range_op, same_mod};
+use json::{error_text, kvs, revision};
+pub use watch::Watch;
 
 /// The largest response body (or watch message) accepted.
 pub const MAX_BODY: usize = 16 << 20;
@@ -76,6 +79,8 @@ pub struct Etcd {
 struct Member {
     addr: String,
     tls: Option<Tls>,
+    /// Its idle connections, kept for the next calls.
+    pool: Pool,
 }
 
 impl std::fmt::Debug for Etcd {
@@ -123,108 +128,6 @@ pub fn check_members(addr: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// The base64 of `s`.
-pub fn b64(s: impl AsRef<[u8]>) -> String {
-    B64.encode(s)
-}
-
-/// A 64-bit number of the gateway's JSON: a string, a number, or absent (0).
-pub fn num(v: &Value) -> Result<i64, String> {
-    match v {
-        Value::Null => Ok(0),
-        Value::Number(n) => n.as_i64().ok_or_else(|| format!("bad number {n}")),
-        Value::String(s) => s.parse().map_err(|_| format!("bad number {s:?}")),
-        other => Err(format!("not a number: {other}")),
-    }
-}
-
-/// The key just after every key that starts with `prefix` (a range's end).
-pub fn prefix_end(prefix: &str) -> Vec<u8> {
-    let mut end = prefix.as_bytes().to_vec();
-    while let Some(last) = end.pop() {
-        if last < 0xff {
-            end.push(last + 1);
-            return end;
-        }
-    }
-    vec![0]
-}
-
-/// A put, as a transaction's operation.
-pub fn put_op(key: &str, value: &str, lease: i64) -> Value {
-    let mut put = json!({"key": b64(key), "value": b64(value)});
-    if lease != 0 {
-        put["lease"] = json!(lease.to_string());
-    }
-    json!({ "request_put": put })
-}
-
-/// A range over one key, or every key with a prefix, as an operation.
-pub fn range_op(key: &str, prefix: bool) -> Value {
-    let mut r = json!({"key": b64(key)});
-    if prefix {
-        r["range_end"] = json!(b64(prefix_end(key)));
-    }
-    json!({ "request_range": r })
-}
-
-/// A delete of one key, or every key with a prefix, as an operation.
-pub fn delete_op(key: &str, prefix: bool) -> Value {
-    let mut d = json!({"key": b64(key)});
-    if prefix {
-        d["range_end"] = json!(b64(prefix_end(key)));
-    }
-    json!({ "request_delete_range": d })
-}
-
-/// A compare: `key` was last changed at revision `rev` (0: it is absent).
-pub fn same_mod(key: &str, rev: i64) -> Value {
-    json!({"key": b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": rev.to_string()})
-}
-
-fn kvs(v: &Value) -> Result<Vec<Kv>, String> {
-    let Some(list) = v.get("kvs") else {
-        return Ok(Vec::new());
-    };
-    let list = list.as_array().ok_or("kvs is not a list")?;
-    list.iter().map(|kv| kv_of(kv, false)).collect()
-}
-
-/// What an error of the gateway says: a string, or an object's message
-/// (`{"error": {"message": ...}}`, as streams report), or the JSON.
-fn error_text(e: &Value) -> String {
-    match e {
-        Value::String(s) => s.clone(),
-        other => match other.get("message").and_then(Value::as_str) {
-            Some(m) => m.to_string(),
-            None => other.to_string(),
-        },
-    }
-}
-
-fn kv_of(kv: &Value, deleted: bool) -> Result<Kv, String> {
-    let field = |name: &str| -> Result<Vec<u8>, String> {
-        match kv.get(name) {
-            None => Ok(Vec::new()),
-            Some(Value::String(s)) => B64
-                .decode(s)
-                .map_err(|e| format!("{name} is not base64: {e}")),
-            Some(other) => Err(format!("{name} is not a string: {other}")),
-        }
-    };
-    let key = String::from_utf8(field("key")?).map_err(|_| "a key is not UTF-8".to_string())?;
-    Ok(Kv {
-        key,
-        value: field("value")?,
-        mod_revision: num(kv.get("mod_revision").unwrap_or(&Value::Null))?,
-        deleted,
-    })
-}
-
-fn revision(v: &Value) -> Result<i64, String> {
-    num(v.pointer("/header/revision").unwrap_or(&Value::Null))
-}
-
 impl Etcd {
     /// The members at `addr` (`host:port`, several with commas), over
     /// plain HTTP as nobody.
@@ -242,6 +145,7 @@ impl Etcd {
                 Ok(Member {
                     addr: a.to_string(),
                     tls,
+                    pool: Pool::default(),
                 })
             })
             .collect::<Result<Vec<_>, String>>()?;
@@ -266,7 +170,9 @@ impl Etcd {
     /// Sends the request to member `*at`, or the next that can be reached
     /// (each given its share of the time to `deadline`, at most
     /// [`CONNECT_EACH`]); `*at` becomes the member that took it. A member
-    /// passed over is passed over by later calls too.
+    /// passed over is passed over by later calls too. The request goes on
+    /// a kept connection to the member if it has one (unless `fresh`),
+    /// else on a new one.
     async fn send(
         &self,
         path: &str,
@@ -274,15 +180,29 @@ impl Etcd {
         token: Option<&str>,
         deadline: Instant,
         at: &mut usize,
+        fresh: bool,
     ) -> Result<Conn, String> {
         let n = self.members.len();
         let mut errors = Vec::new();
         for i in 0..n {
             let k = (*at + i) % n;
             let m = &self.members[k];
+            if let Some(mut conn) = m.pool.take().filter(|_| !fresh) {
+                // a failed write on a kept one: the member closed it; a
+                // new connection is tried
+                if conn.send(&m.addr, path, body, token).await.is_ok() {
+                    *at = k;
+                    self.current.store(k, Ordering::Relaxed);
+                    return Ok(conn);
+                }
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             let each = CONNECT_EACH.min(left / (n - i) as u32);
-            let open = Conn::open(&m.addr, m.tls.as_ref(), path, body, token);
+            let open = async {
+                let mut conn = Conn::connect(&m.addr, m.tls.as_ref()).await?;
+                conn.send(&m.addr, path, body, token).await?;
+                Ok::<_, String>(conn)
+            };
             match tokio::time::timeout(each, open).await {
                 Ok(Ok(conn)) => {
                     *at = k;
@@ -332,7 +252,7 @@ impl Etcd {
             let mut at = self.current.load(Ordering::Relaxed);
             let mut asked = 0;
             loop {
-                match self.authed(path, body, deadline, &mut at).await {
+                match self.authed(path, body, read, deadline, &mut at).await {
                     Err(e)
                         if NOT_TAKEN.iter().any(|s| e.contains(s))
                             || (read && UNDECIDED.iter().any(|s| e.contains(s))) =>
@@ -364,32 +284,47 @@ impl Etcd {
         &self,
         path: &str,
         body: &Value,
+        read: bool,
         deadline: Instant,
         at: &mut usize,
     ) -> Result<Value, String> {
         let token = self.token(deadline).await?;
-        match self.once(path, body, token.as_deref(), deadline, at).await {
+        match self
+            .once(path, body, token.as_deref(), read, deadline, at)
+            .await
+        {
             Err(e) if token.is_some() && STALE_TOKEN.iter().any(|s| e.contains(s)) => {
                 self.forget(token.as_deref());
                 let token = self.token(deadline).await?;
-                self.once(path, body, token.as_deref(), deadline, at).await
+                self.once(path, body, token.as_deref(), read, deadline, at)
+                    .await
             }
             r => r,
         }
     }
 
-    /// One request, no retry.
+    /// One request. A `read` (one that may be asked twice) that went on a
+    /// kept connection the member had closed, unanswered, is sent again on
+    /// a new one; a write is not (the member may have taken it just before
+    /// it closed), as with any connection that drops.
     async fn once(
         &self,
         path: &str,
         body: &Value,
         token: Option<&str>,
+        read: bool,
         deadline: Instant,
         at: &mut usize,
     ) -> Result<Value, String> {
-        let mut conn = self.send(path, body, token, deadline, at).await?;
-        let code = conn.head().await?;
-        let body = conn.body().await?;
+        let mut conn = self.send(path, body, token, deadline, at, false).await?;
+        let (code, body) = match Self::answer(&mut conn).await {
+            Err(_) if read && conn.closed_unanswered() => {
+                conn = self.send(path, body, token, deadline, at, true).await?;
+                Self::answer(&mut conn).await?
+            }
+            r => r?,
+        };
+        self.members[*at].pool.give(conn);
         let v: Value = serde_json::from_slice(&body).map_err(|e| {
             // what etcd said instead (a proxy's or the gateway's text), but
             // never of a login, whose body may hold a token
@@ -406,6 +341,12 @@ impl Etcd {
         }
     }
 
+    /// A response's status code and body.
+    async fn answer(conn: &mut Conn) -> Result<(u16, Vec<u8>), String> {
+        let code = conn.head().await?;
+        Ok((code, conn.body().await?))
+    }
+
     /// The user's token: the one etcd gave last, or a new one. `None`
     /// without a user.
     async fn token(&self, deadline: Instant) -> Result<Option<String>, String> {
@@ -418,7 +359,7 @@ impl Etcd {
         let body = json!({"name": auth.user, "password": auth.password});
         let mut at = self.current.load(Ordering::Relaxed);
         let v = self
-            .once(AUTHENTICATE, &body, None, deadline, &mut at)
+            .once(AUTHENTICATE, &body, None, true, deadline, &mut at)
             .await
             .map_err(|e| format!("authenticating as {:?}: {e}", auth.user))?;
         let token = v
@@ -525,7 +466,14 @@ impl Etcd {
             let token = self.token(deadline).await?;
             let mut at = self.current.load(Ordering::Relaxed);
             let mut conn = self
-                .send("/v3/watch", &body, token.as_deref(), deadline, &mut at)
+                .send(
+                    "/v3/watch",
+                    &body,
+                    token.as_deref(),
+                    deadline,
+                    &mut at,
+                    true,
+                )
                 .await?;
             match conn.head().await? {
                 200 if conn.chunked => Ok((conn, token)),
@@ -537,100 +485,58 @@ impl Etcd {
             .await
             .map_err(|_| format!("{what}: timed out"))?
             .map_err(|e| format!("{what}: {e}"))?;
-        Ok(Watch {
-            conn,
-            lines: Vec::new(),
-            what,
-            etcd: self.clone(),
-            token,
-        })
+        Ok(Watch::new(conn, what, self.clone(), token))
     }
 }
 
-/// A watch's stream of changes.
-pub struct Watch {
-    conn: Conn,
-    /// Bytes of the stream not yet split into messages.
-    lines: Vec<u8>,
-    what: String,
-    /// Who opened it, with the token it was opened with: a watch that
-    /// fails makes the next call ask for a new one.
-    etcd: Etcd,
-    token: Option<String>,
-}
-
-impl Watch {
-    /// The next changes (in revision order), waiting until `deadline`:
-    /// `Ok(None)` when it passes with none; an error when the stream ends
-    /// or etcd cancels the watch (a compacted start revision).
-    pub async fn next(&mut self, deadline: Instant) -> Result<Option<Vec<Kv>>, String> {
-        let r = self.read_next(deadline).await;
-        if r.is_err() {
-            // etcd cancels a watch of an expired token as "permission
-            // denied", not as an invalid token: whatever ended the watch,
-            // the next call asks for a new token (one request more)
-            self.etcd.forget(self.token.as_deref());
+/// Fuzzing: `data` (after its first byte) as the bytes of an etcd
+/// response, read whole and read in pieces of a size the first byte picks;
+/// its body as a unary call's JSON and as a watch's stream of messages.
+/// Panics only on a broken invariant: the pieces read as the whole does,
+/// and nothing is over its bound.
+pub(crate) fn fuzz_response(data: &[u8]) {
+    use crate::fuzzing::{ready, Chunks};
+    use crate::http::{codec, Limits, Reader};
+    let Some((&pick, rest)) = data.split_first() else {
+        return;
+    };
+    let limits = Limits {
+        head: MAX_HEAD,
+        body: MAX_BODY,
+    };
+    let whole = codec::whole_response(rest, &limits);
+    let mut r = Reader::new(Chunks::new(rest, usize::from(pick) * 37 + 1), limits);
+    let pieces = ready(async {
+        let head = r.response_head().await?;
+        let body = r.body(head.framing).await?;
+        Ok::<_, String>((head, body))
+    });
+    match (&whole, &pieces) {
+        (Ok(w), Ok(p)) => assert_eq!(w, p, "read whole and in pieces"),
+        (Err(_), Err(_)) => {}
+        _ => panic!("whole: {whole:?}, in pieces: {pieces:?}"),
+    }
+    let Ok((_, body)) = whole else {
+        return;
+    };
+    assert!(body.len() <= MAX_BODY, "a body of {}", body.len());
+    if let Ok(v) = serde_json::from_slice::<Value>(&body) {
+        let _ = kvs(&v);
+        let _ = revision(&v);
+        if let Some(e) = v.get("error") {
+            let _ = error_text(e);
         }
-        r
     }
-
-    async fn read_next(&mut self, deadline: Instant) -> Result<Option<Vec<Kv>>, String> {
-        loop {
-            if let Some(i) = self.lines.iter().position(|&b| b == b'\n') {
-                let line: Vec<u8> = self.lines.drain(..=i).collect();
-                if line.iter().all(u8::is_ascii_whitespace) {
-                    continue;
-                }
-                let v: Value = serde_json::from_slice(&line)
-                    .map_err(|e| format!("{}: a message is not JSON ({e})", self.what))?;
-                if let Some(e) = v.get("error") {
-                    return Err(format!("{}: {}", self.what, error_text(e)));
-                }
-                let r = v.get("result").unwrap_or(&v);
-                if r.get("canceled").and_then(Value::as_bool) == Some(true) {
-                    let why = match (
-                        r.get("cancel_reason").and_then(Value::as_str),
-                        r.get("compact_revision"),
-                    ) {
-                        (Some(why), _) => why.to_string(),
-                        (None, Some(rev)) => {
-                            format!("compacted to revision {}", num(rev).unwrap_or(0))
-                        }
-                        (None, None) => "no reason given".into(),
-                    };
-                    return Err(format!("{}: canceled by etcd ({why})", self.what));
-                }
-                let mut out = Vec::new();
-                for ev in r
-                    .get("events")
-                    .and_then(Value::as_array)
-                    .into_iter()
-                    .flatten()
-                {
-                    let deleted = ev.get("type").and_then(Value::as_str) == Some("DELETE");
-                    let kv = ev.get("kv").ok_or("an event without kv")?;
-                    out.push(kv_of(kv, deleted).map_err(|e| format!("{}: {e}", self.what))?);
-                }
-                if !out.is_empty() {
-                    return Ok(Some(out));
-                }
-                continue;
-            }
-            if self.lines.len() > MAX_BODY {
-                return Err(format!("{}: a message over {MAX_BODY} bytes", self.what));
-            }
-            match tokio::time::timeout_at(deadline, self.conn.chunk()).await {
-                Err(_) => return Ok(None),
-                Ok(Ok(Some(c))) => self.lines.extend_from_slice(&c),
-                Ok(Ok(None)) => return Err(format!("{}: the stream ended", self.what)),
-                Ok(Err(e)) => return Err(format!("{}: {e}", self.what)),
-            }
+    for line in body.split(|&b| b == b'\n') {
+        if let Ok(Some(changes)) = watch::message(line) {
+            assert!(!changes.is_empty());
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::json::kv_of;
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -678,6 +584,57 @@ mod tests {
         Instant::now() + std::time::Duration::from_millis(500)
     }
 
+    /// Calls reuse one connection while the member keeps it open; a read
+    /// that a kept connection dropped unanswered is sent again on a new
+    /// one; a kept connection the member closed is not used again.
+    #[tokio::test]
+    async fn calls_keep_their_connection_and_leave_a_closed_one() {
+        use crate::http::{Framing, Limits, Reader};
+        use std::sync::atomic::AtomicUsize;
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        // (answers, then take one more request and close unanswered)
+        tokio::spawn(async move {
+            let limits = Limits {
+                head: 4096,
+                body: 4096,
+            };
+            for (answers, drop_one) in [(3, true), (1, false), (usize::MAX, false)] {
+                let (s, _) = l.accept().await.unwrap();
+                let at = count.fetch_add(1, Ordering::Relaxed);
+                let mut r = Reader::new(s, limits);
+                for n in 0..answers {
+                    let Ok(h) = r.request_head().await else { break };
+                    r.body(Framing::Length(h.length)).await.unwrap();
+                    let body = format!("{{\"conn\":{at},\"n\":{n}}}");
+                    let resp = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    r.get_mut().write_all(resp.as_bytes()).await.unwrap();
+                }
+                if drop_one {
+                    let _ = r.request_head().await;
+                }
+            }
+        });
+        let e = Etcd::new(&addr);
+        let mut got = Vec::new();
+        for _ in 0..5 {
+            got.push(e.call("/v3/kv/range", &json!({}), soon()).await.unwrap());
+            // (the member's close of connection 2 arrives before the next)
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        let want: Vec<Value> = [(0, 0), (0, 1), (0, 2), (1, 0), (2, 0)]
+            .iter()
+            .map(|(c, n)| json!({"conn": c, "n": n}))
+            .collect();
+        assert_eq!(got, want);
+        assert_eq!(accepted.load(Ordering::Relaxed), 3);
+    }
+
     #[tokio::test]
     async fn hostile_or_odd_responses_give_errors_not_panics_or_hangs() {
         let ok = |e: &str| e.to_string();
@@ -693,7 +650,7 @@ mod tests {
             .map_err(|e| ok(&e));
         assert_eq!(v.unwrap(), json!({"a": 1}));
         let cases: Vec<(&[u8], &str)> = vec![
-            (b"garbage\r\n\r\n", "bad status line"),
+            (b"garbage\r\n\r\n", "bad response"),
             (b"HTTP/1.1 200 OK\r\nContent-Length: 99999999999\r\n\r\n", "at most"),
             (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", "only chunked"),
             (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "bad chunk size"),

@@ -1,0 +1,137 @@
+//! The config server's client: one request, the config of the current
+//! or of a given version, a put, and a watch that polls from another host.
+
+use std::time::Duration;
+
+use kungfu_transport::auth::JobSecret;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::message::{read_response, split_url};
+use super::server::HISTORY;
+use super::ClusterConfig;
+
+/// Follows the config server at `url` from another host: every version
+/// after `after`, in order, as a poll every `period` finds it (each
+/// version between two polls is fetched from the server's history; one it
+/// forgot already is skipped). A server unreachable for `give_up` ends it
+/// with the error.
+pub fn follow(
+    url: String,
+    after: u32,
+    period: Duration,
+    give_up: Duration,
+) -> mpsc::UnboundedReceiver<Result<ClusterConfig, String>> {
+    let (tx, out) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut seen = after;
+        let mut reached = Instant::now();
+        loop {
+            let deadline = Instant::now() + period.max(Duration::from_secs(2));
+            match get_config(&url, deadline).await {
+                Ok(latest) => {
+                    reached = Instant::now();
+                    // the server keeps the last HISTORY versions: older
+                    // ones are gone anyway
+                    seen = seen.max(latest.version.saturating_sub(HISTORY as u32));
+                    while seen < latest.version {
+                        let v = seen + 1;
+                        let c = if v == latest.version {
+                            Some(latest.clone())
+                        } else {
+                            match get_version(&url, v, deadline).await {
+                                Ok(c) => c,
+                                // not skipped: tried again at the next poll
+                                Err(_) => break,
+                            }
+                        };
+                        seen = v;
+                        if let Some(c) = c {
+                            if tx.send(Ok(c)).is_err() {
+                                return;
+                            }
+                        }
+                    }
+                }
+                Err(e) if reached.elapsed() > give_up => {
+                    let _ = tx.send(Err(format!(
+                        "the config server {url} is unreachable for {give_up:?}: {e}"
+                    )));
+                    return;
+                }
+                Err(_) => {}
+            }
+            if tx.is_closed() {
+                return;
+            }
+            tokio::time::sleep(period).await;
+        }
+    });
+    out
+}
+
+/// One HTTP request to the config server, with the job's credential if
+/// `secret` is given; the status code and the body.
+pub async fn request(
+    method: &str,
+    url: &str,
+    body: &str,
+    secret: Option<&JobSecret>,
+    deadline: Instant,
+) -> Result<(u16, String), String> {
+    let (addr, path) = split_url(url)?;
+    let io = async {
+        let mut s = TcpStream::connect(addr)
+            .await
+            .map_err(|e| format!("connect to {addr}: {e}"))?;
+        let auth = secret.map(|k| format!("Bearer {}", k.config_token()));
+        let mut headers = vec![("Host", addr), ("Connection", "close")];
+        if let Some(a) = &auth {
+            headers.push(("Authorization", a));
+        }
+        let req = crate::http::request_bytes(method, path, &headers, body.as_bytes())?;
+        s.write_all(&req).await.map_err(|e| format!("write: {e}"))?;
+        read_response(&mut s).await
+    };
+    tokio::time::timeout_at(deadline, io)
+        .await
+        .map_err(|_| format!("{method} {url}: timed out"))?
+}
+
+/// Gets the current config.
+pub async fn get_config(url: &str, deadline: Instant) -> Result<ClusterConfig, String> {
+    match request("GET", url, "", None, deadline).await? {
+        (200, body) => ClusterConfig::parse(&body),
+        (code, body) => Err(format!("GET {url}: {code} {}", body.trim())),
+    }
+}
+
+/// Gets version `v` of the config, if the server made it (and still
+/// keeps it): the successor a recovery decided, whatever came after it.
+pub async fn get_version(
+    url: &str,
+    v: u32,
+    deadline: Instant,
+) -> Result<Option<ClusterConfig>, String> {
+    match request("GET", &format!("{url}/{v}"), "", None, deadline).await? {
+        (200, body) => ClusterConfig::parse(&body).map(Some),
+        (404, _) => Ok(None),
+        (code, body) => Err(format!("GET {url}/{v}: {code} {}", body.trim())),
+    }
+}
+
+/// Puts `body` (`size N` or a whole config), with the job's credential if
+/// `secret` is given; the new config.
+pub async fn put_config(
+    url: &str,
+    body: &str,
+    secret: Option<&JobSecret>,
+    deadline: Instant,
+) -> Result<ClusterConfig, String> {
+    match request("PUT", url, body, secret, deadline).await? {
+        (200, body) => ClusterConfig::parse(&body),
+        (code, body) => Err(format!("PUT {url}: {code} {}", body.trim())),
+    }
+}

@@ -1,0 +1,154 @@
+//! The config server and its client over loopback: requests served and
+//! refused, and watchers that see every version or lose the server.
+
+use std::time::Duration;
+
+use kungfu_topology::Peer;
+use kungfu_transport::auth::JobSecret;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::Instant;
+
+use super::*;
+
+fn soon() -> Instant {
+    Instant::now() + Duration::from_secs(5)
+}
+
+/// Up to `max_size` peers on 127.0.0.1, new ones from port 2000.
+fn rules(max_size: usize, job: Option<&JobSecret>) -> ServerRules {
+    let next_port = std::sync::atomic::AtomicU16::new(2000);
+    ServerRules {
+        max_size,
+        hosts: Some(vec!["127.0.0.1".into()]),
+        new_peer: Box::new(move |_| {
+            Ok(Peer {
+                host: "127.0.0.1".into(),
+                port: next_port.fetch_add(1, std::sync::atomic::Ordering::SeqCst),
+            })
+        }),
+        credential: job.map(JobSecret::config_token),
+    }
+}
+
+#[tokio::test]
+async fn serves_gets_and_puts_and_refuses_bad_ones() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let job = JobSecret::new(b"s3cret").unwrap();
+    let initial = ClusterConfig {
+        version: 0,
+        peers: "127.0.0.1:1000,127.0.0.1:1001".parse().unwrap(),
+    };
+    let server = ConfigServer::start(l, initial.clone(), rules(4, Some(&job))).unwrap();
+    let url = server.url();
+    let mut rx = server.subscribe();
+    assert_eq!(get_config(&url, soon()).await.unwrap(), initial);
+    // changes need the job's credential: 401 without, 403 with another
+    let e = put_config(&url, "size 3", None, soon()).await.unwrap_err();
+    assert!(e.contains("401"), "{e}");
+    let other = JobSecret::new(b"guess").unwrap();
+    let e = put_config(&url, "size 3", Some(&other), soon())
+        .await
+        .unwrap_err();
+    assert!(e.contains("403 bad credential"), "{e}");
+    assert!(!rx.has_changed().unwrap(), "refused: nothing changed");
+    let put = |body: &'static str| put_config(&url, body, Some(&job), soon());
+
+    let c = put("size 3").await.unwrap();
+    assert_eq!(c.version, 1);
+    assert_eq!(
+        c.peers.to_string(),
+        "127.0.0.1:1000,127.0.0.1:1001,127.0.0.1:2000"
+    );
+    assert!(rx.has_changed().unwrap());
+    assert_eq!(*rx.borrow_and_update(), c);
+
+    let c = put("size 1").await.unwrap();
+    assert_eq!(
+        (c.version, c.peers.to_string()),
+        (2, "127.0.0.1:1000".into())
+    );
+    // the size it has already: no new version
+    assert_eq!(put("size 1").await.unwrap(), c);
+
+    let whole = "version 3\npeers 127.0.0.1:7,127.0.0.1:8\n";
+    assert_eq!(put(whole).await.unwrap().version, 3);
+    // a stale writer loses
+    let e = put(whole).await.unwrap_err();
+    assert!(e.contains("409"), "{e}");
+    for bad in [
+        "size 0",
+        "size 5",
+        "size x",
+        "version 4\npeers 10.0.0.1:7\n",
+        "version 4\npeers 127.0.0.1:7,127.0.0.1:7,127.0.0.1:7,127.0.0.1:7,127.0.0.1:7\n",
+        "version 4\n",
+        "hello",
+    ] {
+        let e = put(bad).await.unwrap_err();
+        assert!(e.contains("400"), "{bad:?}: {e}");
+    }
+    assert_eq!(get_config(&url, soon()).await.unwrap().version, 3);
+    let (code, _) = request("POST", &url, "", None, soon()).await.unwrap();
+    assert_eq!(code, 405);
+    let (code, _) = request("GET", &url.replace("/cluster", "/x"), "", None, soon())
+        .await
+        .unwrap();
+    assert_eq!(code, 404);
+    // garbage and silence get an answer or a closed connection, not a hang
+    let mut s = TcpStream::connect(server.addr).await.unwrap();
+    s.write_all(&[0xff; 9000]).await.unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out).await;
+    assert!(out.starts_with("HTTP/1.1 400"), "{out}");
+    assert!(get_config("ftp://x/cluster", soon()).await.is_err());
+}
+
+/// A launcher of another host sees every version in order, also those
+/// made between two of its polls, and a server that stops answering
+/// ends its watch with an error, in bounded time.
+#[tokio::test]
+async fn followers_see_every_version_and_a_lost_server() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let initial = ClusterConfig {
+        version: 0,
+        peers: "127.0.0.1:1000".parse().unwrap(),
+    };
+    let server = ConfigServer::start(l, initial, rules(8, None)).unwrap();
+    let url = server.url();
+    let mut local = server.versions(0);
+    let mut remote = follow(
+        url.clone(),
+        0,
+        Duration::from_millis(300),
+        Duration::from_secs(1),
+    );
+    // three versions at once, well within one poll
+    for n in [3, 2, 5] {
+        put_config(&url, &format!("size {n}"), None, soon())
+            .await
+            .unwrap();
+    }
+    for rx in [&mut local, &mut remote] {
+        for (v, n) in [(1, 3), (2, 2), (3, 5)] {
+            let c = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+                .await
+                .unwrap()
+                .unwrap()
+                .unwrap();
+            assert_eq!((c.version, c.peers.len()), (v, n));
+        }
+    }
+    // a peer outside the hosts served is refused
+    let e = put_config(&url, "version 4\npeers 10.0.0.1:1", None, soon())
+        .await
+        .unwrap_err();
+    assert!(e.contains("is not on a host of the job (127.0.0.1)"), "{e}");
+    drop(server);
+    let last = tokio::time::timeout(Duration::from_secs(10), remote.recv())
+        .await
+        .expect("the follower gives up in bounded time")
+        .unwrap();
+    assert!(last.unwrap_err().contains("unreachable"));
+    assert!(local.recv().await.is_none(), "ends with the server");
+}
