@@ -61,6 +61,7 @@ mod abort;
 pub mod blocking;
 mod dtype;
 mod error;
+mod failure;
 pub mod group;
 pub mod names;
 pub mod op;

@@ -8,6 +8,7 @@ use kungfu_transport::{FrameKind, TransportError};
 
 use super::{OpEvent, OpMachine, State, Transmit};
 use crate::abort::{Abort, AbortReason};
+use crate::failure::{self, OpId};
 use crate::CollectiveError;
 
 /// The abort an op error sends to the others, as (reason, offender); None
@@ -28,58 +29,43 @@ pub(crate) fn abort_reason(e: &CollectiveError, me: Rank) -> Option<(AbortReason
 }
 
 impl OpMachine {
-    pub(super) fn transport_error(&self, e: TransportError) -> CollectiveError {
-        let (name, epoch) = (self.op.name.clone(), self.op.tag.epoch);
-        match e {
-            TransportError::PeerLost { peer, .. } => CollectiveError::PeerLost {
-                name,
-                epoch,
-                peer,
-                source: e,
-            },
-            TransportError::Closed => CollectiveError::Closed,
-            e => CollectiveError::Transport {
-                name,
-                epoch,
-                source: e,
-            },
+    /// Which op its errors are of.
+    pub(super) fn id(&self) -> OpId<'_> {
+        OpId {
+            name: &self.op.name,
+            epoch: self.op.tag.epoch,
         }
+    }
+
+    pub(super) fn transport_error(&self, e: TransportError) -> CollectiveError {
+        failure::transport_error(self.id(), e)
     }
 
     /// The error an abort frame from `from` stands for; a malformed one is
     /// a protocol violation.
     pub(super) fn decode_abort(&mut self, from: Rank, payload: &[u8]) -> CollectiveError {
-        match Abort::decode(payload) {
-            Ok(a) => {
+        match failure::abort_error(self.id(), self.me, &self.op.spec, from, payload) {
+            Ok(e) => {
                 self.remote_abort = true;
-                a.to_error(&self.op.name, self.op.tag.epoch, self.me, &self.op.spec)
+                e
             }
-            Err(why) => self.protocol(from, format!("malformed abort frame: {why}")),
+            Err(e) => e,
         }
     }
 
     pub(super) fn mismatch(&self, from: Rank, digest: u32) -> CollectiveError {
-        CollectiveError::Mismatch {
-            name: self.op.name.clone(),
-            epoch: self.op.tag.epoch,
-            ranks: vec![self.me, from],
-            detail: format!(
-                "rank {} sent a frame for a different op spec (digest {digest:08x}); rank {} has {} (digest {:08x})",
-                from.0,
-                self.me.0,
-                self.op.spec.describe(),
-                self.op.digest
-            ),
-        }
+        let detail = format!(
+            "rank {} sent a frame for a different op spec (digest {digest:08x}); rank {} has {} (digest {:08x})",
+            from.0,
+            self.me.0,
+            self.op.spec.describe(),
+            self.op.digest
+        );
+        failure::mismatch(self.id(), self.me, from, detail)
     }
 
     pub(super) fn protocol(&self, from: Rank, reason: String) -> CollectiveError {
-        CollectiveError::Protocol {
-            name: self.op.name.clone(),
-            epoch: self.op.tag.epoch,
-            peer: from,
-            reason,
-        }
+        failure::protocol(self.id(), from, reason)
     }
 
     /// The transport failed for this op (a lost peer at the start, a

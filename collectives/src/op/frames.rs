@@ -49,11 +49,10 @@ impl OpMachine {
             // that abort comes first with the cause.
             Err(e @ TransportError::PeerLost { .. }) => {
                 if let TransportError::PeerLost { peer, .. } = &e {
-                    self.lost.insert(*peer);
+                    let peer = *peer;
+                    self.lost.insert(peer);
+                    self.live.peer_lost(now, peer, e, false, true);
                 }
-                self.first_lost.get_or_insert(e);
-                self.lost_dependency = true;
-                self.deadline = self.deadline.min(now + self.grace());
                 return;
             }
             Err(e) => {

@@ -38,14 +38,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+
+use crate::failure::Liveness;
 use kungfu_topology::{Rank, Strategy};
-use kungfu_transport::{FrameKind, Header, Instant, OpTag, PeerSet, TransportError};
+use kungfu_transport::{FrameKind, Header, Instant, OpTag, PeerSet};
 
 use crate::dtype::scale_down;
 use crate::plan::{ActionId, Plan, PlanError, RecvReady, Work};
 use crate::{CollectiveError, OpSpec, ReduceOp};
 
-pub use liveness::LOST_GRACE;
+pub use crate::failure::LOST_GRACE;
 
 /// Data frames received from one peer for one op.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -139,15 +141,10 @@ pub struct OpMachine {
     listen: PeerSet,
     /// Ranks known lost: no abort is sent to them.
     lost: PeerSet,
-    /// The first loss this op heard of: when the op fails for a lost peer,
-    /// it names this one (the culprit, not a neighbour that gave up
-    /// because of it).
-    first_lost: Option<TransportError>,
-    /// A rank this op's output depends on was lost: see
-    /// [`OpMachine::handle_peer_lost`].
-    lost_dependency: bool,
+    /// The inactivity deadline and the first loss heard of (shared with
+    /// the fast path: [`crate::failure`]).
+    live: Liveness<Instant>,
     started: Instant,
-    deadline: Instant,
     arrivals: Vec<Arrivals>,
     outstanding: Vec<Outstanding>,
     inflight: usize,
@@ -179,10 +176,8 @@ impl OpMachine {
             needed,
             listen,
             lost: PeerSet::new(),
-            first_lost: None,
-            lost_dependency: false,
+            live: Liveness::new(now, cfg.timeout),
             started: now,
-            deadline: now + cfg.timeout,
             arrivals: vec![Arrivals::default(); size],
             outstanding: Vec::new(),
             inflight: 0,
@@ -291,7 +286,7 @@ impl OpMachine {
 
     /// When the op fails unless something happens first.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.is_running().then_some(self.deadline)
+        self.is_running().then_some(self.live.deadline())
     }
 
     /// How the op ended, once. On [`OpEvent::Done`] the output was scaled

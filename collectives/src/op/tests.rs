@@ -4,7 +4,7 @@ use super::*;
 use crate::abort::{Abort, AbortReason};
 use crate::plan::PlanBuilder;
 use crate::{DType, OpKind};
-use kungfu_transport::{Epoch, OpId};
+use kungfu_transport::{Epoch, OpId, TransportError};
 
 const T: Duration = Duration::from_secs(10);
 const DIGEST: u32 = 0xd1_9e57;

@@ -41,7 +41,9 @@
 //!
 //! An op fails, naming the ranks it waits for, when it makes no progress
 //! for the op timeout, and at once when one of them is lost (checked every
-//! [`LIVENESS_EVERY`](step::LIVENESS_EVERY)). A contribution whose digest (kind, type, count,
+//! [`LIVENESS_EVERY`](step::LIVENESS_EVERY)), by the op machine's rules and
+//! code ([`crate::failure`]: the deadline, the culprit named, a peer's
+//! abort, a mismatch). A contribution whose digest (kind, type, count,
 //! root) differs from this rank's fails the op as a mismatch naming both
 //! ranks.
 //!
@@ -70,6 +72,7 @@ use kungfu_transport::{OpTag, Transport, TransportError};
 
 use super::opmem::OpMem;
 use super::{Callback, Inner, OpOutput};
+use crate::failure::Liveness;
 use crate::pool::PooledBuf;
 use crate::{CollectiveError, OpKind, OpSpec};
 
@@ -147,7 +150,9 @@ pub(super) struct FastOp<T> {
     /// A handle waits for it (else a callback does).
     waited: bool,
     started: Instant,
-    last: Instant,
+    /// Its inactivity deadline and the first loss it heard of, by the op
+    /// machine's rules ([`crate::failure`]).
+    live: Liveness<Instant>,
     checked: Instant,
     done: Option<Callback>,
 }
@@ -291,6 +296,7 @@ impl<T: Transport> Fast<T> {
             }
         };
         let now = Instant::now();
+        let op_timeout = inner.config.op_timeout;
         let mut op = FastOp {
             inner,
             name,
@@ -311,7 +317,7 @@ impl<T: Transport> Fast<T> {
             remote_abort: false,
             waited: false,
             started: now,
-            last: now,
+            live: Liveness::new(now, op_timeout),
             checked: now,
             done: Some(done),
         };

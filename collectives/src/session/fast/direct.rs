@@ -7,6 +7,7 @@ use kungfu_transport::shm::lane::HostLanes;
 
 use super::{changed, FastOp, Transport};
 use crate::dtype::{reduce_into, scale_down};
+use crate::failure::OpId;
 use crate::plan::Work;
 use crate::session::OpOutput;
 use crate::{CollectiveError, OpKind};
@@ -24,16 +25,20 @@ impl<T: Transport> FastOp<T> {
         for (p, f) in self.found.iter().enumerate() {
             let Some(f) = f else { continue };
             if f.digest() != self.digest || f.len() != b {
-                return Err(CollectiveError::Mismatch {
-                    name: self.name.clone(),
-                    epoch: tag.epoch,
-                    ranks: vec![me, Rank(p as u32)],
-                    detail: format!(
-                        "{} here; rank {p} sent {} bytes of another op",
-                        self.spec.describe(),
-                        f.len()
-                    ),
-                });
+                let detail = format!(
+                    "{} here; rank {p} sent {} bytes of another op",
+                    self.spec.describe(),
+                    f.len()
+                );
+                return Err(crate::failure::mismatch(
+                    OpId {
+                        name: &self.name,
+                        epoch: tag.epoch,
+                    },
+                    me,
+                    Rank(p as u32),
+                    detail,
+                ));
             }
         }
         let mut failed = None;

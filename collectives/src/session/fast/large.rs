@@ -211,12 +211,8 @@ impl<T: Transport> FastOp<T> {
     }
 
     pub(super) fn mismatch_with(&self, p: Rank, what: &str) -> CollectiveError {
-        CollectiveError::Mismatch {
-            name: self.name.clone(),
-            epoch: self.tag.epoch,
-            ranks: vec![self.lane_rank, p],
-            detail: format!("{} here; rank {} has {what}", self.spec.describe(), p.0),
-        }
+        let detail = format!("{} here; rank {} has {what}", self.spec.describe(), p.0);
+        crate::failure::mismatch(self.id(), self.lane_rank, p, detail)
     }
 
     /// The copies of `phase` (`others`: every rank but this one).
@@ -235,14 +231,13 @@ impl<T: Transport> FastOp<T> {
             })
             .unwrap_or_default();
         let (name, epoch, want) = (self.name.clone(), self.tag.epoch, sentinel(self.tag));
-        let lost = |p: usize, e: std::io::Error| CollectiveError::PeerLost {
-            name: name.clone(),
-            epoch,
-            peer: Rank(p as u32),
-            source: kungfu_transport::TransportError::PeerLost {
+        let id = crate::failure::OpId { name: &name, epoch };
+        let lost = |p: usize, e: std::io::Error| {
+            let e = kungfu_transport::TransportError::PeerLost {
                 peer: Rank(p as u32),
                 reason: format!("cross-memory read of its buffer: {e}").into(),
-            },
+            };
+            crate::failure::transport_error(id, e)
         };
         let read = |p: usize, off: u64, dst: &mut [u8]| {
             let (pid, addr, _) = peers[p];

@@ -13,7 +13,7 @@ use kungfu_transport::shm::lane::HostLanes;
 use kungfu_transport::{Arrival, FrameKind, PeerSet, Transport, TransportError};
 
 use super::{bits, Fast, FastOp};
-use crate::abort::Abort;
+use crate::failure::{self, OpId};
 use crate::session::OpOutput;
 use crate::timeline::peer_row;
 use crate::CollectiveError;
@@ -94,7 +94,7 @@ impl<T: Transport> Fast<T> {
         }
         let now = Instant::now();
         if std::mem::take(&mut op.moved) {
-            op.last = now;
+            op.live.progress(now);
         }
         if now.duration_since(op.checked) >= LIVENESS_EVERY {
             op.checked = now;
@@ -117,14 +117,9 @@ impl<T: Transport> Fast<T> {
                 }
                 op.moved = true;
             }
-            let after = op.inner.config.op_timeout;
-            if now.duration_since(op.last) >= after {
-                return Some(Err(CollectiveError::Timeout {
-                    name: op.name.clone(),
-                    epoch: op.tag.epoch,
-                    after,
-                    waiting: bits(missing | op.unposted).collect(),
-                }));
+            if op.live.expired(now) {
+                let waiting = bits(missing | op.unposted).collect();
+                return Some(Err(op.live.timeout_error(op.id(), waiting)));
             }
         }
         None
@@ -160,28 +155,27 @@ impl<T: Transport> Fast<T> {
             .collect();
         match self.t.matcher().try_arrival(op.tag, &all)? {
             Ok(Arrival::Frame(f)) if f.header.kind == FrameKind::Abort => {
-                op.remote_abort = true;
-                Some(match Abort::decode(&f.payload) {
-                    Ok(a) => a.to_error(&op.name, op.tag.epoch, me, &op.spec),
-                    Err(why) => CollectiveError::Protocol {
-                        name: op.name.clone(),
-                        epoch: op.tag.epoch,
-                        peer: f.from,
-                        reason: format!("malformed abort frame: {why}"),
+                // (a malformed abort is this rank's protocol error: it
+                // aborts the others in turn)
+                Some(
+                    match failure::abort_error(op.id(), me, &op.spec, f.from, &f.payload) {
+                        Ok(e) => {
+                            op.remote_abort = true;
+                            e
+                        }
+                        Err(e) => e,
                     },
-                })
+                )
             }
-            Ok(Arrival::Frame(f)) => Some(CollectiveError::Mismatch {
-                name: op.name.clone(),
-                epoch: op.tag.epoch,
-                ranks: vec![me, f.from],
-                detail: format!(
-                    "rank {} sent a frame of this op: it runs it on the message path, so its \
-                     op is not {} (the host fast path's, here)",
+            Ok(Arrival::Frame(f)) => {
+                let detail = format!(
+                    "rank {} sent a frame of this op: it runs it on the message path, so its op \
+                     is not {} (the host fast path's, here)",
                     f.from.0,
                     op.spec.describe()
-                ),
-            }),
+                );
+                Some(failure::mismatch(op.id(), me, f.from, detail))
+            }
             Ok(_) => None,
             Err(TransportError::Closed) => Some(CollectiveError::Closed),
             Err(e @ TransportError::PeerLost { peer, .. }) if waiting & (1 << peer.0) != 0 => {
@@ -193,21 +187,17 @@ impl<T: Transport> Fast<T> {
 }
 
 impl<T: Transport> FastOp<T> {
-    pub(super) fn lost(&self, peer: Rank, e: TransportError) -> CollectiveError {
-        match e {
-            TransportError::Closed => CollectiveError::Closed,
-            e @ TransportError::PeerLost { .. } => CollectiveError::PeerLost {
-                name: self.name.clone(),
-                epoch: self.tag.epoch,
-                peer,
-                source: e,
-            },
-            e => CollectiveError::Transport {
-                name: self.name.clone(),
-                epoch: self.tag.epoch,
-                source: e,
-            },
+    /// Which op its errors are of.
+    pub(super) fn id(&self) -> OpId<'_> {
+        OpId {
+            name: &self.name,
+            epoch: self.tag.epoch,
         }
+    }
+
+    /// The error for `peer`, which the op waits for, lost (`e` says how).
+    pub(super) fn lost(&self, peer: Rank, e: TransportError) -> CollectiveError {
+        failure::transport_error(self.id(), self.live.waited_lost(peer, e))
     }
 
     /// The op's output, once it is complete.
