@@ -26,6 +26,13 @@ A ```rust, ```c or ```cpp block without `same-as` fails the check: every
 snippet must be compiled by something. Blocks without a language (output,
 synopses, diagrams) are not commands and are left alone.
 
+Before the blocks, every repository path a page names in backticks
+(`dir/file.rs`, `session/fast.rs`, `runtime/src/env/`) must name a file or
+directory of the repository (the end of one's path), so that no page points
+at code that moved. Paths of other projects are listed in EXTERNAL_PATHS.
+And every table named by a `<!-- table: FILE#ID -->` directive must be what
+scripts/doc-tables.py renders from its JSON.
+
 Usage: scripts/doc-commands.py [--list] [--only SUBSTRING] [--timeout SECS]
 Prints one line per block and ends with `doc-commands: N passed, N failed`.
 """
@@ -45,6 +52,42 @@ ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 DIRECTIVE = re.compile(r"^\s*<!--\s*doc:\s*(same-as|not-run)\s+(.*?)\s*-->\s*$")
 CHECKED_LANGS = {"rust", "c", "cpp"}
+# a path in backticks: at least one slash, and a file name with an
+# extension of ours or a trailing slash
+PATH_REF = re.compile(
+    r"`([A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*(?:\.(?:rs|py|sh|h|hpp|c|cpp|toml|md|json|svg|in)|/))`"
+)
+# paths in other projects' trees that the pages name on purpose
+EXTERNAL_PATHS = {"test/parallel/test_torch.py"}
+
+
+def stale_paths(docs):
+    """Every backticked path of `docs` that names nothing in the tree."""
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    names = set()
+    for f in tracked:
+        parts = f.split("/")
+        for i in range(len(parts)):
+            names.add("/".join(parts[i:]))
+            if i + 1 < len(parts):
+                # directories, with their trailing slash
+                for j in range(i + 1, len(parts)):
+                    names.add("/".join(parts[i:j]) + "/")
+    out = []
+    for d in docs:
+        for n, line in enumerate(d.read_text().splitlines(), 1):
+            for m in PATH_REF.finditer(line):
+                p = m.group(1).removeprefix("./")
+                if "/" not in p.rstrip("/"):
+                    # one name (`docs/`, `target/`): not checked
+                    continue
+                if p in EXTERNAL_PATHS or p.startswith(("http", "/", "~")):
+                    continue
+                if p not in names:
+                    out.append(f"{d.relative_to(ROOT)}:{n}: {p}")
+    return out
 
 
 class Block:
@@ -170,6 +213,28 @@ def main():
     if args.only:
         blocks = [b for b in blocks if args.only in b.where() or args.only in b.text]
     passed = failed = 0
+    if not args.list and not args.only:
+        stale = stale_paths(docs)
+        if stale:
+            failed += 1
+            print("FAIL paths named in the pages that are not in the tree:")
+            print("".join(f"    | {l}\n" for l in stale), end="")
+        else:
+            passed += 1
+            print("ok   every path the pages name is in the tree")
+        # the tables from measurements: rendered from their JSON
+        # (scripts/doc-tables.py), and the checker itself checked
+        for extra in (["--self-test"], []):
+            r = subprocess.run([sys.executable, str(ROOT / "scripts" / "doc-tables.py"), *extra],
+                               cwd=ROOT, capture_output=True, text=True)
+            last = (r.stdout.strip().splitlines() or ["(no output)"])[-1]
+            if r.returncode == 0:
+                passed += 1
+                print(f"ok   {last}")
+            else:
+                failed += 1
+                print(f"FAIL {last}")
+                print("".join(f"    | {l}\n" for l in (r.stdout + r.stderr).splitlines()[-40:]), end="")
     for b in blocks:
         if b.lang not in CHECKED_LANGS and b.lang != "sh":
             continue

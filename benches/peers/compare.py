@@ -4,7 +4,8 @@
     benches/peers/compare.py [--np 2 4] [--ops allreduce broadcast allgather]
                              [--rounds 5] [--transport default|tcp]
                              [--min 4] [--max 64M] [--iters 20] [--warmup 5]
-                             [--plot DIR] [--kungfu LABEL=DIR ...] [--no-mpi]
+                             [--plot DIR] [--json FILE]
+                             [--kungfu LABEL=DIR ...] [--no-mpi]
 
 Builds kungfu-bench (release) and benches/peers/mpi_bench.c (mpicc), then
 for each np and op runs the two one after the other, --rounds times, and
@@ -19,6 +20,10 @@ memory inside the host); tcp: Open MPI forced onto TCP over loopback
 (--mca btl tcp,self --mca btl_tcp_if_include lo) against KungFu-rs's TCP
 transport. Machines are shared and noisy: read the ratios,
 and the spread between rounds, not single numbers.
+
+--json FILE writes every table printed (benches/peers/tables.py: the
+format the docs' tables are rendered from); with --plot DIR and no --json,
+it goes to DIR/compare-TRANSPORT.json beside the plots.
 
 --kungfu LABEL=DIR (repeatable) compares builds of KungFu-rs with each other
 instead of (or, without --no-mpi, besides) this tree's: each DIR holds a
@@ -37,6 +42,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tables import Table, write_json  # noqa: E402
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -128,6 +136,8 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--plot", help="write one SVG per np and op into this directory")
+    p.add_argument("--json", help="write the tables here (default with --plot: "
+                                  "PLOT/compare-TRANSPORT.json)")
     p.add_argument("--kungfu", action="append", default=[], metavar="LABEL=DIR",
                    help="a build to compare: DIR holds kungfu-run and kungfu-bench")
     p.add_argument("--no-mpi", action="store_true", help="leave Open MPI out")
@@ -143,6 +153,7 @@ def main():
     if a.plot:
         os.makedirs(a.plot, exist_ok=True)
     colours = ["#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
+    tables = []
     with tempfile.TemporaryDirectory(prefix="kungfu-compare-") as workdir:
         if not builds:
             run(["cargo", "build", "--release", "--locked", "-q", "-p", "kungfu-tools", "--bins"])
@@ -171,6 +182,14 @@ def main():
                 for l, _ in series[1:]:
                     head += f" {'bw ' + l[:10]:>14} {'t ' + l[:10]:>13}"
                 print(head)
+                t = Table(f"{op}-np{np_}", f"{op}, np={np_}, transport {a.transport}, busbw (GB/s) and "
+                          f"time per op (us), median of {a.rounds} rounds; ratios against "
+                          f"{series[0][0]}",
+                          ["size (B)"] + [f"{l} GB/s" for l, _ in series] + [f"{l} us" for l, _ in series]
+                          + [f"busbw {l}" for l, _ in series[1:]] + [f"time {l}" for l, _ in series[1:]],
+                          ["{}"] + ["{:.3f}"] * len(series) + ["{:.1f}"] * len(series)
+                          + ["{:.2f}"] * (2 * (len(series) - 1)))
+                tables.append(t)
                 for s in sorted(set.intersection(*(set(b) for b in bw))):
                     row = f"{s:>10}"
                     for b, t in zip(bw, us):
@@ -181,6 +200,10 @@ def main():
                         tr = f"{t[s] / us[0][s]:13.2f}" if s <= 1024 and us[0][s] > 0 else f"{'-':>13}"
                         row += f" {r:13.2f}{flag} {tr}"
                     print(row)
+                    ratio = lambda x, y: x / y if y > 0 else float("nan")
+                    t.add(s, *[b[s] for b in bw], *[u[s] for u in us],
+                          *[ratio(b[s], bw[0][s]) for b in bw[1:]],
+                          *[ratio(u[s], us[0][s]) if s <= 1024 else float("nan") for u in us[1:]])
                 sys.stdout.flush()
                 if a.plot:
                     name = os.path.join(a.plot, f"{op}-np{np_}-{a.transport}.svg")
@@ -189,6 +212,11 @@ def main():
                            for i, ((l, _), b) in enumerate(zip(series, bw))]
                     with open(name, "w") as f:
                         f.write(svg(title, pts))
+        out = a.json or (a.plot and os.path.join(a.plot, f"compare-{a.transport}.json"))
+        if out:
+            write_json(out, tables, rounds=a.rounds, transport=a.transport,
+                       iters=a.iters, warmup=a.warmup)
+            print(f"\n(tables written to {out})")
 
 
 if __name__ == "__main__":
