@@ -4,7 +4,7 @@
 # replace` over TCP while a seeded driver kills, freezes, pauses and delays
 # workers, drops their connections and throws garbage at their ports, for
 # CHAOS_SECS (default 1800,
-# CI runs 60), niced. Not for CI. It ends with the counts (injected,
+# CI runs 30), niced. Not for CI. It ends with the counts (injected,
 # detected, survived), the detection times after SIGKILL and SIGSTOP and the
 # recovery time to the first good step; it fails on a wrong value, a hang,
 # or survivors whose models differ.

@@ -124,7 +124,7 @@ stage "tests"
 # installed above: the etcd tests must run, not skip
 export KUNGFU_REQUIRE_ETCD=1
 if cargo nextest --version >/dev/null 2>&1; then
-  # every test in a process of its own, two at a time across the binaries,
+  # every test in a process of its own, four at a time across the binaries,
   # each bounded (.config/nextest.toml); the doc tests are cargo test's
   cargo nextest run --workspace --locked "${features[@]}" --no-tests=fail
   cargo test --workspace --doc --locked "${features[@]}"

@@ -182,14 +182,14 @@ def main():
                 for l, _ in series[1:]:
                     head += f" {'bw ' + l[:10]:>14} {'t ' + l[:10]:>13}"
                 print(head)
-                t = Table(f"{op}-np{np_}", f"{op}, np={np_}, transport {a.transport}, busbw (GB/s) and "
+                table = Table(f"{op}-np{np_}", f"{op}, np={np_}, transport {a.transport}, busbw (GB/s) and "
                           f"time per op (us), median of {a.rounds} rounds; ratios against "
                           f"{series[0][0]}",
                           ["size (B)"] + [f"{l} GB/s" for l, _ in series] + [f"{l} us" for l, _ in series]
                           + [f"busbw {l}" for l, _ in series[1:]] + [f"time {l}" for l, _ in series[1:]],
                           ["{}"] + ["{:.3f}"] * len(series) + ["{:.1f}"] * len(series)
                           + ["{:.2f}"] * (2 * (len(series) - 1)))
-                tables.append(t)
+                tables.append(table)
                 for s in sorted(set.intersection(*(set(b) for b in bw))):
                     row = f"{s:>10}"
                     for b, t in zip(bw, us):
@@ -201,7 +201,7 @@ def main():
                         row += f" {r:13.2f}{flag} {tr}"
                     print(row)
                     ratio = lambda x, y: x / y if y > 0 else float("nan")
-                    t.add(s, *[b[s] for b in bw], *[u[s] for u in us],
+                    table.add(s, *[b[s] for b in bw], *[u[s] for u in us],
                           *[ratio(b[s], bw[0][s]) for b in bw[1:]],
                           *[ratio(u[s], us[0][s]) if s <= 1024 else float("nan") for u in us[1:]])
                 sys.stdout.flush()
