@@ -34,10 +34,19 @@ pub(super) enum Stream {
 }
 
 impl Stream {
-    fn tcp(&self) -> &TcpStream {
+    /// Whether nothing is waiting to be read: on the socket (see [`quiet`])
+    /// and, in TLS, among the records already taken off it (a stray byte
+    /// of either would be read as the next request's answer).
+    fn quiet(&mut self) -> bool {
         match self {
-            Stream::Plain(s) => s,
-            Stream::Tls(s) => s.get_ref().0,
+            Stream::Plain(s) => quiet(s),
+            Stream::Tls(s) => {
+                let (tcp, tls) = s.get_mut();
+                quiet(tcp)
+                    && tls
+                        .process_new_packets()
+                        .is_ok_and(|st| st.plaintext_bytes_to_read() == 0 && !st.peer_has_closed())
+            }
         }
     }
 }
@@ -163,11 +172,11 @@ impl Conn {
     /// Whether it may carry another request: the response was read to
     /// its end, the member did not ask to close, sent nothing more, and
     /// has not closed it since.
-    fn reusable(&self) -> bool {
+    fn reusable(&mut self) -> bool {
         self.keep_alive
             && self.body.as_ref().is_some_and(Body::is_done)
             && !self.r.has_buffered()
-            && quiet(self.r.get_ref().tcp())
+            && self.r.get_mut().quiet()
     }
 }
 
@@ -201,7 +210,7 @@ impl Pool {
     pub(super) fn take(&self) -> Option<Conn> {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         while let Some((mut conn, since)) = idle.pop() {
-            if since.elapsed() < IDLE && quiet(conn.r.get_ref().tcp()) {
+            if since.elapsed() < IDLE && conn.r.get_mut().quiet() {
                 conn.reused = true;
                 conn.body = None;
                 return Some(conn);
@@ -211,7 +220,7 @@ impl Pool {
     }
 
     /// Keeps `conn` for a later request, if it may carry one.
-    pub(super) fn give(&self, conn: Conn) {
+    pub(super) fn give(&self, mut conn: Conn) {
         if !conn.reusable() {
             return;
         }

@@ -34,10 +34,6 @@ impl<S> Reader<S> {
         }
     }
 
-    pub fn get_ref(&self) -> &S {
-        &self.s
-    }
-
     pub fn get_mut(&mut self) -> &mut S {
         &mut self.s
     }
