@@ -32,6 +32,6 @@ pub use monitor::{
 };
 pub use policy::{
     Action, Adapter, AdaptiveBatchSize, Context, FastestStrategy, Metrics, Policy, Progress,
-    ScaleOnPlateau, ScaleSchedule,
+    ScaleOnPlateau, ScaleSchedule, MAX_CUSTOM,
 };
 pub use sync::{model_averaging, sync_sgd, PairAveraging};

@@ -127,6 +127,11 @@ impl<T: Transport> PeerStore<T> {
         Ok(e.0)
     }
 
+    /// The session the store serves and requests over.
+    pub fn session(&self) -> &Session<T> {
+        &self.inner.session
+    }
+
     /// This worker's saved `name`, if any: (version, bytes).
     pub fn saved(&self, name: &str) -> Option<(u64, Bytes)> {
         lock(&self.inner.saved).map.get(name).cloned()

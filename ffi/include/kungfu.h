@@ -409,10 +409,14 @@ kf_status kf_propose(const kf_action *action);
 
 // An agreement point at training step `step`: a collective (every worker
 // calls it at the same step). Gathers every worker's proposals; per kind
-// the lowest-ranked proposer wins, so every worker gets the same actions.
+// (and per custom kind) the value most workers proposed wins, a tie going
+// to the most senior proposer's (in the cluster since the earliest cluster
+// version, then the lowest rank), so every worker gets the same actions
+// and a worker that just joined cannot override the others.
 // Strategy changes are applied here (a swap at a consistency barrier);
 // the others are for the caller (resize with `kf_resize`). Writes up to
-// `cap` actions to `out` and their number (at most 4) to `*n`.
+// `cap` actions to `out` and their number (at most 8: one per kind and four
+// custom kinds) to `*n`.
 //
 // # Safety
 // `out` has room for `cap` actions; `n` points to an int32.
@@ -529,6 +533,35 @@ kf_status kf_recover(void);
 // `buf` has room for `cap` bytes (it may be NULL when `cap` is 0); `len`
 // points to an int32.
 kf_status kf_stall_report(char *buf, int32_t cap, int32_t *len);
+
+// Publishes a copy of `len` bytes at `data` as this worker's latest
+// `name`, and writes its version (1 for the first) to `*version` unless
+// it is NULL. Peers fetch it with `kf_request`. A local call.
+//
+// # Safety
+// `name` is a NUL-terminated string; `data` holds `len` bytes (NULL only
+// if `len` is 0); `version` is NULL or points to a `uint64_t`.
+kf_status kf_save(const char *name, const void *data, size_t len, uint64_t *version);
+
+// Fetches `peer`'s latest `name` into `out`, which must hold exactly its
+// `len` bytes (another length fails with `KF_ERR_MISMATCH`), and writes
+// its version to `*version` unless NULL, before the op completes. The
+// peer does not take part. A name the peer has not published yet is
+// asked for again until it is, within the op timeout
+// (`KUNGFU_OP_TIMEOUT_MS`; then `KF_ERR_TIMEOUT`).
+//
+// # Safety
+// `name` is a NUL-terminated string; `out` holds `len` bytes (NULL only
+// if `len` is 0) and, like `version` (NULL or a `uint64_t`), stays valid
+// until the op completes; `handle` is NULL or points to a `kf_handle`.
+kf_status kf_request(int32_t peer,
+                     const char *name,
+                     void *out,
+                     size_t len,
+                     uint64_t *version,
+                     kf_callback cb,
+                     void *user,
+                     kf_handle *handle);
 
 #ifdef __cplusplus
 }  // extern "C"

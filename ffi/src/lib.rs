@@ -41,6 +41,8 @@ pub use adapt::*;
 mod recover;
 pub use recover::{kf_recover, kf_stall_report};
 mod group;
+mod p2p;
+pub use p2p::{kf_request, kf_save};
 mod request;
 
 use std::cell::RefCell;
@@ -246,6 +248,9 @@ struct Running {
     worker: Worker,
     /// The process that started the runtime (a forked child may not use it).
     pid: u32,
+    /// The cluster version this worker joined at (its seniority when the
+    /// workers agree on actions).
+    joined: u64,
 }
 
 static PHASE: Mutex<Phase> = Mutex::new(Phase::Uninit);
@@ -275,6 +280,7 @@ struct Ctx {
     session: Session<AnyTransport>,
     rt: tokio::runtime::Handle,
     swap: kungfu_runtime::TransportSwap,
+    joined: u64,
 }
 
 /// The running session, started now if this is the first call needing it.
@@ -296,6 +302,7 @@ fn ctx() -> Res<Ctx> {
             session: r.worker.session().clone(),
             rt: r.rt.handle().clone(),
             swap: r.worker.transport_swap(),
+            joined: r.joined,
         }),
     }
 }
@@ -315,10 +322,12 @@ fn start(env: WorkerEnv) -> Result<Running, String> {
     let worker = rt
         .block_on(Worker::start(env))
         .map_err(|e| format!("starting the worker: {e}"))?;
+    let joined = worker.session().generation().version.0;
     Ok(Running {
         rt,
         worker,
         pid: std::process::id(),
+        joined,
     })
 }
 

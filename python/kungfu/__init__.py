@@ -27,6 +27,7 @@ __all__ = [
     "version", "cluster_version", "barrier", "set_strategy", "set_transport",
     "propose_new_size", "resize", "resize_from_config", "sync_state", "recover",
     "stall_report", "NoiseScale", "gradient_variance", "Action", "propose", "agree",
+    "peer_stats", "reset_stats", "save", "request",
 ]
 
 _initialized = False
@@ -197,11 +198,14 @@ def propose(action: Action) -> None:
 
 def agree(step: int) -> list:
     """An agreement point at training step `step` (a collective): every
-    worker gets the same actions (per kind, the lowest-ranked proposer's).
-    Strategy changes are applied here; resize with `resize(a.value)`."""
-    out = (_capi.Action * 4)()
+    worker gets the same actions. Per kind (per custom kind for "custom"),
+    the value proposed by the most workers wins, a tie going to the most
+    senior proposer's (in the cluster since the earliest version, then the
+    lowest rank). Strategy changes are applied here; resize with
+    `resize(a.value)`, switch transports with `set_transport(a.value)`."""
+    out = (_capi.Action * 16)()
     n = C.c_int32(0)
-    _capi.check("kf_agree", int(step), out, 4, C.byref(n))
+    _capi.check("kf_agree", int(step), out, 16, C.byref(n))
     names = {v: k for k, v in Action.KINDS.items()}
     return [Action(names[a.kind], a.value, a.custom_kind) for a in out[: n.value]]
 
@@ -247,3 +251,47 @@ def gradient_variance(mean_local_sq: float, mean_grad_sq: float) -> float:
     """The variance of the workers' gradients around their mean, from the
     mean of their squared norms and the squared norm of the mean gradient."""
     return _lib.kf_gradient_variance(float(mean_local_sq), float(mean_grad_sq))
+
+
+def peer_stats() -> list:
+    """Per peer (indexed by rank; this worker's own entry is zeros), what
+    completed ops received from it since the start or `reset_stats()`:
+    dicts of `ops`, `frames`, `bytes`, `rate` (bytes/s) and
+    `mean_latency` (s)."""
+    cap = max(size(), 1)
+    out = (_capi.PeerStats * cap)()
+    n = C.c_int32(0)
+    _capi.check("kf_get_peer_stats", out, cap, C.byref(n))
+    return [{f: getattr(s, f) for f, _ in _capi.PeerStats._fields_} for s in out[: min(n.value, cap)]]
+
+
+def reset_stats() -> None:
+    """Starts a new window of `peer_stats` (and of the strategy stats)."""
+    _capi.check("kf_reset_stats")
+
+
+def save(name: str, buffer) -> int:
+    """Publishes a copy of `buffer` (a CPU tensor or any bytes-like object)
+    as this worker's latest `name`; returns its version (1, 2, ...). Peers
+    fetch it with `request`, without this worker taking part."""
+    if hasattr(buffer, "data_ptr"):
+        addr, nbytes = _buffer(buffer)
+        data = None
+    else:
+        data = bytes(memoryview(buffer).cast("B"))  # kept alive during the call
+        addr, nbytes = C.cast(C.c_char_p(data), C.c_void_p), len(data)
+    v = C.c_uint64(0)
+    _capi.check("kf_save", name.encode(), addr, nbytes, C.byref(v))
+    del data
+    return v.value
+
+
+def request(peer: int, name: str, out) -> int:
+    """Fetches `peer`'s latest `name` into `out` (a writable buffer of
+    exactly its size); returns its version. Waits, within the op timeout,
+    for a peer that has not published `name` yet."""
+    addr, nbytes = _buffer(out)
+    v = C.c_uint64(0)
+    _capi.wait("kf_request", lambda h: _lib.kf_request(int(peer), name.encode(), addr, nbytes,
+                                                        C.byref(v), None, None, h))
+    return v.value

@@ -85,6 +85,13 @@ class Action(C.Structure):
     _fields_ = [("kind", _i32), ("custom_kind", C.c_uint32), ("value", _u64)]
 
 
+class PeerStats(C.Structure):
+    """kungfu.h's `kf_peer_stats`."""
+
+    _fields_ = [("ops", C.c_uint64), ("frames", C.c_uint64), ("bytes", C.c_uint64),
+                ("rate", C.c_double), ("mean_latency", C.c_double)]
+
+
 ACTION_SET_STRATEGY = 1
 ACTION_RESIZE = 2
 ACTION_SET_BATCH_SIZE = 3
@@ -112,6 +119,11 @@ _PROTOS = {
     "kf_propose": ([_P(Action)], _i32),
     "kf_agree": ([_u64, _P(Action), _i32, _P(_i32)], _i32),
     "kf_stall_report": ([C.c_char_p, _i32, _P(_i32)], _i32),
+    "kf_get_peer_stats": ([_P(PeerStats), _i32, _P(_i32)], _i32),
+    "kf_reset_stats": ([], _i32),
+    "kf_save": ([C.c_char_p, C.c_void_p, C.c_size_t, _P(_u64)], _i32),
+    "kf_request": ([_i32, C.c_char_p, C.c_void_p, C.c_size_t, _P(_u64), C.c_void_p,
+                    C.c_void_p, _P(_u64)], _i32),
     "kf_sq_norm": ([_P(C.c_float), _u64, _P(_dbl)], _i32),
     "kf_noise_scale": ([C.c_char_p, _dbl, _dbl, _dbl, _dbl, _dbl, _P(_dbl)], _i32),
     "kf_gradient_variance": ([_dbl, _dbl], _dbl),

@@ -7,8 +7,12 @@
 //! turns them into decisions every worker shares: at each agreement point
 //! (which every worker reaches at the same step), the proposals of all
 //! workers are gathered in one small allgather, and every worker applies the
-//! same deterministic rule to the same list: per kind of action, the
-//! proposal of the lowest-ranked proposer wins. The adapter applies strategy
+//! same deterministic rule to the same list: per kind of action (and per
+//! custom kind), the value proposed by the most workers wins, and a tie goes
+//! to the most senior proposer's: the one in the cluster since the earliest
+//! cluster version, then the lowest rank (a worker that just joined, whose
+//! policies start afresh, cannot override the workers that were there).
+//! The adapter applies strategy
 //! changes itself (ops started after the point use the new strategy, ops in
 //! flight keep theirs, and every worker switches at the same point of its
 //! op sequence); the others are handed to the application.
@@ -24,7 +28,7 @@ mod builtin;
 #[cfg(test)]
 mod tests;
 
-pub use agree::Adapter;
+pub use agree::{Adapter, MAX_CUSTOM};
 pub use builtin::{AdaptiveBatchSize, FastestStrategy, ScaleOnPlateau, ScaleSchedule};
 
 /// What a policy may ask for.

@@ -96,6 +96,14 @@ pub unsafe extern "C" fn kf_propose(action: *const kf_action) -> kf_status {
         // SAFETY: the caller's struct.
         let a = action_of(&unsafe { action.read_unaligned() })?;
         with_adapt(|st| {
+            if !st.adapter.has_room_for(&a) {
+                return Err(invalid(format!(
+                    "{a:?}: {} custom kinds are proposed already for this agreement point \
+                     (at most {})",
+                    kungfu_adaptation::MAX_CUSTOM,
+                    kungfu_adaptation::MAX_CUSTOM
+                )));
+            }
             st.adapter.propose(a);
             Ok(())
         })
@@ -104,10 +112,14 @@ pub unsafe extern "C" fn kf_propose(action: *const kf_action) -> kf_status {
 
 /// An agreement point at training step `step`: a collective (every worker
 /// calls it at the same step). Gathers every worker's proposals; per kind
-/// the lowest-ranked proposer wins, so every worker gets the same actions.
+/// (and per custom kind) the value most workers proposed wins, a tie going
+/// to the most senior proposer's (in the cluster since the earliest cluster
+/// version, then the lowest rank), so every worker gets the same actions
+/// and a worker that just joined cannot override the others.
 /// Strategy changes are applied here (a swap at a consistency barrier);
 /// the others are for the caller (resize with `kf_resize`). Writes up to
-/// `cap` actions to `out` and their number (at most 4) to `*n`.
+/// `cap` actions to `out` and their number (at most 8: one per kind and four
+/// custom kinds) to `*n`.
 ///
 /// # Safety
 /// `out` has room for `cap` actions; `n` points to an int32.

@@ -35,11 +35,16 @@ static ADAPT: Mutex<Option<AdaptState>> = Mutex::new(None);
 
 /// Runs `f` on the adaptation state, made on first use.
 fn with_adapt<R>(f: impl FnOnce(&mut AdaptState) -> Res<R>) -> Res<R> {
-    let session = ctx()?.session;
+    let c = ctx()?;
+    let session = c.session;
     let mut a = lock(&ADAPT);
-    let st = a.get_or_insert_with(|| AdaptState {
-        adapter: Adapter::new(session.clone(), Vec::new()),
-        noise: HashMap::new(),
+    let st = a.get_or_insert_with(|| {
+        let mut adapter = Adapter::new(session.clone(), Vec::new());
+        adapter.set_joined(c.joined);
+        AdaptState {
+            adapter,
+            noise: HashMap::new(),
+        }
     });
     if !st.adapter.session().same(&session) {
         // a resize gave the worker a new session

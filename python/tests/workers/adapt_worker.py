@@ -41,6 +41,27 @@ for step in range(4):
 assert not math.isnan(estimate), "a noise scale estimate after 4 steps"
 assert kungfu.stall_report() == "", kungfu.stall_report()
 
+# point to point: each publishes, each fetches the next rank's (which need
+# not take part); a name not published yet is waited for, within the timeout
+mine = torch.full((16,), float(me))
+assert kungfu.save("p2p/model", mine) == 1
+assert kungfu.save("p2p/model", mine) == 2
+theirs = torch.empty(16)
+if n > 1:
+    peer = (me + 1) % n
+    assert kungfu.request(peer, "p2p/model", theirs) >= 1
+    assert torch.all(theirs == peer), theirs
+    for bad in (lambda: kungfu.request(me, "p2p/model", theirs),
+                lambda: kungfu.request(n, "p2p/model", theirs),
+                lambda: kungfu.request(peer, "p2p/model", torch.empty(15))):
+        try:
+            bad()
+        except kungfu.KungFuError as e:
+            assert e.status in (1, 3), e  # invalid argument; a size mismatch
+        else:
+            raise AssertionError("a bad request was accepted")
+    kungfu.barrier()  # every fetch is done before a store goes
+
 for bad, call in [("strategy", lambda: kungfu.set_strategy("hypercube")),
                   ("action", lambda: kungfu.Action("teleport", 1)),
                   ("noise scale", lambda: kungfu.NoiseScale("x").update(1, 1, 8, 4))]:

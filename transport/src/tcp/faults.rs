@@ -26,6 +26,10 @@
 //! `2 (n-1)/n`) are measured through this; loopback alone is bound by the
 //! one CPU that moves every byte, not by links.
 //!
+//! `rate_after_ms=T` (with `rate_mb`) turns that shaping on only `T` ms
+//! after the process's first TCP wire started, so that a run slows down
+//! mid-way (a link degrading under interference), without a signal.
+//!
 //! Each fault that takes effect is logged on standard error (`kungfu:
 //! fault injection (pid P): ...`), so a test counts what was injected
 //! rather than what it asked for. The signals are heard by a task on the
@@ -53,6 +57,10 @@ pub(super) struct Faults {
     rate: Option<f64>,
     /// When the egress is free again (the end of the last frame's turn).
     egress_free: Mutex<Option<Instant>>,
+    /// The egress is shaped from then on (`rate_after_ms`; None: from the start).
+    rate_from: Option<Instant>,
+    /// Whether the start of the shaping was logged.
+    rate_logged: AtomicBool,
     listening: Once,
 }
 
@@ -62,11 +70,16 @@ impl Faults {
     fn parse(spec: &str) -> Result<Faults, String> {
         let mut delay = Duration::from_millis(500);
         let mut rate = None;
+        let mut rate_after = None;
         for kv in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             match kv.split_once('=') {
                 Some(("delay_ms", v)) => {
                     let ms: u64 = v.parse().map_err(|_| format!("delay_ms={v:?}"))?;
                     delay = Duration::from_millis(ms);
+                }
+                Some(("rate_after_ms", v)) => {
+                    let ms: u64 = v.parse().map_err(|_| format!("rate_after_ms={v:?}"))?;
+                    rate_after = Some(Duration::from_millis(ms));
                 }
                 Some(("rate_mb", v)) => match v.parse::<f64>() {
                     Ok(r) if r.is_finite() && r > 0.0 => rate = Some(r * 1e6),
@@ -75,10 +88,14 @@ impl Faults {
                 None if kv == "on" => {}
                 _ => {
                     return Err(format!(
-                        "unknown setting {kv:?} (expected delay_ms=MS, rate_mb=MB_PER_S or on)"
+                        "unknown setting {kv:?} (expected delay_ms=MS, rate_mb=MB_PER_S, \
+                         rate_after_ms=MS or on)"
                     ))
                 }
             }
+        }
+        if rate_after.is_some() && rate.is_none() {
+            return Err("rate_after_ms needs rate_mb".into());
         }
         Ok(Faults {
             delay,
@@ -86,6 +103,8 @@ impl Faults {
             hold_until: Mutex::new(None),
             rate,
             egress_free: Mutex::new(None),
+            rate_from: rate_after.map(|d| Instant::now() + d),
+            rate_logged: AtomicBool::new(false),
             listening: Once::new(),
         })
     }
@@ -105,6 +124,17 @@ impl Faults {
     /// not added to the line's.
     pub(super) async fn pace(&self, bytes: usize, began: Instant) {
         let Some(rate) = self.rate else { return };
+        if let Some(from) = self.rate_from {
+            if began < from {
+                return;
+            }
+            if !self.rate_logged.swap(true, Ordering::AcqRel) {
+                log(&format!(
+                    "shaping the egress to {} MB/s from now",
+                    rate / 1e6
+                ));
+            }
+        }
         let until = {
             let mut free = self.egress_free.lock().unwrap_or_else(|e| e.into_inner());
             let start = free.filter(|&t| t > began).unwrap_or(began);
@@ -198,6 +228,11 @@ mod tests {
         assert!(Faults::parse("rate_mb=0").is_err());
         assert!(Faults::parse("rate_mb=-1").is_err());
         assert!(Faults::parse("rate_mb=inf").is_err());
+        let later = Faults::parse("rate_mb=5,rate_after_ms=2000").unwrap();
+        assert!(later.rate_from.unwrap() > Instant::now() + Duration::from_millis(1500));
+        assert!(Faults::parse("rate_mb=5").unwrap().rate_from.is_none());
+        assert!(Faults::parse("rate_after_ms=20").is_err());
+        assert!(Faults::parse("rate_mb=5,rate_after_ms=x").is_err());
     }
 
     #[tokio::test]
