@@ -21,9 +21,15 @@ memory inside the host); tcp: Open MPI forced onto TCP over loopback
 transport. Machines are shared and noisy: read the ratios,
 and the spread between rounds, not single numbers.
 
---json FILE writes every table printed (benches/peers/tables.py: the
-format the docs' tables are rendered from); with --plot DIR and no --json,
-it goes to DIR/compare-TRANSPORT.json beside the plots.
+At the end it prints a summary, table `busbw-ratios`: per op and np the
+busbw ratio of the second series (the first build of KungFu-rs, or with
+--no-mpi the second build) to the first at 4 KiB, 64 KiB, 1 MiB, 16 MiB and
+64 MiB ("-" for a size the sweep left out).
+
+--json FILE writes every table printed, one per op and np (`OP-npN`) and
+the summary (benches/peers/tables.py: the format the docs' tables are
+rendered from); with --plot DIR and no --json, it goes to
+DIR/compare-TRANSPORT.json beside the plots.
 
 --kungfu LABEL=DIR (repeatable) compares builds of KungFu-rs with each other
 instead of (or, without --no-mpi, besides) this tree's: each DIR holds a
@@ -44,14 +50,28 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tables import Table, write_json  # noqa: E402
+from tables import Table, render, write_json  # noqa: E402
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+# the sizes of the summary table (busbw-ratios)
+SUMMARY_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 
 
 def size(s):
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:].upper(), 1)
     return int(s[:-1] if mult > 1 else s) * mult
+
+
+def human(n):
+    """A size as the docs write it: 4 KiB, 1 MiB, 12 B."""
+    for unit, m in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= m and n % m == 0:
+            return f"{n // m} {unit}"
+    return f"{n} B"
+
+
+def ratio(x, y):
+    return x / y if y > 0 else float("nan")
 
 
 def run(cmd, env=None, timeout=1800):
@@ -159,9 +179,12 @@ def main():
             run(["cargo", "build", "--release", "--locked", "-q", "-p", "kungfu-tools", "--bins"])
             builds = [("KungFu-rs", os.path.join(ROOT, "target", "release"))]
         exe = None if a.no_mpi else build_mpi(workdir)
+        labels = ([] if a.no_mpi else ["Open MPI"]) + [l for l, _ in builds]
+        # (op, np) -> busbw of labels[1] / labels[0] per size of SUMMARY_SIZES
+        summary = {}
         for np_ in a.np:
             for op in a.ops:
-                series = ([] if a.no_mpi else [("Open MPI", {})]) + [(l, {}) for l, _ in builds]
+                series = [(l, {}) for l in labels]
                 for _ in range(a.rounds):
                     k = 0
                     if not a.no_mpi:
@@ -200,10 +223,11 @@ def main():
                         tr = f"{t[s] / us[0][s]:13.2f}" if s <= 1024 and us[0][s] > 0 else f"{'-':>13}"
                         row += f" {r:13.2f}{flag} {tr}"
                     print(row)
-                    ratio = lambda x, y: x / y if y > 0 else float("nan")
                     table.add(s, *[b[s] for b in bw], *[u[s] for u in us],
                           *[ratio(b[s], bw[0][s]) for b in bw[1:]],
                           *[ratio(u[s], us[0][s]) if s <= 1024 else float("nan") for u in us[1:]])
+                summary[(op, np_)] = [ratio(bw[1][s], bw[0][s]) if s in bw[0] and s in bw[1]
+                                      else None for s in SUMMARY_SIZES]
                 sys.stdout.flush()
                 if a.plot:
                     name = os.path.join(a.plot, f"{op}-np{np_}-{a.transport}.svg")
@@ -212,6 +236,15 @@ def main():
                            for i, ((l, _), b) in enumerate(zip(series, bw))]
                     with open(name, "w") as f:
                         f.write(svg(title, pts))
+        ratios = Table("busbw-ratios", f"busbw ratio {labels[1]} / {labels[0]} per op and np, transport "
+                       f"{a.transport}, median of {a.rounds} rounds",
+                       ["op", "np"] + [human(s) for s in SUMMARY_SIZES],
+                       ["{}", "{}"] + ["{:.2f}"] * len(SUMMARY_SIZES))
+        for op in a.ops:
+            for np_ in a.np:
+                ratios.add(op, np_, *summary[(op, np_)])
+        tables.append(ratios)
+        print(f"\n## {ratios.title}\n{render(ratios.to_json())}")
         out = a.json or (a.plot and os.path.join(a.plot, f"compare-{a.transport}.json"))
         if out:
             write_json(out, tables, rounds=a.rounds, transport=a.transport,

@@ -2,7 +2,7 @@
 """KungFu-rs against the original KungFu (Go), both over TCP, alternately.
 
     benches/peers/go_compare.py --go-src DIR [--np 2 4] [--rounds 3]
-                                [--kungfu DIR] [--in-place]
+                                [--kungfu DIR] [--in-place] [--json FILE]
 
 DIR is a checkout of lsds/KungFu (`fetch github:lsds/KungFu`, then `git
 clone` its mirror); its Go module has no dependencies and builds with
@@ -21,6 +21,11 @@ build, built first), out of place unless --in-place. Every round runs each
 size on both, one after the other; the script prints per np and size the
 median time per op of each, busbw (2(n-1)/n x bytes / time) and the ratio
 of KungFu-rs's busbw to KungFu's (higher is better).
+
+--json FILE writes the busbw and the ratio as one table, `go-vs-rs`
+(benches/peers/tables.py: the format the docs' tables are rendered from):
+a row per np and size, the columns `np`, `size`, `KungFu GB/s`,
+`KungFu-rs GB/s` and `ratio` (KungFu-rs / KungFu).
 """
 
 import argparse
@@ -32,6 +37,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare import human  # noqa: E402
+from tables import Table, write_json  # noqa: E402
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SIZES = [(64 << 10, 200), (1 << 20, 100), (16 << 20, 20), (64 << 20, 10)]
@@ -96,6 +105,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kungfu", help="a directory with kungfu-run and kungfu-bench")
     ap.add_argument("--in-place", action="store_true")
+    ap.add_argument("--json", help="write the table here")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kf-go-") as tmp:
         run_go, bench_go = build_go(a.go_src, tmp)
@@ -114,15 +124,23 @@ def main():
                     times[(np_, size)][1].append(s)
                     print(f"round {r}: np={np_} {size:>9} B  KungFu {g:10.1f} us  KungFu-rs {s:10.1f} us",
                           file=sys.stderr, flush=True)
-    print(f"## allreduce over TCP, median of {a.rounds} rounds "
-          f"({'in place' if a.in_place else 'out of place'} for KungFu-rs)")
+    mode = "in place" if a.in_place else "out of place"
+    print(f"## allreduce over TCP, median of {a.rounds} rounds ({mode} for KungFu-rs)")
     print(f"{'np':>3} {'size':>9} {'KungFu us':>11} {'KungFu-rs us':>13} "
           f"{'KungFu GB/s':>12} {'KungFu-rs GB/s':>15} {'ratio':>6}")
+    table = Table("go-vs-rs", f"allreduce over TCP, KungFu (Go) against KungFu-rs ({mode}), busbw (GB/s), "
+                  f"median of {a.rounds} rounds; ratio = KungFu-rs / KungFu",
+                  ["np", "size", "KungFu GB/s", "KungFu-rs GB/s", "ratio"],
+                  ["{}", "{}", "{:.3f}", "{:.3f}", "{:.2f}"])
     for (np_, size), (g, s) in sorted(times.items()):
         g, s = statistics.median(g), statistics.median(s)
         f = 2 * (np_ - 1) / np_
         print(f"{np_:>3} {size:>9} {g:11.1f} {s:13.1f} {size / g / 1e3 * f:12.3f} "
               f"{size / s / 1e3 * f:15.3f} {g / s:6.2f}")
+        table.add(np_, human(size), size / g / 1e3 * f, size / s / 1e3 * f, g / s)
+    if a.json:
+        write_json(a.json, [table], rounds=a.rounds, in_place=a.in_place)
+        print(f"\n(table written to {a.json})")
 
 
 if __name__ == "__main__":

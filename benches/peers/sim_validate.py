@@ -2,7 +2,7 @@
 """kungfu-sim against measured runs on a namespace cluster (run as root).
 
     benches/peers/sim_validate.py [--rate-mb 100] [--sizes 1M 64M]
-                                  [--strategies ...] [--iters 3]
+                                  [--strategies ...] [--iters 3] [--json FILE]
 
 Makes 2 "hosts" with scripts/netns-cluster.sh (198.18.0.1 and .2), runs
 `kungfu-bench allreduce` on 2 hosts x 2 workers for each strategy and size,
@@ -18,6 +18,11 @@ Shared memory inside a host is not shaped, and each worker has a shaper of
 its own, so the model gets a link per worker (`kungfu-sim --links worker`);
 the shapers limit only what a worker sends, whereas the model's links
 limit what it receives too.
+
+--json FILE writes the results as one table, `sim-vs-measured`
+(benches/peers/tables.py: the format the docs' tables are rendered from):
+a row per strategy, per size the columns `SIZE measured`, `predicted` and
+`ratio`, and a last column `off` naming the sizes flagged with "!".
 """
 
 import argparse
@@ -26,6 +31,10 @@ import re
 import subprocess
 import sys
 import threading
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare import human  # noqa: E402
+from tables import Table, write_json  # noqa: E402
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 BIN = os.path.join(ROOT, "target", "release")
@@ -94,10 +103,13 @@ def main():
     ap.add_argument("--overhead-us", type=float, default=15)
     ap.add_argument("--intra-gbps", type=float, default=24)
     ap.add_argument("--cpu-gbps", type=float, default=24)
+    ap.add_argument("--json", help="write the table here")
     a = ap.parse_args()
     subprocess.run(["cargo", "build", "--release", "--locked", "-p", "kungfu-tools"], cwd=ROOT,
                    check=True, capture_output=True)
     prefix = f"kfv{os.getpid()}"
+    # (strategy, size) -> measured and predicted busbw, ratio, flag, as printed
+    got = {}
     subprocess.run([SCRIPT, "up", "2", prefix], check=True)
     try:
         print(f"## allreduce, 2 hosts x 2 workers, TCP between hosts shaped to {a.rate_mb:g} MB/s "
@@ -111,10 +123,25 @@ def main():
                 bw = lambda t: nbytes / t / 1e3 * 2 * 3 / 4
                 ratio = t_meas / t_pred
                 flag = "!" if abs(ratio - 1) > 0.25 else ""
+                got[(st, s)] = (bw(t_meas), bw(t_pred), bw(t_pred) / bw(t_meas), flag)
                 print(f"{st:>22} {s:>9} {bw(t_meas):9.3f} {bw(t_pred):9.3f} {bw(t_pred) / bw(t_meas):6.2f}{flag}",
                       flush=True)
     finally:
         subprocess.run([SCRIPT, "down", prefix])
+    if a.json:
+        table = Table("sim-vs-measured", f"allreduce, 2 hosts x 2 workers, TCP between hosts shaped to "
+                      f"{a.rate_mb:g} MB/s per worker; busbw (GB/s) measured and predicted by kungfu-sim, "
+                      "ratio = predicted / measured; off: the sizes more than 25% off",
+                      ["strategy"] + [c for s in a.sizes
+                                      for c in (f"{human(size(s))} measured", "predicted", "ratio")] + ["off"],
+                      ["{}"] + ["{:.3f}", "{:.3f}", "{:.2f}"] * len(a.sizes) + ["{}"])
+        for st in a.strategies:
+            row = [got[(st, s)] for s in a.sizes]
+            table.add(st, *[x for r in row for x in r[:3]],
+                      ", ".join(human(size(s)) for s, r in zip(a.sizes, row) if r[3]))
+        write_json(a.json, [table], rate_mb=a.rate_mb, iters=a.iters, latency_us=a.latency_us,
+                   overhead_us=a.overhead_us, intra_gbps=a.intra_gbps, cpu_gbps=a.cpu_gbps)
+        print(f"\n(table written to {a.json})")
 
 
 if __name__ == "__main__":

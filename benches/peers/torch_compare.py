@@ -30,9 +30,13 @@ torch runs one thread per process (torch.set_num_threads(1)) under both
 backends. Rank 0's results go to FILE; the driver prints a markdown table
 per N (size, gloo us, kungfu us, kungfu/gloo) and how the numbers stand
 against the goals: all_reduce at most half of gloo's time at every size, a
-DDP step at least as fast as gloo's. --json writes every figure (each
-round's too). On a shared machine read the ratios and the spread, not
-single numbers.
+DDP step at least as fast as gloo's. On a shared machine read the ratios
+and the spread, not single numbers.
+
+--json FILE writes the table `allreduce-ddp` (benches/peers/tables.py: the
+format the docs' tables are rendered from): a row per size and one for the
+DDP step, and per N the columns `Np gloo`, `Np kungfu` (us) and `ratio`
+(kungfu/gloo); and every figure (each round's too) under `results`.
 """
 
 import argparse
@@ -45,6 +49,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare import human  # noqa: E402
+from tables import Table, write_json  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 WORKERS = ROOT / "python" / "tests" / "workers"
 ALLREDUCE_GOAL = 0.5   # kungfu / gloo, at most
@@ -54,13 +62,6 @@ DDP_GOAL = 1.0
 def parse_size(s: str) -> int:
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:].upper(), 1)
     return int(s[:-1] if mult > 1 else s) * mult
-
-
-def human(n: int) -> str:
-    for unit, m in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= m and n % m == 0:
-            return f"{n // m} {unit}"
-    return f"{n} B"
 
 
 def sizes(lo: int, hi: int) -> list:
@@ -203,6 +204,24 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def json_table(results: list, args) -> Table:
+    """The printed tables of all N side by side, without the step without
+    DDP, as the docs show them."""
+    t = Table("allreduce-ddp", f"all_reduce (f32, SUM, in place) and a DDP step, time in us, median of "
+              f"{args.rounds} rounds (kungfu-run --bind-to {args.bind_to}); ratio = kungfu/gloo",
+              ["size"] + [c for r in results for c in (f"{r['np']}p gloo", f"{r['np']}p kungfu", "ratio")],
+              ["{}"] + ["{:.1f}", "{:.1f}", "{:.2f}"] * len(results))
+
+    def cells(us):
+        return [us["gloo"], us["kungfu"], us["kungfu"] / us["gloo"]]
+
+    # every N ran the same sizes
+    for i, row in enumerate(results[0]["allreduce"]):
+        t.add(human(row["bytes"]), *[c for r in results for c in cells(r["allreduce"][i]["us"])])
+    t.add("DDP step", *[c for r in results for c in cells(r["ddp"]["us"])])
+    return t
+
+
 def verdict(res: dict) -> str:
     missed = [f"{human(r['bytes'])} ({r['us']['kungfu'] / r['us']['gloo']:.2f}x gloo)"
               for r in res["allreduce"] if r["us"]["kungfu"] / r["us"]["gloo"] > ALLREDUCE_GOAL]
@@ -225,7 +244,7 @@ def main():
     p.add_argument("--ddp-steps", type=int, default=20)
     p.add_argument("--bind-to", default="auto", choices=["auto", "none", "core"],
                    help="kungfu-run's CPU pinning of the workers")
-    p.add_argument("--json", help="write every figure here")
+    p.add_argument("--json", help="write the table, and every figure, here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -238,7 +257,8 @@ def main():
     print()
     print("\n".join(verdict(r) for r in results))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        write_json(args.json, [json_table(results, args)], results=results, rounds=args.rounds,
+                   budget=args.budget, ddp_steps=args.ddp_steps, bind_to=args.bind_to)
 
 
 if __name__ == "__main__":

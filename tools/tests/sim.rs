@@ -5,6 +5,15 @@ use std::process::Command;
 
 const SIM: &str = env!("CARGO_BIN_EXE_kungfu-sim");
 
+/// Whether `row` (a line of `t`) is in the section of `size`.
+fn row_is_of(t: &str, row: &str, size: &str) -> bool {
+    let at = t.find(row).unwrap();
+    t[..at]
+        .rfind("## allreduce ")
+        .map(|h| t[h..].starts_with(&format!("## allreduce {size} ")))
+        == Some(true)
+}
+
 #[test]
 fn the_simulator_predicts_every_strategy_and_draws_the_plot() {
     let dir = std::env::temp_dir().join(format!("kungfu-sim-{}", std::process::id()));
@@ -19,6 +28,8 @@ fn the_simulator_predicts_every_strategy_and_draws_the_plot() {
         ])
         .arg("--plot")
         .arg(&dir)
+        .arg("--json")
+        .arg(dir.join("sim.json"))
         .output()
         .unwrap();
     let t = String::from_utf8_lossy(&out.stdout).to_string();
@@ -27,8 +38,23 @@ fn the_simulator_predicts_every_strategy_and_draws_the_plot() {
         "{t}{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // the tables the docs are rendered from: per size, a row per strategy
+    // of the busbw printed above
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("sim.json")).unwrap()).unwrap();
+    let tables = doc["tables"].as_array().unwrap();
+    let ids: Vec<&str> = tables.iter().map(|t| t["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["busbw-64K", "busbw-4M"]);
+    let table = &tables[0];
+    assert_eq!(
+        table["columns"],
+        serde_json::json!(["strategy", "4", "16", "64"])
+    );
+    for (i, s) in kungfu_topology::Strategy::ALL.iter().enumerate() {
+        assert_eq!(table["rows"][i][0], s.name(), "{table}");
+    }
     for s in kungfu_topology::Strategy::ALL {
-        for n in [4, 16, 64] {
+        for (col, n) in [4, 16, 64].into_iter().enumerate() {
             let row = t
                 .lines()
                 .find(|l| {
@@ -39,6 +65,17 @@ fn the_simulator_predicts_every_strategy_and_draws_the_plot() {
             let busbw: f64 = row.split_whitespace().nth(3).unwrap().parse().unwrap();
             // positive and below what a 100 Gbit/s link allows
             assert!(busbw > 0.0 && busbw <= 12.5 * 1.001, "{row}");
+            // the first row found is of the first size's section
+            assert!(row_is_of(&t, row, "64K"), "{row}");
+            let i = kungfu_topology::Strategy::ALL
+                .iter()
+                .position(|x| *x == s)
+                .unwrap();
+            let json = tables[0]["rows"][i][col + 1].as_f64().unwrap();
+            assert!(
+                (json - busbw).abs() < 0.0005 + 1e-9,
+                "{row}: {json} in the JSON"
+            );
         }
     }
     assert!(t.contains("# fastest per cluster size (4M)"), "{t}");

@@ -97,6 +97,11 @@ struct Args {
     /// Write DIR/sim-allreduce-SIZE.svg: busbw against workers
     #[arg(long, value_name = "DIR")]
     plot: Option<std::path::PathBuf>,
+    /// Write the busbw tables (one per size: strategies by cluster
+    /// size) as JSON in the format of benches/peers/tables.py, which
+    /// docs/sim.md's tables are rendered from (scripts/doc-tables.py)
+    #[arg(long, value_name = "FILE", verbatim_doc_comment)]
+    json: Option<std::path::PathBuf>,
     /// Print a completion script for SHELL (bash, elvish, fish,
     /// powershell, zsh) and exit
     #[arg(
@@ -212,6 +217,7 @@ fn main() {
 
 fn report(a: &Args) -> anyhow::Result<()> {
     let m = &a.model();
+    let mut tables = Vec::new();
     println!(
         "# model: {} workers per host; links {:.0} Gbit/s, {:.1} us{}; host memory {:.0} Gbit/s, \
          {:.1} us; per frame {:.1} us CPU at each end, receive at {:.0} Gbit/s; frames of at most {}",
@@ -288,6 +294,7 @@ fn report(a: &Args) -> anyhow::Result<()> {
                 _ => println!("{n:>7} workers: none simulated"),
             }
         }
+        tables.push(busbw_table(a, bytes, &table));
         if let Some(dir) = &a.plot {
             std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
             let series: Vec<kungfu_tools::plot::Series> = table
@@ -314,7 +321,50 @@ fn report(a: &Args) -> anyhow::Result<()> {
             println!("# plot: {}", path.display());
         }
     }
+    if let Some(path) = &a.json {
+        let doc = serde_json::json!({
+            "command": std::env::args().collect::<Vec<_>>().join(" "),
+            "tables": tables,
+        });
+        let text = serde_json::to_string_pretty(&doc)? + "\n";
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+        println!("# tables: {}", path.display());
+    }
     Ok(())
+}
+
+/// One size's busbw (GB/s) per strategy and cluster size, as a table of
+/// benches/peers/tables.py (`-` where a cell was not simulated).
+fn busbw_table(
+    a: &Args,
+    bytes: usize,
+    table: &[(Strategy, Vec<(usize, Cell)>)],
+) -> serde_json::Value {
+    let columns: Vec<String> = std::iter::once("strategy".to_string())
+        .chain(a.workers.iter().map(|n| n.to_string()))
+        .collect();
+    let formats: Vec<&str> = std::iter::once("{}")
+        .chain(a.workers.iter().map(|_| "{:.3f}"))
+        .collect();
+    let rows: Vec<serde_json::Value> = table
+        .iter()
+        .map(|(s, row)| {
+            let cells = row.iter().map(|(n, c)| match c {
+                Ok(o) => serde_json::json!(sim::busbw(bytes, *n, o.time)),
+                Err(_) => serde_json::Value::Null,
+            });
+            std::iter::once(serde_json::json!(s.name()))
+                .chain(cells)
+                .collect()
+        })
+        .collect();
+    serde_json::json!({
+        "id": format!("busbw-{}", fmt_size(bytes)),
+        "title": format!("kungfu-sim: allreduce busbw (GB/s) of {} per worker, per strategy and cluster size", fmt_size(bytes)),
+        "columns": columns,
+        "formats": formats,
+        "rows": rows,
+    })
 }
 
 #[cfg(test)]
