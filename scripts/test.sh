@@ -22,6 +22,9 @@ stage() {
 }
 stage_times() {
   local rc=$?
+  # (a venv cut off half made is made again by the next run)
+  [ -z "${venv_pid:-}" ] || kill -- "-$venv_pid" 2>/dev/null || true
+  rm -f "${venv_log:-}"
   stage ""
   echo "== time per stage (rc=$rc)"
   printf '%s\n' "${stage_log[@]}"
@@ -31,15 +34,18 @@ trap stage_times EXIT
 
 # The build cache. CI runs this on a fresh clone each time: without a cache
 # it compiles every dependency again in each profile (about ten of its
-# minutes). A clone that has no target/ yet gets a link to one kept between
-# runs on this machine, ${KUNGFU_BUILD_CACHE:-~/.cache/kungfu-ci/target}
-# (KUNGFU_BUILD_CACHE=off: a plain target/), as CI caches do. A work tree
-# with its own target/ is left alone. The cache is dropped when it outgrows
-# KUNGFU_BUILD_CACHE_GB (30) or the disk has less than 10 GiB free, and one
-# run at a time uses it (clones at other paths share the dependencies but
-# write the same file names under target/debug).
+# minutes), and cargo tells packages of the workspace apart by their path,
+# so a clone at another path compiles the whole workspace again (about ten
+# more). A clone that has no target/ yet is therefore copied (its work
+# tree and .git, as they are) to a fixed place beside the cache,
+# ${KUNGFU_BUILD_CACHE:-~/.cache/kungfu-ci/target}/../src, and the suite
+# runs there, on the cache's target/: files the same as last time are not
+# compiled again (cargo compares their contents). KUNGFU_BUILD_CACHE=off:
+# a plain target/ in the clone. A work tree with its own target/ is left
+# alone. The cache is dropped when it outgrows KUNGFU_BUILD_CACHE_GB (30)
+# or the disk has less than 10 GiB free, and one run at a time uses it.
 cache="${KUNGFU_BUILD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kungfu-ci/target}"
-if [ "$cache" != off ] && [ ! -e target ] && [ ! -L target ]; then
+if [ "$cache" != off ] && [ -z "${KUNGFU_CI_COPY:-}" ] && [ ! -e target ] && [ ! -L target ]; then
   mkdir -p "$cache"
   exec 9>"$cache.lock"
   if ! flock -w 5400 9; then
@@ -52,8 +58,13 @@ if [ "$cache" != off ] && [ ! -e target ] && [ ! -L target ]; then
     echo "(build cache: ${cache_gb} GiB, ${free_gb} GiB free on its disk: starting it afresh)"
     rm -rf "$cache" && mkdir -p "$cache"
   fi
-  ln -s "$cache" target
-  echo "(build cache: target -> $cache, ${cache_gb} GiB)"
+  src="$(dirname "$cache")/src"
+  rm -rf "$src" && mkdir -p "$src"
+  tar -C . --exclude=./target -cf - . | tar -C "$src" -xf -
+  ln -s "$cache" "$src/target"
+  echo "(build cache: running in $src, target -> $cache, ${cache_gb} GiB)"
+  # the lock (fd 9) stays held by the run
+  KUNGFU_CI_COPY=1 exec "$src/scripts/test.sh" "$@"
 fi
 
 stage "system packages"
@@ -90,6 +101,13 @@ for c in rustfmt clippy; do
     rustup component add "$c"
   fi
 done
+
+# The torch venv of the Python stage (about 5 GB of download and unpacking
+# when it is missing, two minutes here) is made in the background while
+# the builds below use the cores; that stage waits for it.
+venv_log="$(mktemp)"
+setsid scripts/torch-venv.sh >"$venv_log" 2>&1 &
+venv_pid=$!
 
 stage "toolchain components"
 # builds and the C ABI tests' scratch copies need disk: say what there is
@@ -149,8 +167,42 @@ fi
 # warning there is an error here too.
 export RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-D warnings"
 stage "the Python package and its torch tests (scripts/python-tests.sh: a cached venv with torch, pip install ./python, pytest)"
+if ! wait "$venv_pid"; then
+  cat "$venv_log"
+  echo "test.sh: making the torch venv failed (scripts/torch-venv.sh)" >&2
+  exit 1
+fi
+venv_pid=""
+cat "$venv_log"
 scripts/python-tests.sh
 stage "the commands of README.md and docs/ (release builds, then each block)"
 python3 scripts/doc-commands.py
+stage "no test switch in the release builds (KUNGFU_TEST_SHM_STOP, KUNGFU_BENCH_CORRUPT_IN_PLACE)"
+# They are read only by builds with the testing feature, which this
+# repository's test builds turn on and a user's `cargo build` does not.
+cargo build --release --locked -q -p kungfu-ffi
+cargo build --release --locked -q -p kungfu-tools --bins
+for f in target/release/libkungfu.so target/release/kungfu-run target/release/kungfu-bench; do
+  if grep -a -q -e KUNGFU_TEST_SHM_STOP -e KUNGFU_BENCH_CORRUPT_IN_PLACE "$f"; then
+    echo "test.sh: $f holds the name of a test switch" >&2
+    exit 1
+  fi
+done
+echo "none in libkungfu.so, kungfu-run, kungfu-bench"
+# ... and a release job with both set runs as if they were not: no worker
+# stopped at its first frame on shared memory, no in-place result corrupted
+out=$(KUNGFU_TEST_SHM_STOP=kill:sent:1 KUNGFU_BENCH_CORRUPT_IN_PLACE=1 timeout 120 \
+  target/release/kungfu-run -np 2 --transport shm --timeout 90s \
+  target/release/kungfu-bench allreduce -b 4K -e 16K -f 4 -n 2 -w 1 2>&1) || {
+  echo "$out"
+  echo "test.sh: a release job failed with the test switches set" >&2
+  exit 1
+}
+if ! grep -q "Out of bounds values : 0 OK" <<<"$out"; then
+  echo "$out"
+  echo "test.sh: a release kungfu-bench corrupted its result on a test switch" >&2
+  exit 1
+fi
+echo "a release job with both set: every rank ran, 0 wrong"
 stage "disk used by the build"
 du -sh target 2>/dev/null || true

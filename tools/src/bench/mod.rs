@@ -217,8 +217,9 @@ pub(crate) struct Args {
     in_place: bool,
     /// Test only (`KUNGFU_BENCH_CORRUPT_IN_PLACE` set): flip a byte of the
     /// in-place result before it is checked, so a test can see that the
-    /// in-place column checks its own buffer.
-    #[arg(skip = std::env::var_os("KUNGFU_BENCH_CORRUPT_IN_PLACE").is_some())]
+    /// in-place column checks its own buffer. Only builds with the
+    /// `testing` feature (the tests') read the variable.
+    #[arg(skip = corrupt_in_place())]
     corrupt_in_place: bool,
     /// Allreduce of floats: also time each size with the gradient
     /// monitors on every K-th op (the local norm rides in a spare
@@ -335,6 +336,19 @@ fn sizes(min: usize, max: usize, factor: usize, esize: usize) -> Vec<usize> {
         };
     }
     v
+}
+
+/// The test switch `KUNGFU_BENCH_CORRUPT_IN_PLACE` (see
+/// `Args::corrupt_in_place`), read only by test builds.
+#[cfg(feature = "testing")]
+fn corrupt_in_place() -> bool {
+    std::env::var_os("KUNGFU_BENCH_CORRUPT_IN_PLACE").is_some()
+}
+
+/// Without the `testing` feature (every `cargo build`): never.
+#[cfg(not(feature = "testing"))]
+fn corrupt_in_place() -> bool {
+    false
 }
 
 #[cfg(test)]

@@ -40,7 +40,15 @@ impl Stage {
 /// The variable of the testing hook.
 pub const TEST_STOP_VAR: &str = "KUNGFU_TEST_SHM_STOP";
 
+/// `KUNGFU_TEST_SHM_STOP=ACTION:STAGE:RANK`, parsed once per process;
+/// never read without the `testing` feature.
+#[cfg(not(feature = "testing"))]
+fn test_stop() -> Option<(bool, Stage, u32)> {
+    None
+}
+
 /// `KUNGFU_TEST_SHM_STOP=ACTION:STAGE:RANK`, parsed once per process.
+#[cfg(feature = "testing")]
 fn test_stop() -> Option<(bool, Stage, u32)> {
     static PARSED: std::sync::OnceLock<Option<(bool, Stage, u32)>> = std::sync::OnceLock::new();
     *PARSED.get_or_init(|| {

@@ -68,7 +68,9 @@
 //! receiver not yet told), `connected` (set-up done) and `sent` (its first
 //! frame is in a ring). The launcher's tests use it to kill workers at each
 //! stage of set-up without depending on timing. Unset, it costs a branch
-//! per stage.
+//! per stage. Only builds with the `testing` feature read it (the
+//! tests'; `cargo build`, release or not, does not), so an inherited
+//! environment cannot stop a user's worker.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
