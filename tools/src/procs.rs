@@ -178,10 +178,14 @@ impl Job {
         self.procs[idx].remote
     }
 
-    pub fn running(&self, addr: &str) -> bool {
-        self.procs
-            .iter()
-            .any(|p| p.alive && p.addr.as_deref() == Some(addr))
+    /// Whether this launcher started a worker at `addr` in this job,
+    /// running or ended. The config server and etcd never give an address
+    /// to two workers of a job, so a listed address whose worker has ended
+    /// is still that worker's: a launcher that sees a version only after
+    /// its own worker there finished must not start another at it (that
+    /// one would look for peers that are gone).
+    pub fn started(&self, addr: &str) -> bool {
+        self.procs.iter().any(|p| p.addr.as_deref() == Some(addr))
     }
 }
 

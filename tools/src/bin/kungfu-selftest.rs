@@ -105,6 +105,11 @@ struct Args {
     /// its rank's label)
     #[arg(long, verbatim_doc_comment)]
     stamp: bool,
+    /// Sleep MS milliseconds after every step, so that a test can
+    /// count on the job still running while something slower
+    /// (a launcher starting a replacement) happens
+    #[arg(long, value_name = "MS", default_value_t = 0, verbatim_doc_comment)]
+    step_ms: u64,
     /// Print a completion script for SHELL (bash, elvish, fish,
     /// powershell, zsh) and exit
     #[arg(
@@ -291,6 +296,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
             say!("step {step} ok");
         }
         step += 1;
+        if args.step_ms > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(args.step_ms)).await;
+        }
     }
     w.session().barrier("selftest/end").await?;
     w.close(std::time::Duration::from_secs(10)).await;
@@ -433,14 +441,16 @@ mod tests {
     fn selftest_cli_reads_every_flag() {
         let a = parse("").unwrap();
         assert_eq!((a.steps, a.size, a.exit, a.hang), (10, 1 << 16, None, None));
+        assert_eq!(a.step_ms, 0);
         assert!(!(a.check_port || a.recover || a.follow_config || a.stamp));
         assert!(a.wait_for.is_none() && a.stop_file.is_none() && a.swap_transports.is_none());
         let a = parse(
             "--steps 60 --size 1024 --exit 2:20:-3 --hang 1:5 --check-port --wait-for w \
-             --swap-transports quic,tcp --recover --follow-config --stop-file s --stamp",
+             --swap-transports quic,tcp --recover --follow-config --stop-file s --stamp \
+             --step-ms 30",
         )
         .unwrap();
-        assert_eq!((a.steps, a.size), (60, 1024));
+        assert_eq!((a.steps, a.size, a.step_ms), (60, 1024, 30));
         assert_eq!((a.exit, a.hang), (Some((2, 20, -3)), Some((1, 5))));
         assert!(a.check_port && a.recover && a.follow_config && a.stamp);
         assert_eq!(a.wait_for.as_deref(), Some("w".as_ref()));

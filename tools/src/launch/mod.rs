@@ -297,7 +297,7 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                     }
                     for (rank, p) in c.peers.peers().iter().enumerate() {
                         let addr = p.to_string();
-                        if !mine(&p.host) || job.running(&addr) {
+                        if !mine(&p.host) || job.started(&addr) {
                             continue;
                         }
                         let r = Rank(rank as u32);

@@ -86,7 +86,9 @@ fn shrink_across_hosts_the_survivors_of_both_go_on() {
 
 #[test]
 fn replace_across_hosts_the_lost_worker_is_started_again_on_its_host() {
-    let Some(t) = failing_job("replace", &["--follow-config"]) else {
+    // 30 ms a step: the survivors' 40 steps after the loss outlast the
+    // launcher's ask for the full size and the replacement's start
+    let Some(t) = failing_job("replace", &["--follow-config", "--step-ms", "30"]) else {
         return;
     };
     // the free slot is host 2's: its launcher starts the new worker, which
