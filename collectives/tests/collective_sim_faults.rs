@@ -55,13 +55,25 @@ fn cases(seeds: u64) -> impl Iterator<Item = (usize, Strategy, u64)> {
     })
 }
 
-/// One rank runs the op with another count: every rank fails with a
+/// One rank runs the op with another count (allreduce, allgather and the
+/// rooted ops): every rank fails with a
 /// mismatch that names the odd rank and the rank that saw it, long before
 /// any deadline; nobody completes or hangs.
 #[test]
 fn mismatch_fails_every_rank_naming_both() {
     for (n, strategy, seed) in cases(4) {
-        for kind in [SUM, OpKind::Allgather] {
+        // (rooted ops too: a root or leaf that only sends must not complete)
+        let rooted = [
+            OpKind::Broadcast { root: Rank(0) },
+            OpKind::Reduce {
+                op: ReduceOp::Sum,
+                root: Rank((n - 1) as u32),
+            },
+            OpKind::Gather {
+                root: Rank((1 % n) as u32),
+            },
+        ];
+        for kind in [SUM, OpKind::Allgather].into_iter().chain(rooted) {
             let odd = (seed as usize * 7 + 3) % n;
             // (count of the others, of the odd rank)
             let counts = [(0, 1), (7, 8), (37, 38), (300, 299)][seed as usize % 4];

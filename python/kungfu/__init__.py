@@ -14,6 +14,7 @@ from . import _capi
 from ._capi import (  # noqa: F401  (re-exported)
     KungFuError,
     MembershipChangedError,
+    MismatchError,
     PeerLostError,
     STRATEGIES,
     TRANSPORTS,
@@ -22,7 +23,7 @@ from ._capi import (  # noqa: F401  (re-exported)
 _lib = _capi.lib
 
 __all__ = [
-    "KungFuError", "PeerLostError", "MembershipChangedError",
+    "KungFuError", "PeerLostError", "MembershipChangedError", "MismatchError",
     "init", "finalize", "is_initialized", "rank", "size", "local_rank", "local_size",
     "version", "cluster_version", "barrier", "set_strategy", "set_transport",
     "propose_new_size", "resize", "resize_from_config", "sync_state", "recover",

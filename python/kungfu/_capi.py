@@ -58,6 +58,12 @@ class MembershipChangedError(KungFuError):
     """The cluster went on without this worker (`KF_ERR_MEMBERSHIP_CHANGED`)."""
 
 
+class MismatchError(KungFuError):
+    """The ranks disagree on an op (`KF_ERR_MISMATCH`): its kind, root, type
+    or count, or a length a call gave. Every rank of the op gets it, and the
+    message names the ranks that disagree."""
+
+
 def library_path() -> Path:
     env = os.environ.get("KUNGFU_LIB")
     path = Path(env) if env else LIB_DIR / "libkungfu.so"
@@ -158,7 +164,11 @@ def error(fn: str, status: int) -> KungFuError:
     msg = f"kungfu: rank {rank_or_unknown()}: {fn} failed: {text}"
     if detail:
         msg += f": {detail.decode(errors='replace')}"
-    cls = {ERR_PEER_LOST: PeerLostError, ERR_MEMBERSHIP_CHANGED: MembershipChangedError}
+    cls = {
+        ERR_PEER_LOST: PeerLostError,
+        ERR_MEMBERSHIP_CHANGED: MembershipChangedError,
+        ERR_MISMATCH: MismatchError,
+    }
     return cls.get(status, KungFuError)(msg, status)
 
 

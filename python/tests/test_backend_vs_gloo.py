@@ -131,12 +131,11 @@ def test_mismatch_raises_on_every_rank(jobs, np):
     assert len(cases) >= 10, sorted(cases)
 
 
-@pytest.mark.xfail(reason="the library checks an op's spec where a frame arrives: the ranks of a "
-                          "broadcast/reduce/gather that only send complete though the ranks "
-                          "disagree, and a broadcast where every rank names itself the root "
-                          "succeeds everywhere", strict=False)
 @pytest.mark.parametrize("np", NPS)
 def test_mismatch_rooted_on_senders(jobs, np):
+    """The ranks of a broadcast, reduce or gather that only send (and every
+    rank of a broadcast where each names itself the root) fail with
+    KF_ERR_MISMATCH too: rooted ops end with confirmations."""
     _, records = jobs.get("workers/errors_worker.py", np, env=ERRORS_ENV)
     assert_all_ok([r for r in records if r["family"] == "mismatch_senders"],
                   f"mismatch_senders (np={np})")

@@ -253,6 +253,51 @@ async fn mismatched_missing_and_lost_ranks_are_clear_errors() {
     );
 }
 
+/// Broadcasts on which the ranks disagree about the root (each its own,
+/// or one odd rank), in a slot and by cross-memory attach: every rank
+/// fails with a mismatch, the roots too (a root that only posted would
+/// complete, and one that names itself alone would keep its own data).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disagreeing_broadcast_roots_fail_on_every_rank() {
+    assert!(cma::available(), "process_vm_readv is not permitted here");
+    let n = 3;
+    let cfg = SessionConfig {
+        op_timeout: Duration::from_secs(20),
+        ..fast()
+    };
+    let ss = sessions(n, cfg).await;
+    let t = std::time::Instant::now();
+    // (what, each rank's root)
+    let cases: [(&str, [u32; 3]); 2] = [("own", [0, 1, 2]), ("odd", [0, 0, 2])];
+    for count in [16, SLOT_BYTES + 1] {
+        for (what, roots) in cases {
+            let name = format!("roots/{what}/{count}");
+            let hs: Vec<_> = ss
+                .iter()
+                .enumerate()
+                .map(|(r, s)| {
+                    let spec = OpSpec {
+                        kind: OpKind::Broadcast {
+                            root: Rank(roots[r]),
+                        },
+                        dtype: DType::U8,
+                        count,
+                    };
+                    s.submit(&name, spec, &vec![r as u8 + 1; count])
+                })
+                .collect();
+            for (r, h) in futures_join(hs).await.into_iter().enumerate() {
+                assert!(
+                    matches!(&h, Err(CollectiveError::Mismatch { .. })),
+                    "{name}: rank {r}: {h:?}"
+                );
+            }
+        }
+    }
+    // long before the op deadline: the mismatch is seen, not waited out
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+}
+
 /// `fast_max_bytes: 0` keeps every op on the message path, with the same
 /// results.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

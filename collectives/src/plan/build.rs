@@ -168,7 +168,9 @@ impl Ctx<'_> {
         let pos = (self.me.idx() + n - root.idx()) % n;
         let seg = |k: usize| segment(&(0..count), n, k);
         let per = seg(0).len().div_ceil(chunk_elems).max(1);
-        if n.checked_mul(per).is_none_or(|t| t > u32::MAX as usize) {
+        if n.checked_mul(per)
+            .is_none_or(|t| t >= CONFIRM_CHUNK as usize)
+        {
             return Err(format!(
                 "{per} chunks per segment of {n} are more than a frame tag can number; \
                  raise the chunk size"
@@ -303,6 +305,43 @@ fn pairs_of(t: &Topology) -> &[kungfu_topology::GraphPair] {
 /// segments, so a piece is `max(chunk, n * RING_MIN_FRAME)` bytes.
 pub const RING_MIN_FRAME: usize = 64 * 1024;
 
+/// The chunk tag of a rooted op's confirmations (see `Ctx::confirm`); no
+/// data frame has it (an op's tags are fewer than `u32::MAX`).
+pub const CONFIRM_CHUNK: u32 = u32::MAX;
+
+impl Ctx<'_> {
+    /// A rooted op's confirmations (broadcast, reduce, gather), beside its
+    /// data: an empty frame up the root's tree (step 0) once this rank's
+    /// subtree has confirmed, and from the root an empty release down it
+    /// (step 1); a rank completes only with the release. Each frame
+    /// carries its sender's digest, so every rank hears (through the
+    /// tree) that every other agrees on the op (kind, root, type, count,
+    /// topology) before it completes: a disagreement fails the op on every
+    /// rank (the rank that sees it aborts it everywhere), where a root that
+    /// only sends, or a leaf that only sends, would have completed. The
+    /// confirmations do not wait for the data, so they add a round trip of
+    /// the tree's depth to the op's latency only where the data is faster.
+    fn confirm(&mut self, root: Rank) {
+        let topo = (self.input.topology)(Root::At(root));
+        let g = &pairs_of(&topo)[0].reduce;
+        let ups: Vec<ActionId> = g
+            .prevs(self.me)
+            .iter()
+            .map(|&c| self.b.recv(c, CONFIRM_CHUNK, 0, 0..0, false, &[]))
+            .collect();
+        let release = match g.nexts(self.me).first() {
+            Some(&parent) => {
+                self.b.send(parent, CONFIRM_CHUNK, 0, 0..0, &ups);
+                vec![self.b.recv(parent, CONFIRM_CHUNK, 1, 0..0, false, &[])]
+            }
+            None => ups,
+        };
+        for &c in g.prevs(self.me) {
+            self.b.send(c, CONFIRM_CHUNK, 1, 0..0, &release);
+        }
+    }
+}
+
 /// Builds rank `input.me`'s plan. Fails only if the op needs more tags than
 /// the header can carry (an absurdly small chunk size for the count).
 pub fn build(input: &PlanInput<'_>) -> Result<Plan, String> {
@@ -333,7 +372,7 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, String> {
     } else {
         Some(nchunks)
     };
-    if tags.is_none_or(|t| t > u32::MAX as usize) {
+    if tags.is_none_or(|t| t >= CONFIRM_CHUNK as usize) {
         return Err(format!(
             "{} chunks of {} bytes are more than a frame tag can number; raise the chunk size",
             nchunks, input.chunk_bytes
@@ -473,6 +512,11 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, String> {
                 }
             }
         }
+    }
+    if let OpKind::Broadcast { root } | OpKind::Reduce { root, .. } | OpKind::Gather { root } =
+        spec.kind
+    {
+        cx.confirm(root);
     }
     Ok(cx.b.finish(spec.dtype, op))
 }

@@ -121,6 +121,9 @@ impl PlanBuilder {
                 Action::Recv {
                     reduce: Some(_), ..
                 } => postable.push(ActionId(i as u32)),
+                // (an empty frame, a rooted op's confirmation, is never
+                // posted: it lands nowhere)
+                Action::Recv { ref range, .. } if range.is_empty() => {}
                 Action::Recv { .. } if deps.is_empty() => postable.push(ActionId(i as u32)),
                 _ => {}
             }

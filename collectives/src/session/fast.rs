@@ -45,7 +45,9 @@
 //! code ([`crate::failure`]: the deadline, the culprit named, a peer's
 //! abort, a mismatch). A contribution whose digest (kind, type, count,
 //! root) differs from this rank's fails the op as a mismatch naming both
-//! ranks.
+//! ranks. Every rank of a broadcast hears from every other (the others
+//! than the root post an empty contribution), so a disagreement fails it
+//! on every rank, never only on those that receive.
 //!
 //! # Layout
 //!
@@ -288,8 +290,17 @@ impl<T: Transport> Fast<T> {
                 }
                 (unposted, need)
             }
-            OpKind::Broadcast { root } if root == me => (unposted, 0),
-            OpKind::Broadcast { root } => (0, 1 << root.0),
+            // Every rank posts to every other and waits for all (the
+            // root its data, the others an empty contribution), so each
+            // sees every rank's digest: a rank that disagrees (another
+            // root, type or count) fails the op on every rank, the root
+            // included, where a root that only sent would have completed.
+            OpKind::Broadcast { root } => {
+                if root != me {
+                    contrib = Some(0..0);
+                }
+                (unposted, need)
+            }
             _ => {
                 contrib = Some(me.idx() * b..(me.idx() + 1) * b);
                 (unposted, need)

@@ -60,6 +60,13 @@ if n > 1:
             assert e.status in (1, 3), e  # invalid argument; a size mismatch
         else:
             raise AssertionError("a bad request was accepted")
+    # a size the peer did not publish: the status's own class
+    try:
+        kungfu.request(peer, "p2p/model", torch.empty(15))
+    except kungfu.MismatchError as e:
+        assert e.status == 3 and isinstance(e, kungfu.KungFuError), e
+    else:
+        raise AssertionError("a request of the wrong size was accepted")
     kungfu.barrier()  # every fetch is done before a store goes
 
 for bad, call in [("strategy", lambda: kungfu.set_strategy("hypercube")),

@@ -174,12 +174,12 @@ def mismatch(rec):
         needles = [me, "KF_ERR_MISMATCH"] if "splits" not in case else [me, "splits disagree"]
         expect_error(rec, F, case, fn, *needles)
         still_works(rec, F, case)
-    # Ops with a root: the library checks an op's spec where a frame
-    # arrives, so the ranks that only send (the root of a broadcast, all
-    # but the root of a reduce or a gather) complete. Here the last rank's
-    # size differs from the others': the ranks that receive from it, or
-    # that it receives from, must raise; whether the others do goes to
-    # family "mismatch_senders" (a known gap of the library: an xfail).
+    # Ops with a root, the last rank's size differing from the others': the
+    # ranks that receive from it, or that it receives from, must raise, and
+    # (rooted ops end with confirmations through the tree) so must the
+    # others, which only send;
+    # family "mismatch_senders": the ranks that only send (a broadcast root,
+    # reduce and gather leaves) must fail too, not complete.
     last = RANK == N - 1
     rooted = {
         "broadcast: the last rank's size": (
@@ -199,7 +199,7 @@ def mismatch(rec):
         still_works(rec, F, case)
     # every rank names itself the root of a broadcast
     expect_error(rec, "mismatch_senders", "broadcast: every rank its own root", lambda: dist.broadcast(
-        torch.full((4,), float(RANK)), src=RANK, group=KG), me)
+        torch.full((4,), float(RANK)), src=RANK, group=KG), me, "KF_ERR_MISMATCH")
     dist.barrier()
     still_works(rec, F, "broadcast: roots")
 

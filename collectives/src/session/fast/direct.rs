@@ -22,9 +22,14 @@ impl<T: Transport> FastOp<T> {
         let (n, me) = (self.found.len(), l.rank());
         let b = self.spec.block_bytes().expect("validated");
         let tag = self.tag;
+        // what each rank posts: a broadcast's others post nothing
+        let len_of = |p: usize| match self.spec.kind {
+            OpKind::Broadcast { root } if root.idx() != p => 0,
+            _ => b,
+        };
         for (p, f) in self.found.iter().enumerate() {
             let Some(f) = f else { continue };
-            if f.digest() != self.digest || f.len() != b {
+            if f.digest() != self.digest || f.len() != len_of(p) {
                 let detail = format!(
                     "{} here; rank {p} sent {} bytes of another op",
                     self.spec.describe(),

@@ -14,8 +14,9 @@
 //!   gives its buffer back once every peer has copied its slice (phase 2).
 //!   Each byte is read about twice and written about twice: the two memory
 //!   passes of the bound, where a ring through shared memory takes four.
-//! - **broadcast**: every rank copies the root's buffer (phase 0); the root
-//!   waits until all have (phase 1).
+//! - **broadcast**: every rank posts its descriptor to every other, so
+//!   that each checks every rank's digest, and copies the root's buffer
+//!   (phase 0); the root waits until all have (phase 1).
 //! - **allgather**: every rank copies every peer's block (phase 0), then
 //!   waits until every peer has copied its own (phase 1).
 //!
@@ -100,8 +101,9 @@ fn schedule(kind: OpKind, me: Rank, others: u64, k: u8) -> Option<(u64, u64)> {
     match (kind, k) {
         (OpKind::Allreduce(_), 0..=2) => Some((others, others)),
         (OpKind::Allgather, 0..=1) => Some((others, others)),
-        (OpKind::Broadcast { root }, 0) if root == me => Some((others, 0)),
-        (OpKind::Broadcast { .. }, 0) => Some((0, 0)),
+        // every rank's descriptor to every other: each checks every
+        // rank's digest, so a disagreement fails on every rank
+        (OpKind::Broadcast { .. }, 0) => Some((others, others)),
         (OpKind::Broadcast { root }, 1) if root == me => Some((0, others)),
         (OpKind::Broadcast { root }, 1) => Some((root_bit(root), 0)),
         _ => None,
@@ -123,12 +125,7 @@ impl Large {
         d.vec_mut().extend_from_slice(&word.to_le_bytes());
         op.mine = Some(d);
         op.contrib = None;
-        let me = op.lane_rank;
-        // broadcast receivers need the root's descriptor in phase 0
-        let (post, need) = match op.spec.kind {
-            OpKind::Broadcast { root } if root != me => (0, 1u64 << root.0),
-            kind => schedule(kind, me, others, 0).expect("phase 0"),
-        };
+        let (post, need) = schedule(op.spec.kind, op.lane_rank, others, 0).expect("phase 0");
         op.unposted = post;
         op.need = need;
         op.large = Some(Large {
