@@ -30,7 +30,7 @@ impl Worker {
                 "no config server (KUNGFU_CONFIG_SERVER; run with kungfu-run -w)".into(),
             )
         })?;
-        store::ConfigStore::open(url).map_err(BootstrapError::Elastic)
+        store::ConfigStore::open(url, self.env.secret.as_ref()).map_err(BootstrapError::Elastic)
     }
 
     /// Asks the config server for a cluster of `n` workers (the first `n`
@@ -43,7 +43,6 @@ impl Worker {
         self.config_store()?
             .put(
                 &format!("size {n}"),
-                self.env.secret.as_ref(),
                 Instant::now() + self.env.connect_timeout,
             )
             .await

@@ -104,7 +104,11 @@ impl Worker {
         let env_transport = env.transport;
         let session = connect::connect(&env, &peers, cluster_id, &pool, listener, deadline).await?;
         let fresh = env.config_server.is_some() && env.cluster_version > 0;
-        let membership = match env.config_server.as_deref().map(store::ConfigStore::open) {
+        let opened = env
+            .config_server
+            .as_deref()
+            .map(|u| store::ConfigStore::open(u, env.secret.as_ref()));
+        let membership = match opened {
             Some(Ok(store::ConfigStore::Etcd(etcd))) => {
                 let me = peers.peer(Rank(env.rank as u32)).expect("validated rank");
                 let value = format!(

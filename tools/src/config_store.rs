@@ -77,7 +77,7 @@ pub async fn create(
     let per_node = opts.self_host.is_some();
     let base = opts.config_store.as_deref().context("no --config-store")?;
     let url = job_url(base, cluster_id)?;
-    let store = ConfigStore::open(&url).map_err(anyhow::Error::msg)?;
+    let store = ConfigStore::open(&url, None).map_err(anyhow::Error::msg)?;
     let ConfigStore::Etcd(etcd) = &store else {
         anyhow::bail!("--config-store {base:?} is not etcd");
     };

@@ -122,7 +122,7 @@ pub async fn config_server(
             }
             Err("no free port".into())
         }),
-        credential: Some(secret.config_token()),
+        credential: Some(secret.clone()),
     };
     let initial = ClusterConfig {
         version: 0,

@@ -93,7 +93,7 @@ fn versions_are_linearisable_watched_and_bounded_by_the_rules() {
     };
     let url = format!("etcd://{}/t/1", server.addr);
     rt().block_on(async {
-        let store = ConfigStore::open(&url).unwrap();
+        let store = ConfigStore::open(&url, None).unwrap();
         let e = etcd_store(&store);
         let rules = Placement {
             max_size: 4,
@@ -112,39 +112,36 @@ fn versions_are_linearisable_watched_and_bounded_by_the_rules() {
 
         let mut watch = store.follow(0, Duration::from_millis(100), Duration::from_secs(3));
         // size N places new workers as the rules say
-        let v1 = store.put("size 4", None, soon()).await.unwrap();
+        let v1 = store.put("size 4", soon()).await.unwrap();
         assert_eq!(
             v1,
             config(1, "10.0.0.1:100,10.0.0.1:101,10.0.0.2:100,10.0.0.2:101")
         );
-        match store.put("size 5", None, soon()).await {
+        match store.put("size 5", soon()).await {
             Err(PutError::Failed(e)) => assert!(e.contains("1..=4"), "{e}"),
             other => panic!("{other:?}"),
         }
         let off = "version 2\npeers 10.0.0.9:1";
-        match store.put(off, None, soon()).await {
+        match store.put(off, soon()).await {
             Err(PutError::Failed(e)) => assert!(e.contains("not on a host"), "{e}"),
             other => panic!("{other:?}"),
         }
         // a stale whole config is a conflict, the next one is taken
-        match store
-            .put("version 1\npeers 10.0.0.1:100", None, soon())
-            .await
-        {
+        match store.put("version 1\npeers 10.0.0.1:100", soon()).await {
             Err(PutError::Conflict(_)) => {}
             other => panic!("{other:?}"),
         }
         let v2 = store
-            .put("version 2\npeers 10.0.0.1:100", None, soon())
+            .put("version 2\npeers 10.0.0.1:100", soon())
             .await
             .unwrap();
         assert_eq!(v2, config(2, "10.0.0.1:100"));
         // a port once given is not given again
-        let v3 = store.put("size 2", None, soon()).await.unwrap();
+        let v3 = store.put("size 2", soon()).await.unwrap();
         assert_eq!(v3, config(3, "10.0.0.1:100,10.0.0.1:102"));
 
         // the size it has already: no new version
-        assert_eq!(store.put("size 2", None, soon()).await.unwrap(), v3);
+        assert_eq!(store.put("size 2", soon()).await.unwrap(), v3);
 
         // eight proposers of version 4 at once: exactly one wins
         let tasks: Vec<_> = (0..8)
@@ -152,7 +149,7 @@ fn versions_are_linearisable_watched_and_bounded_by_the_rules() {
                 let s = store.clone();
                 tokio::spawn(async move {
                     let body = format!("version 4\npeers 10.0.0.2:{}", 200 + i);
-                    s.put(&body, None, soon()).await
+                    s.put(&body, soon()).await
                 })
             })
             .collect();
@@ -206,7 +203,7 @@ fn a_members_key_lives_with_its_lease() {
     };
     let url = format!("etcd://{}/t/2", server.addr);
     rt().block_on(async {
-        let store = ConfigStore::open(&url).unwrap();
+        let store = ConfigStore::open(&url, None).unwrap();
         let e = etcd_store(&store);
         let a = e.register("10.0.0.1:100", "rank 0", soon()).await.unwrap();
         let b = e.register("10.0.0.1:101", "rank 1", soon()).await.unwrap();
@@ -294,7 +291,7 @@ fn an_elastic_job_in_etcd_resizes_and_keeps_the_model() {
     );
     // nothing of the job is left in etcd
     rt().block_on(async {
-        let store = ConfigStore::open(&job).unwrap();
+        let store = ConfigStore::open(&job, None).unwrap();
         let err = store.get(soon()).await.unwrap_err();
         assert!(err.contains("no config"), "{err}");
         assert!(etcd_store(&store).members(soon()).await.unwrap().is_empty());
@@ -310,7 +307,7 @@ fn a_cluster_id_in_use_is_refused() {
     };
     let store = format!("etcd://{}/ci", server.addr);
     rt().block_on(async {
-        let s = ConfigStore::open(&format!("{store}/beef")).unwrap();
+        let s = ConfigStore::open(&format!("{store}/beef"), None).unwrap();
         let rules = Placement {
             max_size: 1,
             hosts: vec![("127.0.0.1".into(), 1)],
@@ -341,7 +338,7 @@ fn a_cluster_id_in_use_is_refused() {
     assert!(err.contains("holds another job's config"), "{err}");
     // and the other job's keys are left as they were
     rt().block_on(async {
-        let s = ConfigStore::open(&format!("{store}/beef")).unwrap();
+        let s = ConfigStore::open(&format!("{store}/beef"), None).unwrap();
         assert_eq!(s.get(soon()).await.unwrap(), config(0, "127.0.0.1:1"));
     });
 }
@@ -465,10 +462,10 @@ fn a_late_per_node_launcher_joins_the_current_version_and_an_ended_job_is_refuse
         run_bounded(cmd, Duration::from_secs(90))
     };
     rt().block_on(async {
-        let s = ConfigStore::open(&format!("{store}/a1")).unwrap();
+        let s = ConfigStore::open(&format!("{store}/a1"), None).unwrap();
         let e = etcd_store(&s);
         e.create(&config(0, &me), &rules, soon()).await.unwrap();
-        s.put("size 2", None, soon()).await.unwrap();
+        s.put("size 2", soon()).await.unwrap();
     });
     let out = launch("a1");
     let t = text(&out);
@@ -478,12 +475,12 @@ fn a_late_per_node_launcher_joins_the_current_version_and_an_ended_job_is_refuse
     assert!(!t.contains("version 0"), "{t}");
     // the only host is done: the job's keys are gone
     rt().block_on(async {
-        let s = ConfigStore::open(&format!("{store}/a1")).unwrap();
+        let s = ConfigStore::open(&format!("{store}/a1"), None).unwrap();
         assert!(s.get(soon()).await.is_err());
     });
 
     rt().block_on(async {
-        let s = ConfigStore::open(&format!("{store}/b2")).unwrap();
+        let s = ConfigStore::open(&format!("{store}/b2"), None).unwrap();
         let e = etcd_store(&s);
         e.create(&config(0, &me), &rules, soon()).await.unwrap();
         let k = e
@@ -657,7 +654,7 @@ fn an_etcd_cluster_serves_the_job_with_a_member_dead() {
     let all: Vec<String> = members.iter().map(|m| m.addr.clone()).collect();
     let all = all.join(",");
     rt().block_on(async {
-        let store = ConfigStore::open(&format!("etcd://{all}/t/1")).unwrap();
+        let store = ConfigStore::open(&format!("etcd://{all}/t/1"), None).unwrap();
         let rules = Placement {
             max_size: 4,
             hosts: vec![("10.0.0.1".into(), 4)],
@@ -681,7 +678,7 @@ fn an_etcd_cluster_serves_the_job_with_a_member_dead() {
         }
         let leader = leader.expect("a leader");
         members[leader].kill();
-        let v1 = store.put("size 2", None, soon()).await.unwrap();
+        let v1 = store.put("size 2", soon()).await.unwrap();
         assert_eq!(v1, config(1, "10.0.0.1:100,10.0.0.1:101"));
         assert_eq!(store.get(soon()).await.unwrap(), v1);
         // and another: two of three are gone, no quorum; once the last

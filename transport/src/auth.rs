@@ -88,14 +88,6 @@ impl JobSecret {
     pub fn verify(&self, label: &[u8], parts: &[&[u8]], tag: &[u8]) -> bool {
         eq_constant_time(&self.mac(label, parts), tag)
     }
-
-    /// The bearer token of the job's config server (`Authorization:
-    /// Bearer <token>`): 64 hex digits derived from the secret, so that
-    /// the token, which HTTP sends in clear, does not give away the secret
-    /// the transports' handshake relies on.
-    pub fn config_token(&self) -> String {
-        hex(&self.mac(b"kungfu config server token v1", &[]))
-    }
 }
 
 impl PartialEq for JobSecret {
@@ -150,8 +142,6 @@ mod tests {
         assert_eq!(a, JobSecret::new(b"one").unwrap());
         assert_ne!(a, b);
         assert_eq!(format!("{a:?}"), "JobSecret(..)");
-        assert_ne!(a.config_token(), b.config_token());
-        assert_eq!(a.config_token().len(), 64);
     }
 
     #[test]

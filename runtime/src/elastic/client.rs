@@ -9,6 +9,7 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
+use super::credential;
 use super::message::{read_response, split_url};
 use super::server::HISTORY;
 use super::ClusterConfig;
@@ -20,6 +21,7 @@ use super::ClusterConfig;
 /// with the error.
 pub fn follow(
     url: String,
+    secret: Option<JobSecret>,
     after: u32,
     period: Duration,
     give_up: Duration,
@@ -30,7 +32,7 @@ pub fn follow(
         let mut reached = Instant::now();
         loop {
             let deadline = Instant::now() + period.max(Duration::from_secs(2));
-            match get_config(&url, deadline).await {
+            match get_config(&url, secret.as_ref(), deadline).await {
                 Ok(latest) => {
                     reached = Instant::now();
                     // the server keeps the last HISTORY versions: older
@@ -41,7 +43,7 @@ pub fn follow(
                         let c = if v == latest.version {
                             Some(latest.clone())
                         } else {
-                            match get_version(&url, v, deadline).await {
+                            match get_version(&url, v, secret.as_ref(), deadline).await {
                                 Ok(c) => c,
                                 // not skipped: tried again at the next poll
                                 Err(_) => break,
@@ -72,8 +74,11 @@ pub fn follow(
     out
 }
 
-/// One HTTP request to the config server, with the job's credential if
-/// `secret` is given; the status code and the body.
+/// One HTTP request to the config server; the status code and the body.
+/// With the job's `secret`, the request is signed ([`credential`]) and an
+/// answer that claims the server's authority (200, 404, 409) is taken
+/// only with the server's signature: else an error that says "an answer
+/// refused".
 pub async fn request(
     method: &str,
     url: &str,
@@ -82,27 +87,42 @@ pub async fn request(
     deadline: Instant,
 ) -> Result<(u16, String), String> {
     let (addr, path) = split_url(url)?;
+    let signed = secret
+        .map(|k| credential::sign(k, method, path, body.as_bytes(), credential::now_ms()))
+        .transpose()?;
     let io = async {
         let mut s = TcpStream::connect(addr)
             .await
             .map_err(|e| format!("connect to {addr}: {e}"))?;
-        let auth = secret.map(|k| format!("Bearer {}", k.config_token()));
         let mut headers = vec![("Host", addr), ("Connection", "close")];
-        if let Some(a) = &auth {
-            headers.push(("Authorization", a));
+        if let Some(sg) = &signed {
+            headers.push(("Authorization", &sg.authorization));
         }
         let req = crate::http::request_bytes(method, path, &headers, body.as_bytes())?;
         s.write_all(&req).await.map_err(|e| format!("write: {e}"))?;
         read_response(&mut s).await
     };
-    tokio::time::timeout_at(deadline, io)
+    let (code, answer, signature) = tokio::time::timeout_at(deadline, io)
         .await
-        .map_err(|_| format!("{method} {url}: timed out"))?
+        .map_err(|_| format!("{method} {url}: timed out"))??;
+    if let (Some(k), Some(sg)) = (secret, &signed) {
+        if matches!(code, 200 | 404 | 409) {
+            credential::check_answer(k, &sg.nonce, code, answer.as_bytes(), signature.as_deref())
+                .map_err(|why| {
+                format!("{method} {url}: an answer refused ({code}, {why}): not the job's server")
+            })?;
+        }
+    }
+    Ok((code, answer))
 }
 
-/// Gets the current config.
-pub async fn get_config(url: &str, deadline: Instant) -> Result<ClusterConfig, String> {
-    match request("GET", url, "", None, deadline).await? {
+/// Gets the current config (signed with `secret`, see [`request`]).
+pub async fn get_config(
+    url: &str,
+    secret: Option<&JobSecret>,
+    deadline: Instant,
+) -> Result<ClusterConfig, String> {
+    match request("GET", url, "", secret, deadline).await? {
         (200, body) => ClusterConfig::parse(&body),
         (code, body) => Err(format!("GET {url}: {code} {}", body.trim())),
     }
@@ -113,9 +133,10 @@ pub async fn get_config(url: &str, deadline: Instant) -> Result<ClusterConfig, S
 pub async fn get_version(
     url: &str,
     v: u32,
+    secret: Option<&JobSecret>,
     deadline: Instant,
 ) -> Result<Option<ClusterConfig>, String> {
-    match request("GET", &format!("{url}/{v}"), "", None, deadline).await? {
+    match request("GET", &format!("{url}/{v}"), "", secret, deadline).await? {
         (200, body) => ClusterConfig::parse(&body).map(Some),
         (404, _) => Ok(None),
         (code, body) => Err(format!("GET {url}/{v}: {code} {}", body.trim())),

@@ -40,13 +40,16 @@ pub(super) async fn read_request<S: AsyncRead + Unpin>(s: S) -> Result<Request, 
     Ok(Request { head, body })
 }
 
-/// Reads one response: its status code and its body.
-pub(super) async fn read_response<S: AsyncRead + Unpin>(s: S) -> Result<(u16, String), String> {
+/// Reads one response: its status code, its body, and its signature
+/// (`X-KungFu-Signature`), if any.
+pub(super) async fn read_response<S: AsyncRead + Unpin>(
+    s: S,
+) -> Result<(u16, String, Option<String>), String> {
     let mut r = Reader::new(s, LIMITS);
     let head = r.response_head().await?;
     let body = r.body(head.framing).await?;
     let body = String::from_utf8(body).map_err(|_| "body is not UTF-8".to_string())?;
-    Ok((head.code, body))
+    Ok((head.code, body, head.signature))
 }
 
 /// Splits `http://host:port/path` into the address and the path.

@@ -12,8 +12,8 @@
 //!                         200  the config as given; V must be the current
 //!                              version + 1 (409 otherwise)
 //! ```
-//! So `curl -X PUT -d 'size 4' http://127.0.0.1:PORT/cluster` resizes a
-//! running job, and a worker does the same with
+//! So `kungfu-run --resize 4 --config-server http://127.0.0.1:PORT/cluster`
+//! resizes a running job, and a worker does the same with
 //! [`crate::Worker::propose_new_size`].
 //!
 //! A worker's identity across versions is its address: its rank in a
@@ -21,22 +21,18 @@
 //!
 //! # Credential
 //!
-//! A server with a credential ([`ServerRules::credential`]; `kungfu-run
-//! -w` always gives one) refuses a `PUT` without `Authorization: Bearer
-//! <token>` (401) or with another token (403), compared in constant time.
-//! The token is [`JobSecret::config_token`] of the job's secret
-//! (`KUNGFU_JOB_SECRET`): workers make it themselves, and `kungfu-run
-//! --config-token` prints it for a user whose environment holds the
-//! secret. It is derived, not the secret, because plain HTTP carries it in
-//! clear (over loopback: `kungfu-run` binds the server to 127.0.0.1). `GET`
-//! stays open: it changes nothing, and what it shows (the workers'
-//! loopback addresses) any local user can list with `ss -tln`.
-//!
-//! [`JobSecret::config_token`]: kungfu_transport::auth::JobSecret::config_token
+//! A server with a credential ([`ServerRules::credential`], the job's
+//! secret; `kungfu-run` always gives one) takes a request, `GET`
+//! included, only if it is signed with the secret over itself, its time
+//! and a fresh nonce, and only once; it signs its answers back, and the
+//! client takes an answer only so signed: see [`credential`]. Workers and
+//! launchers sign with `KUNGFU_JOB_SECRET`; `kungfu-run --resize N
+//! --config-server URL` does for a person.
 
 use kungfu_topology::PeerList;
 
 mod client;
+pub mod credential;
 mod message;
 mod server;
 #[cfg(test)]

@@ -7,11 +7,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kungfu_topology::{Peer, PeerList};
-use kungfu_transport::auth::eq_constant_time;
+use kungfu_transport::auth::JobSecret;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 
+use super::credential::{self, Verifier, SIGNATURE_HEADER};
 use super::message::{read_request, read_response, Request, LIMITS};
 use super::ClusterConfig;
 use crate::store::{parse_change, Change, PutError};
@@ -32,12 +33,10 @@ pub struct ServerRules {
     /// Makes the address of a new peer when `size N` grows the cluster;
     /// given the peers so far.
     pub new_peer: NewPeer,
-    /// The bearer token a request that changes the config must carry
-    /// ([`JobSecret::config_token`]); `None`: anyone who reaches the port
-    /// may (tests only).
-    ///
-    /// [`JobSecret::config_token`]: kungfu_transport::auth::JobSecret::config_token
-    pub credential: Option<String>,
+    /// The job's secret: every request must be signed with it, and every
+    /// answer is ([`super::credential`]); `None`: anyone who reaches the
+    /// port may read and change the config (tests only).
+    pub credential: Option<JobSecret>,
 }
 
 /// A running config server.
@@ -66,6 +65,7 @@ impl ConfigServer {
         let history = [tx.borrow().clone()].into();
         let state = Arc::new(ServerState {
             tx,
+            verifier: rules.credential.clone().map(Verifier::new),
             rules,
             write: Mutex::new(history),
         });
@@ -146,6 +146,8 @@ struct ServerState {
     /// Serialises puts (check and replace as one step), and keeps the
     /// last [`HISTORY`] versions (`GET /cluster/V`).
     write: Mutex<std::collections::VecDeque<ClusterConfig>>,
+    /// Checks every request, with the rules' credential.
+    verifier: Option<Verifier>,
 }
 
 /// How many versions the config server keeps for `GET /cluster/V`.
@@ -220,38 +222,62 @@ impl ServerState {
 }
 
 async fn serve_one(mut s: TcpStream, state: &ServerState) -> std::io::Result<()> {
-    let (code, body) = respond(state, read_request(&mut s).await);
-    s.write_all(&response(code, &body)).await?;
+    let (code, body, signature) = respond(state, read_request(&mut s).await, credential::now_ms());
+    s.write_all(&response(code, &body, signature.as_deref()))
+        .await?;
     s.shutdown().await
 }
 
 /// The server's answer to a request read by [`read_request`] (or the
-/// reason it could not be read): the status code and the body.
-fn respond(state: &ServerState, request: Result<Request, String>) -> (u16, String) {
-    match request {
-        Err(why) => (400, why),
-        Ok(Request { head, body }) => match (head.method.as_str(), head.path.as_str()) {
-            ("GET", "/cluster") => (200, state.tx.borrow().encode()),
-            ("GET", p) if p.starts_with("/cluster/") => state.version(&p["/cluster/".len()..]),
-            ("PUT", "/cluster") => {
-                match authorized(
-                    head.authorization.as_deref(),
-                    state.rules.credential.as_deref(),
-                )
-                .and_then(|()| state.put(&body))
-                {
-                    Ok(c) => (200, c.encode()),
-                    Err((code, why)) => (code, format!("{why}\n")),
-                }
-            }
-            (_, "/cluster") => (405, "GET or PUT\n".into()),
-            _ => (404, "only /cluster is served\n".into()),
+/// reason it could not be read) at time `now` (unix ms): the status code,
+/// the body, and the answer's signature (for a request that proved the
+/// job's secret, on a server that has one).
+fn respond(
+    state: &ServerState,
+    request: Result<Request, String>,
+    now: u64,
+) -> (u16, String, Option<String>) {
+    let Request { head, body } = match request {
+        Err(why) => return (400, why, None),
+        Ok(r) => r,
+    };
+    let nonce = match &state.verifier {
+        None => None,
+        Some(v) => match v.check(
+            head.authorization.as_deref(),
+            &head.method,
+            &head.path,
+            body.as_bytes(),
+            now,
+        ) {
+            Ok(n) => Some(n),
+            Err((code, why)) => return (code, format!("{why}\n"), None),
         },
-    }
+    };
+    let (code, body) = match (head.method.as_str(), head.path.as_str()) {
+        ("GET", "/cluster") => (200, state.tx.borrow().encode()),
+        ("GET", p) if p.starts_with("/cluster/") => state.version(&p["/cluster/".len()..]),
+        ("PUT", "/cluster") => match state.put(&body) {
+            Ok(c) => (200, c.encode()),
+            Err((code, why)) => (code, format!("{why}\n")),
+        },
+        (_, "/cluster") => (405, "GET or PUT\n".into()),
+        _ => (404, "only /cluster is served\n".into()),
+    };
+    let signature = match (&state.verifier, nonce) {
+        (Some(v), Some(n)) => Some(credential::answer_signature(
+            v.secret(),
+            &n,
+            code,
+            body.as_bytes(),
+        )),
+        _ => None,
+    };
+    (code, body, signature)
 }
 
 /// The whole response the server writes.
-fn response(code: u16, body: &str) -> Vec<u8> {
+fn response(code: u16, body: &str, signature: Option<&str>) -> Vec<u8> {
     let reason = match code {
         200 => "OK",
         400 => "Bad Request",
@@ -264,28 +290,12 @@ fn response(code: u16, body: &str) -> Vec<u8> {
     };
     let mut headers = vec![("Content-Type", "text/plain")];
     if code == 401 {
-        headers.push(("WWW-Authenticate", "Bearer"));
+        headers.push(("WWW-Authenticate", credential::SCHEME));
+    }
+    if let Some(s) = signature {
+        headers.push((SIGNATURE_HEADER, s));
     }
     crate::http::response_bytes(code, reason, &headers, body.as_bytes())
-}
-
-/// Whether a request's `Authorization` header (`given`) carries
-/// `credential` as its bearer token: 401 without one, 403 with another.
-fn authorized(given: Option<&str>, credential: Option<&str>) -> Result<(), (u16, String)> {
-    let Some(want) = credential else {
-        return Ok(());
-    };
-    let Some(given) = given else {
-        return Err((401, "this server wants the job's credential (Authorization: Bearer <kungfu-run --config-token>)".into()));
-    };
-    let token = given
-        .split_once(' ')
-        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-        .map(|(_, t)| t.trim());
-    match token {
-        Some(t) if eq_constant_time(t.as_bytes(), want.as_bytes()) => Ok(()),
-        _ => Err((403, "bad credential".into())),
-    }
 }
 
 /// Fuzzing: `data` as the bytes a config server reads, in reads of a
@@ -334,11 +344,14 @@ pub(crate) fn fuzz_http(data: &[u8]) {
             }),
         },
         write: Mutex::new(Default::default()),
+        verifier: None,
     };
-    let (code, body) = respond(&state, read);
-    let text = response(code, &body);
+    let (code, body, signature) = respond(&state, read, 1_800_000_000_000);
+    assert!(signature.is_none(), "no credential, no signature");
+    let text = response(code, &body, None);
     let back = crate::fuzzing::ready(read_response(&text[..])).expect("a response reads back");
     assert_eq!((back.0, back.1.as_str()), (code, body.as_str()));
+    assert!(back.2.is_none());
     if code == 200 {
         let c = ClusterConfig::parse(&body).expect("a served config parses");
         assert_eq!(c, *state.tx.borrow());

@@ -27,7 +27,7 @@ fn rules(max_size: usize, job: Option<&JobSecret>) -> ServerRules {
                 port: next_port.fetch_add(1, std::sync::atomic::Ordering::SeqCst),
             })
         }),
-        credential: job.map(JobSecret::config_token),
+        credential: job.cloned(),
     }
 }
 
@@ -42,11 +42,16 @@ async fn serves_gets_and_puts_and_refuses_bad_ones() {
     let server = ConfigServer::start(l, initial.clone(), rules(4, Some(&job))).unwrap();
     let url = server.url();
     let mut rx = server.subscribe();
-    assert_eq!(get_config(&url, soon()).await.unwrap(), initial);
-    // changes need the job's credential: 401 without, 403 with another
+    assert_eq!(get_config(&url, Some(&job), soon()).await.unwrap(), initial);
+    // reads and changes need the job's credential: 401 without, 403 with
+    // another
+    let e = get_config(&url, None, soon()).await.unwrap_err();
+    assert!(e.contains("401"), "{e}");
     let e = put_config(&url, "size 3", None, soon()).await.unwrap_err();
     assert!(e.contains("401"), "{e}");
     let other = JobSecret::new(b"guess").unwrap();
+    let e = get_config(&url, Some(&other), soon()).await.unwrap_err();
+    assert!(e.contains("403 bad credential"), "{e}");
     let e = put_config(&url, "size 3", Some(&other), soon())
         .await
         .unwrap_err();
@@ -88,12 +93,21 @@ async fn serves_gets_and_puts_and_refuses_bad_ones() {
         let e = put(bad).await.unwrap_err();
         assert!(e.contains("400"), "{bad:?}: {e}");
     }
-    assert_eq!(get_config(&url, soon()).await.unwrap().version, 3);
-    let (code, _) = request("POST", &url, "", None, soon()).await.unwrap();
+    assert_eq!(
+        get_config(&url, Some(&job), soon()).await.unwrap().version,
+        3
+    );
+    let (code, _) = request("POST", &url, "", Some(&job), soon()).await.unwrap();
     assert_eq!(code, 405);
-    let (code, _) = request("GET", &url.replace("/cluster", "/x"), "", None, soon())
-        .await
-        .unwrap();
+    let (code, _) = request(
+        "GET",
+        &url.replace("/cluster", "/x"),
+        "",
+        Some(&job),
+        soon(),
+    )
+    .await
+    .unwrap();
     assert_eq!(code, 404);
     // garbage and silence get an answer or a closed connection, not a hang
     let mut s = TcpStream::connect(server.addr).await.unwrap();
@@ -101,7 +115,7 @@ async fn serves_gets_and_puts_and_refuses_bad_ones() {
     let mut out = String::new();
     let _ = s.read_to_string(&mut out).await;
     assert!(out.starts_with("HTTP/1.1 400"), "{out}");
-    assert!(get_config("ftp://x/cluster", soon()).await.is_err());
+    assert!(get_config("ftp://x/cluster", None, soon()).await.is_err());
 }
 
 /// A launcher of another host sees every version in order, also those
@@ -119,6 +133,7 @@ async fn followers_see_every_version_and_a_lost_server() {
     let mut local = server.versions(0);
     let mut remote = follow(
         url.clone(),
+        None,
         0,
         Duration::from_millis(300),
         Duration::from_secs(1),
@@ -151,4 +166,97 @@ async fn followers_see_every_version_and_a_lost_server() {
         .unwrap();
     assert!(last.unwrap_err().contains("unreachable"));
     assert!(local.recv().await.is_none(), "ends with the server");
+}
+
+/// Sends `raw` as one request to `addr`; the response as text.
+async fn raw_request(addr: std::net::SocketAddr, raw: &[u8]) -> String {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(raw).await.unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out).await;
+    out
+}
+
+/// What one on the path can record is worth nothing: a signed request sent
+/// again is refused (and changes nothing), a request's signature does not
+/// sign another, and a client takes no answer the server did not sign.
+#[tokio::test]
+async fn a_recorded_request_or_answer_is_refused() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let job = JobSecret::new(b"s3cret").unwrap();
+    let initial = ClusterConfig {
+        version: 0,
+        peers: "127.0.0.1:1000,127.0.0.1:1001".parse().unwrap(),
+    };
+    let server = ConfigServer::start(l, initial, rules(4, Some(&job))).unwrap();
+    let signed = |method: &str, body: &str| {
+        let s = credential::sign(
+            &job,
+            method,
+            "/cluster",
+            body.as_bytes(),
+            credential::now_ms(),
+        )
+        .unwrap();
+        format!(
+            "{method} /cluster HTTP/1.1\r\nAuthorization: {}\r\nContent-Length: {}\r\n\r\n{body}",
+            s.authorization,
+            body.len()
+        )
+    };
+    let put = signed("PUT", "size 3");
+    let first = raw_request(server.addr, put.as_bytes()).await;
+    assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+    assert!(first.contains("X-KungFu-Signature: "), "{first}");
+    let again = raw_request(server.addr, put.as_bytes()).await;
+    assert!(
+        again.starts_with("HTTP/1.1 403") && again.contains("replayed"),
+        "{again}"
+    );
+    // a GET's credential on a PUT (the same time and nonce)
+    let get = signed("GET", "");
+    let auth = get.lines().nth(1).unwrap();
+    let forged = format!("PUT /cluster HTTP/1.1\r\n{auth}\r\nContent-Length: 6\r\n\r\nsize 1");
+    let out = raw_request(server.addr, forged.as_bytes()).await;
+    assert!(out.starts_with("HTTP/1.1 403"), "{out}");
+    let c = get_config(&server.url(), Some(&job), soon()).await.unwrap();
+    assert_eq!((c.version, c.peers.len()), (1, 3), "one change only");
+
+    // a stranger answers in the server's name: unsigned, or signed with
+    // nonsense; a 409 must not read as a conflict
+    for (code, sig) in [(200, None), (200, Some("0".repeat(64))), (409, None)] {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let stranger = tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            let _ = read_request_for_test(&mut s).await;
+            let body = "version 9\npeers 127.0.0.1:1\n";
+            let sig = sig.map_or(String::new(), |s| format!("X-KungFu-Signature: {s}\r\n"));
+            let head = format!(
+                "HTTP/1.1 {code} X\r\n{sig}Content-Length: {}\r\n\r\n",
+                body.len()
+            );
+            s.write_all(format!("{head}{body}").as_bytes())
+                .await
+                .unwrap();
+        });
+        let url = format!("http://{addr}/cluster");
+        let e = if code == 409 {
+            put_config(&url, "size 2", Some(&job), soon())
+                .await
+                .unwrap_err()
+        } else {
+            get_config(&url, Some(&job), soon()).await.unwrap_err()
+        };
+        assert!(
+            e.contains("an answer refused") && !e.contains(": 409 "),
+            "{code}: {e}"
+        );
+        stranger.await.unwrap();
+    }
+}
+
+/// Reads a request off `s` (a stranger's side of the test above).
+async fn read_request_for_test(s: &mut TcpStream) -> Result<(), String> {
+    super::message::read_request(s).await.map(|_| ())
 }

@@ -38,6 +38,9 @@ pub struct ResponseHead {
     /// Whether the connection may carry another request after this
     /// response's body.
     pub keep_alive: bool,
+    /// The `X-KungFu-Signature` header, if any (the config server signs
+    /// its answers: see `elastic::credential`).
+    pub signature: Option<String>,
 }
 
 /// A request's head, with the one header the config server reads.
@@ -58,6 +61,7 @@ struct Headers {
     close: bool,
     keep_alive: bool,
     authorization: Option<String>,
+    signature: Option<String>,
 }
 
 fn headers_of(list: &[httparse::Header<'_>], limits: &Limits) -> Result<Headers, String> {
@@ -67,6 +71,7 @@ fn headers_of(list: &[httparse::Header<'_>], limits: &Limits) -> Result<Headers,
         close: false,
         keep_alive: false,
         authorization: None,
+        signature: None,
     };
     for header in list {
         let value = std::str::from_utf8(header.value)
@@ -103,6 +108,11 @@ fn headers_of(list: &[httparse::Header<'_>], limits: &Limits) -> Result<Headers,
                 return Err("two Authorization headers".into());
             }
             h.authorization = Some(value.to_string());
+        } else if header.name.eq_ignore_ascii_case("x-kungfu-signature") {
+            if h.signature.is_some() {
+                return Err("two X-KungFu-Signature headers".into());
+            }
+            h.signature = Some(value.to_string());
         }
     }
     if h.chunked && h.length.is_some() {
@@ -163,6 +173,7 @@ pub fn response_head(buf: &[u8], limits: &Limits) -> Result<Option<(ResponseHead
             code,
             framing,
             keep_alive,
+            signature: h.signature,
         },
         n,
     )))
@@ -387,7 +398,8 @@ mod tests {
             ResponseHead {
                 code: 200,
                 framing: Framing::Length(2),
-                keep_alive: true
+                keep_alive: true,
+                signature: None,
             }
         );
         assert_eq!(n, 38);

@@ -108,9 +108,7 @@ impl Worker {
                             })?,
                             peers: members_of(&old_peers, &members)?,
                         };
-                        let put = store
-                            .put(&next.encode(), self.env.secret.as_ref(), deadline)
-                            .await;
+                        let put = store.put(&next.encode(), deadline).await;
                         match put {
                             Ok(c) => {
                                 feed(&mut m, &old_peers, &c);

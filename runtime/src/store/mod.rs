@@ -123,8 +123,18 @@ pub(crate) fn parse_change(
 #[derive(Clone, Debug)]
 pub enum ConfigStore {
     /// The launcher's built-in server (`http://host:port/cluster`).
-    Http(String),
+    Http(HttpStore),
     Etcd(EtcdStore),
+}
+
+/// The launcher's built-in config server, and the job's secret that signs
+/// every request to it and checks every answer
+/// ([`elastic::credential`]); `None` only for a server without a
+/// credential (tests).
+#[derive(Clone, Debug)]
+pub struct HttpStore {
+    pub url: String,
+    pub secret: Option<JobSecret>,
 }
 
 impl ConfigStore {
@@ -132,9 +142,14 @@ impl ConfigStore {
     /// `etcds://host:port/prefix` (TLS); an etcd is reached as the
     /// environment says ([`Access::from_env`]: CA, client certificate,
     /// user).
-    pub fn open(url: &str) -> Result<ConfigStore, String> {
+    /// The built-in server's requests are signed with `secret` (etcd has
+    /// its own access control and does not use it).
+    pub fn open(url: &str, secret: Option<&JobSecret>) -> Result<ConfigStore, String> {
         if url.starts_with("http://") {
-            return Ok(ConfigStore::Http(url.to_string()));
+            return Ok(ConfigStore::Http(HttpStore {
+                url: url.to_string(),
+                secret: secret.cloned(),
+            }));
         }
         let (tls, rest) = match (url.strip_prefix("etcd://"), url.strip_prefix("etcds://")) {
             (Some(rest), _) => (false, rest),
@@ -163,7 +178,7 @@ impl ConfigStore {
     /// The URL workers get (`KUNGFU_CONFIG_SERVER`).
     pub fn url(&self) -> String {
         match self {
-            ConfigStore::Http(u) => u.clone(),
+            ConfigStore::Http(h) => h.url.clone(),
             ConfigStore::Etcd(e) => {
                 let scheme = if e.etcd.is_tls() { "etcds" } else { "etcd" };
                 format!("{scheme}://{}{}", e.etcd.addr(), e.prefix)
@@ -174,7 +189,7 @@ impl ConfigStore {
     /// The current config.
     pub async fn get(&self, deadline: Instant) -> Result<ClusterConfig, String> {
         match self {
-            ConfigStore::Http(u) => elastic::get_config(u, deadline).await,
+            ConfigStore::Http(h) => elastic::get_config(&h.url, h.secret.as_ref(), deadline).await,
             ConfigStore::Etcd(e) => e.read(deadline).await.map(|r| r.config),
         }
     }
@@ -186,7 +201,9 @@ impl ConfigStore {
         deadline: Instant,
     ) -> Result<Option<ClusterConfig>, String> {
         match self {
-            ConfigStore::Http(u) => elastic::get_version(u, v, deadline).await,
+            ConfigStore::Http(h) => {
+                elastic::get_version(&h.url, v, h.secret.as_ref(), deadline).await
+            }
             ConfigStore::Etcd(e) => {
                 let (kvs, _) = e.etcd.range(&e.version_key(v), false, deadline).await?;
                 kvs.first().map(config_of).transpose()
@@ -195,16 +212,10 @@ impl ConfigStore {
     }
 
     /// Changes the config: `size N`, or a whole config whose version is
-    /// the next one. The built-in server wants the job's credential
-    /// (`secret`); etcd has its own access control.
-    pub async fn put(
-        &self,
-        body: &str,
-        secret: Option<&JobSecret>,
-        deadline: Instant,
-    ) -> Result<ClusterConfig, PutError> {
+    /// the next one.
+    pub async fn put(&self, body: &str, deadline: Instant) -> Result<ClusterConfig, PutError> {
         match self {
-            ConfigStore::Http(u) => elastic::put_config(u, body, secret, deadline)
+            ConfigStore::Http(h) => elastic::put_config(&h.url, body, h.secret.as_ref(), deadline)
                 .await
                 .map_err(|e| match e.contains(": 409 ") {
                     true => PutError::Conflict(e),
@@ -223,7 +234,9 @@ impl ConfigStore {
         give_up: Duration,
     ) -> mpsc::UnboundedReceiver<Result<ClusterConfig, String>> {
         match self {
-            ConfigStore::Http(u) => elastic::follow(u.clone(), after, period, give_up),
+            ConfigStore::Http(h) => {
+                elastic::follow(h.url.clone(), h.secret.clone(), after, period, give_up)
+            }
             ConfigStore::Etcd(e) => e.clone().follow(after, period, give_up),
         }
     }
@@ -241,14 +254,14 @@ mod tests {
     #[test]
     fn urls() {
         assert!(matches!(
-            ConfigStore::open("http://a:1/cluster"),
+            ConfigStore::open("http://a:1/cluster", None),
             Ok(ConfigStore::Http(_))
         ));
-        let s = ConfigStore::open("etcd://127.0.0.1:2379/kungfu/ab/").unwrap();
+        let s = ConfigStore::open("etcd://127.0.0.1:2379/kungfu/ab/", None).unwrap();
         assert_eq!(s.url(), "etcd://127.0.0.1:2379/kungfu/ab");
         // TLS without a CA to check etcd against is refused by name
         if std::env::var_os(crate::etcd::access::ENV_CA).is_none() {
-            let err = ConfigStore::open("etcds://127.0.0.1:2379/p").unwrap_err();
+            let err = ConfigStore::open("etcds://127.0.0.1:2379/p", None).unwrap_err();
             assert!(err.contains("KUNGFU_ETCD_CA"), "{err}");
         }
         for bad in [
@@ -257,7 +270,7 @@ mod tests {
             "ftp://a/b",
             "etcds://",
         ] {
-            assert!(ConfigStore::open(bad).is_err(), "{bad}");
+            assert!(ConfigStore::open(bad, None).is_err(), "{bad}");
         }
     }
 }

@@ -83,8 +83,9 @@ options:
                         removed workers are told by the library and exit.
                         The server listens on 127.0.0.1 (across hosts on
                         this host's address of -H, and the launchers started
-                        on the others follow it); a PUT needs
-                        'Authorization: Bearer TOKEN' (--config-token)
+                        on the others follow it); every request must be
+                        signed with the job secret, each once (see
+                        --resize)
   --config-store URL    with -w or --on-failure: keep the cluster config and
                         the workers' membership in etcd instead
                         (etcd://HOST:PORT[,HOST:PORT...][/PREFIX], the
@@ -109,9 +110,14 @@ options:
                         before it is stopped (60s; it exits by itself at its
                         next resize, when the library tells it is detached)
   -x NAME=VALUE         set an environment variable for every worker
-  --config-token        print the config server's TOKEN for the
-                        KUNGFU_JOB_SECRET of this environment, and exit
   -h, --help            this text
+
+kungfu-run --resize N --config-server URL
+                        resize a running elastic job to N workers: sends
+                        'size N' to its config server (the URL its workers
+                        have in KUNGFU_CONFIG_SERVER, http:// or etcd://),
+                        signed with the KUNGFU_JOB_SECRET of this
+                        environment, and prints the new config
 ";
 
 /// The help text, listing every strategy the library accepts (taken from
@@ -198,15 +204,11 @@ fn parse_args(args: &[String]) -> anyhow::Result<Option<(LaunchOptions, Option<R
         let a = args[i].as_str();
         match a {
             "-h" | "--help" => return Ok(None),
-            "--config-token" => {
-                let secret = std::env::var(kungfu::env::SECRET_VAR)
-                    .ok()
-                    .filter(|s| !s.is_empty())
-                    .context("--config-token: KUNGFU_JOB_SECRET is not set")?;
-                let secret = JobSecret::new(secret.as_bytes())?;
-                println!("{}", secret.config_token());
-                std::process::exit(0);
-            }
+            "--config-token" => bail!(
+                "--config-token is gone: a fixed token could be replayed, so every request \
+                 to the config server is now signed, each once; resize a job with \
+                 `kungfu-run --resize N --config-server URL`"
+            ),
             // after --self: the launcher that ran us through ssh writes it
             SECRET_STDIN => o.secret = Some(read_secret(&mut std::io::stdin().lock())?),
             CONTROL_STDIN => o.controlled = true,
@@ -431,8 +433,64 @@ async fn run_rdzv(mut opts: LaunchOptions, r: Rdzv) -> anyhow::Result<i32> {
     run(opts).await
 }
 
+/// `kungfu-run --resize N --config-server URL`: the new config, or why
+/// not.
+async fn resize(args: &[String]) -> anyhow::Result<String> {
+    let (mut n, mut url) = (None, None);
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--resize" => {
+                let v = it.next().context("--resize needs a number of workers")?;
+                n = Some(
+                    v.parse::<usize>()
+                        .ok()
+                        .filter(|&n| n > 0)
+                        .with_context(|| format!("--resize {v:?}: a number of at least 1"))?,
+                );
+            }
+            "--config-server" => {
+                url = Some(it.next().context("--config-server needs a URL")?.clone())
+            }
+            other => bail!("--resize takes only --config-server URL, not {other:?}"),
+        }
+    }
+    let n = n.context("--resize needs a number of workers")?;
+    let url = url.context("--resize needs --config-server URL (the job's KUNGFU_CONFIG_SERVER)")?;
+    let secret = std::env::var(kungfu::env::SECRET_VAR)
+        .ok()
+        .filter(|s| !s.is_empty())
+        .map(|s| JobSecret::new(s.as_bytes()))
+        .transpose()?;
+    if secret.is_none() && url.starts_with("http://") {
+        bail!("--resize: KUNGFU_JOB_SECRET is not set (the job's secret signs the request)");
+    }
+    let store =
+        kungfu::store::ConfigStore::open(&url, secret.as_ref()).map_err(anyhow::Error::msg)?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let c = store
+        .put(&format!("size {n}"), deadline)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok(c.encode())
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "--resize") {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("tokio runtime");
+        match rt.block_on(resize(&args)) {
+            Ok(config) => print!("{config}"),
+            Err(e) => {
+                eprintln!("kungfu-run: {e:#}");
+                std::process::exit(1);
+            }
+        }
+        return;
+    }
     let (opts, rdzv) = match parse_args(&args) {
         Ok(Some(o)) => o,
         Ok(None) => {

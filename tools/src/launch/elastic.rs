@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use kungfu::elastic::{ClusterConfig, ConfigServer};
-use kungfu::store::ConfigStore;
+use kungfu::store::{ConfigStore, HttpStore};
 use kungfu_topology::PeerList;
 use kungfu_transport::auth::JobSecret;
 use tokio::sync::mpsc;
@@ -82,14 +82,19 @@ impl Elastic {
         // workers of its current version, not of the first
         let mut late: Option<ClusterConfig> = None;
         let store = match (&server, &opts.config_server) {
-            (Some(s), _) => Some(ConfigStore::Http(s.url())),
+            (Some(s), _) => Some(ConfigStore::Http(HttpStore {
+                url: s.url(),
+                secret: Some(secret.clone()),
+            })),
             (None, _) if serves || (follows && per_node && in_etcd) => {
                 let (store, current) =
                     crate::config_store::create(opts, peers, cluster_id, !all_local).await?;
                 late = current;
                 Some(store)
             }
-            (None, Some(u)) if follows => Some(ConfigStore::open(u).map_err(anyhow::Error::msg)?),
+            (None, Some(u)) if follows => {
+                Some(ConfigStore::open(u, Some(secret)).map_err(anyhow::Error::msg)?)
+            }
             (None, _) if follows => {
                 anyhow::bail!("-w or --on-failure with --self needs --config-server URL")
             }
@@ -140,12 +145,12 @@ impl Elastic {
 
 /// `--on-failure replace`: asks the config server for `np` workers again
 /// (the launcher starts the new ones when the config changes).
-pub(super) fn replace_lost(store: Option<ConfigStore>, secret: JobSecret, np: usize) {
+pub(super) fn replace_lost(store: Option<ConfigStore>, np: usize) {
     let Some(store) = store else { return };
     tokio::spawn(async move {
         let deadline = Instant::now() + Duration::from_secs(30);
         let body = format!("size {np}");
-        match store.put(&body, Some(&secret), deadline).await {
+        match store.put(&body, deadline).await {
             Ok(c) => say!(
                 "kungfu-run: replacing the lost: version {} of {} workers",
                 c.version,

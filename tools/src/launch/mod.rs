@@ -251,7 +251,7 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                     let shrunk = latest.as_ref().is_some_and(|c| c.peers.len() < opts.np);
                     if survived.to_replace > 0 && shrunk {
                         survived.to_replace = 0;
-                        replace_lost(store.clone(), secret.clone(), opts.np);
+                        replace_lost(store.clone(), opts.np);
                     }
                 } else if code != 0 {
                     let msg = format!("{} {what}", job.procs[idx].label);
@@ -286,7 +286,7 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                     if survived.to_replace > 0 && c.peers.len() < opts.np {
                         // the survivors shrank: grow back with new workers
                         survived.to_replace = 0;
-                        replace_lost(store.clone(), secret.clone(), opts.np);
+                        replace_lost(store.clone(), opts.np);
                     }
                     let members: HashSet<String> =
                         c.peers.peers().iter().map(|p| p.to_string()).collect();

@@ -100,10 +100,12 @@ fn the_secret_can_come_on_standard_input() {
     assert!(t.contains("[0] secret=from standard input"), "{t}");
 }
 
-/// The config server of `-w` listens on the loopback, and refuses a PUT
-/// without the job's credential (401) or with another (403); the token
-/// `kungfu-run --config-token` prints for the job's secret is taken. A GET
-/// needs none.
+/// The config server of `-w` listens on the loopback and refuses every
+/// request, GET included, that is not signed with the job's secret: none
+/// (401), an old bearer token (401); `kungfu-run --resize N
+/// --config-server URL` signs with the secret of its environment, and is
+/// refused with another secret (403) or none; `--config-token` is gone
+/// and says what replaced it.
 #[test]
 fn the_config_server_wants_the_credential() {
     let script = r#"
@@ -116,9 +118,13 @@ req() {
   exec 3<&-
 }
 req PUT "" none
-req PUT "Authorization: Bearer 00ff\r\n" wrong
-req GET "" open
-req PUT "Authorization: Bearer $("$KFRUN" --config-token)\r\n" token
+req PUT "Authorization: Bearer 00ff\r\n" bearer
+req GET "" none
+"$KFRUN" --resize 1 --config-server "$KUNGFU_CONFIG_SERVER" | head -1
+KUNGFU_JOB_SECRET=another "$KFRUN" --resize 1 --config-server "$KUNGFU_CONFIG_SERVER" 2>&1 | grep -o '403 bad credential'
+env -u KUNGFU_JOB_SECRET "$KFRUN" --resize 1 --config-server "$KUNGFU_CONFIG_SERVER" 2>&1 | grep -o 'KUNGFU_JOB_SECRET is not set'
+"$KFRUN" --resize 0 --config-server "$KUNGFU_CONFIG_SERVER" 2>&1 | grep -o 'a number of at least 1'
+"$KFRUN" --resize 1 2>&1 | grep -o 'needs --config-server URL'
 "#;
     let mut cmd = kungfu_run(&[
         "-w",
@@ -137,25 +143,24 @@ req PUT "Authorization: Bearer $("$KFRUN" --config-token)\r\n" token
     for line in [
         "[0] server at 127.0.0.1",
         "[0] HTTP/1.1 401 (PUT none)",
-        "[0] HTTP/1.1 403 (PUT wrong)",
-        "[0] HTTP/1.1 200 (GET open)",
-        "[0] HTTP/1.1 200 (PUT token)",
+        "[0] HTTP/1.1 401 (PUT bearer)",
+        "[0] HTTP/1.1 401 (GET none)",
+        // one worker already: the same version
+        "[0] version 0",
+        "[0] 403 bad credential",
+        "[0] KUNGFU_JOB_SECRET is not set",
+        "[0] a number of at least 1",
+        "[0] needs --config-server URL",
     ] {
         assert!(t.contains(line), "no {line:?} in\n{t}");
     }
-    // the token is derived from the secret, never the secret itself
-    let mut tok = Command::new(RUN);
-    tok.arg("--config-token")
-        .env("KUNGFU_JOB_SECRET", "the job's secret");
-    let out = run_bounded(tok, Duration::from_secs(10));
-    let token = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    let want = kungfu_transport::auth::JobSecret::new(b"the job's secret")
-        .unwrap()
-        .config_token();
-    assert_eq!(token, want);
-    let mut none = Command::new(RUN);
-    none.arg("--config-token").env_remove("KUNGFU_JOB_SECRET");
-    let out = run_bounded(none, Duration::from_secs(10));
+    let mut gone = Command::new(RUN);
+    gone.arg("--config-token");
+    let out = run_bounded(gone, Duration::from_secs(10));
     assert!(!out.status.success());
-    assert!(text(&out).contains("KUNGFU_JOB_SECRET is not set"));
+    assert!(
+        text(&out).contains("--resize N --config-server URL"),
+        "{}",
+        text(&out)
+    );
 }

@@ -42,8 +42,8 @@ fn elastic_job(transport: &str) {
 
 /// Watch mode stops the workers a new version leaves out if they do not
 /// exit by themselves (here: shell workers that never resize), without
-/// failing the job; the config server takes a plain HTTP PUT with the
-/// job's credential.
+/// failing the job; the resize is `kungfu-run --resize`'s, signed with
+/// the job's secret.
 #[test]
 fn watch_mode_stops_removed_workers_that_stay() {
     let dir = TempDir::new("watch-stop");
@@ -51,10 +51,7 @@ fn watch_mode_stops_removed_workers_that_stay() {
     // exited first, version 1 (rank 0 alone) would be started afresh.
     let script = r#"
 if [ "$KUNGFU_RANK" = 0 ] && [ "$KUNGFU_CLUSTER_VERSION" = 0 ]; then
-  a=${KUNGFU_CONFIG_SERVER#http://}; a=${a%%/*}
-  exec 3<>/dev/tcp/${a%:*}/${a#*:}
-  printf 'PUT /cluster HTTP/1.1\r\nAuthorization: Bearer %s\r\nContent-Length: 6\r\n\r\nsize 1' "$("$KFRUN" --config-token)" >&3
-  head -c 12 <&3; echo
+  "$KFRUN" --resize 1 --config-server "$KUNGFU_CONFIG_SERVER" | head -1
   for i in $(seq 600); do
     gone=0
     for r in 1 2; do
@@ -89,7 +86,7 @@ fi
     );
     let t = text(&out);
     assert!(out.status.success(), "{t}");
-    assert!(t.contains("[0] HTTP/1.1 200"), "{t}");
+    assert!(t.contains("[0] version 1"), "{t}");
     assert!(t.contains("[0] ranks 1 and 2 are gone"), "{t}");
     assert!(
         t.contains("kungfu-run: cluster version 1: 1 workers"),
@@ -113,10 +110,7 @@ fn watch_mode_passes_new_workers_their_sockets() {
     let dir = TempDir::new("watch-grow");
     let script = r#"
 if [ "$KUNGFU_CLUSTER_VERSION" = 0 ]; then
-  a=${KUNGFU_CONFIG_SERVER#http://}; a=${a%%/*}
-  exec 3<>/dev/tcp/${a%:*}/${a#*:}
-  printf 'PUT /cluster HTTP/1.1\r\nAuthorization: Bearer %s\r\nContent-Length: 6\r\n\r\nsize 2' "$("$KFRUN" --config-token)" >&3
-  head -c 12 <&3; echo
+  "$KFRUN" --resize 2 --config-server "$KUNGFU_CONFIG_SERVER" | head -1
   # stay until the new worker is done (else version 1 restarts rank 0)
   for i in $(seq 1200); do
     [ -e "$DIR/done" ] && exit 0
@@ -152,7 +146,7 @@ touch "$DIR/done"
     );
     let t = text(&out);
     assert!(out.status.success(), "{t}");
-    assert!(t.contains("[0] HTTP/1.1 200"), "{t}");
+    assert!(t.contains("[0] version 1"), "{t}");
     assert!(
         t.contains("kungfu-run: cluster version 1: 2 workers"),
         "{t}"
