@@ -93,6 +93,10 @@ pub(super) struct Fast<T> {
     zero: Instant,
     /// Ops in flight (`State::ops.len()`, read without the lock).
     live: AtomicUsize,
+    /// Ops ended and taken out of the state whose completion (callback)
+    /// has not run yet: [`Fast::fail_all`] waits for them, so that a
+    /// closed session has run every callback.
+    completing: Arc<AtomicUsize>,
     oversubscribed: bool,
     max_bytes: usize,
     /// Which larger ops go through cross-memory attach (see `large.rs`).
@@ -216,6 +220,7 @@ impl<T: Transport> Fast<T> {
             inline_until: AtomicU64::new(0),
             zero: Instant::now(),
             live: AtomicUsize::new(0),
+            completing: Arc::new(AtomicUsize::new(0)),
             oversubscribed: t.size() > kungfu_transport::host_cpus(),
             max_bytes,
             large: if kungfu_transport::shm::cma::available() {

@@ -5,8 +5,8 @@
 //! the engine's lock (see the parent module's docs, "Progress and
 //! waiting").
 
-use std::sync::atomic::Ordering;
-use std::sync::Weak;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use kungfu_topology::Strategy;
@@ -26,6 +26,8 @@ const IDLE_NAP: Duration = Duration::from_millis(100);
 /// between polls instead of spinning.
 const NAP_AFTER: Duration = Duration::from_millis(2);
 const NAP: Duration = Duration::from_micros(50);
+/// How long [`Fast::fail_all`] waits for ops that other threads complete.
+const COMPLETING_WAIT: Duration = Duration::from_secs(2);
 
 impl<T: Transport> Fast<T> {
     /// Posts the op's contribution and runs it as far as it goes now;
@@ -43,7 +45,7 @@ impl<T: Transport> Fast<T> {
             .any(|o| o.unposted != 0 || o.split.is_some() || o.large.is_some());
         let left = !st.ops.is_empty();
         drop(st);
-        finish(ended, false);
+        finish(&self.completing, ended, false);
         if left && (!waited || stuck) {
             self.cv.notify_one();
         }
@@ -56,6 +58,7 @@ impl<T: Transport> Fast<T> {
         let ops = std::mem::take(&mut st.ops);
         self.live.store(0, Ordering::SeqCst);
         drop(st);
+        self.completing.fetch_add(ops.len(), Ordering::SeqCst);
         let ended = ops
             .into_iter()
             .map(|mut op| {
@@ -65,7 +68,16 @@ impl<T: Transport> Fast<T> {
             .collect();
         // the caller closes the session: it holds none of the session's
         // locks, and the runtime may be about to stop
-        finish(ended, true);
+        finish(&self.completing, ended, true);
+        // Ops another thread took out as they ended (the progress thread,
+        // or a caller that polled) complete there: the session is closed
+        // only once their callbacks ran (a C caller reads what they wrote
+        // as soon as kf_finalize returns). Bounded: a callback that blocks
+        // does not hold the close for ever.
+        let until = Instant::now() + COMPLETING_WAIT;
+        while self.completing.load(Ordering::SeqCst) > 0 && Instant::now() < until {
+            std::thread::sleep(Duration::from_micros(200));
+        }
     }
 
     fn now_ns(&self) -> u64 {
@@ -93,7 +105,7 @@ impl<T: Transport> Fast<T> {
             if let Ok(mut st) = self.state.try_lock() {
                 let ended = self.progress(&mut st, k.is_multiple_of(64));
                 drop(st);
-                finish(ended, false);
+                finish(&self.completing, ended, false);
             }
             if done() {
                 // Other ops in flight are the thread's now (it sleeps while
@@ -143,6 +155,7 @@ impl<T: Transport> Fast<T> {
             match self.step(&mut st.ops[i], timed) {
                 None => i += 1,
                 Some(r) => {
+                    self.completing.fetch_add(1, Ordering::SeqCst);
                     let mut op = st.ops.swap_remove(i);
                     op.end(&self.lanes);
                     ended.push((op, r));
@@ -162,15 +175,24 @@ impl<T: Transport> Fast<T> {
 /// for another op: that thread may hold locks the callback needs (the
 /// swap gate, while deferred ops start). Handles (`waited`) are completed
 /// in place: that only sends on a oneshot.
-fn finish<T: Transport>(ended: Vec<Ended<T>>, on_thread: bool) {
+/// `completing` counts them down as they complete (see
+/// [`Fast::fail_all`]).
+fn finish<T: Transport>(completing: &Arc<AtomicUsize>, ended: Vec<Ended<T>>, on_thread: bool) {
     let (now, later): (Vec<_>, Vec<_>) = ended
         .into_iter()
         .partition(|(op, _)| on_thread || op.waited);
     if let Some((op, _)) = later.first() {
         let rt = op.inner.runtime.clone();
-        rt.spawn(async move { complete(later) });
+        let n = later.len();
+        let c = completing.clone();
+        rt.spawn(async move {
+            complete(later);
+            c.fetch_sub(n, Ordering::SeqCst);
+        });
     }
+    let n = now.len();
     complete(now);
+    completing.fetch_sub(n, Ordering::SeqCst);
 }
 
 fn complete<T: Transport>(ended: Vec<Ended<T>>) {
@@ -254,7 +276,7 @@ pub(super) fn progress_thread<T: Transport>(weak: Weak<Fast<T>>) {
             }
         };
         let moved = !ended.is_empty();
-        finish(ended, true);
+        finish(&f.completing, ended, true);
         if moved {
             idle_since = None;
             continue;
