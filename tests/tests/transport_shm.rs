@@ -142,7 +142,9 @@ async fn a_missing_peer_fails_the_connect_cleanly() {
 /// A shared-memory directory too small for a ring: connect fails at once
 /// with an error that names the directory, instead of a SIGBUS at a later
 /// write into a hole of the sparse file (the files are reserved when made).
-/// Needs root, to mount a 4 MiB tmpfs (CI runs as root).
+/// Needs root, to mount a 4 MiB tmpfs (CI runs as root); skipped
+/// otherwise, unless `KUNGFU_REQUIRE_ROOT=1` (CI's test command sets it):
+/// then not being root fails it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_shared_memory_directory_is_a_clear_error() {
     let uid = std::process::Command::new("id")
@@ -150,6 +152,10 @@ async fn a_full_shared_memory_directory_is_a_clear_error() {
         .output()
         .expect("id -u");
     if String::from_utf8_lossy(&uid.stdout).trim() != "0" {
+        assert!(
+            std::env::var("KUNGFU_REQUIRE_ROOT").as_deref() != Ok("1"),
+            "KUNGFU_REQUIRE_ROOT=1 but not root: this test mounts a small tmpfs"
+        );
         eprintln!("skipped: needs root to mount a small tmpfs");
         return;
     }

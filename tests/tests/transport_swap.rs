@@ -162,38 +162,29 @@ async fn a_training_loop_swaps_tcp_quic_fabric_tcp() {
     }
 }
 
-/// Rank 2 cannot connect the new transport (it says so): every rank gets
-/// an error, the epoch stays, and the next allreduce runs on TCP.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_transport_one_rank_lacks_changes_nothing() {
-    let (ss, job) = job().await;
+/// A swap that was refused changed nothing: rank `s` is on TCP at epoch 0,
+/// and an allreduce after it is exact; then it ends its session.
+async fn nothing_changed(s: Session<AnyTransport>) {
+    let r = s.rank();
+    assert_eq!((s.epoch(), s.transport().name()), (Epoch(0), "tcp"));
+    let x = s
+        .allreduce("after", &[r.0 as i32 + 1; 5], ReduceOp::Sum)
+        .await
+        .unwrap();
+    assert_eq!(x, vec![10; 5]);
+    s.barrier("end").await.unwrap();
+    s.close(Duration::from_secs(5)).await;
+}
+
+/// Runs `f` for every rank's session at once, each bounded.
+async fn on_every_rank<F, Fut>(ss: Vec<Session<AnyTransport>>, job: &Job, f: F)
+where
+    F: Fn(Session<AnyTransport>, Job) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let tasks: Vec<_> = ss
         .into_iter()
-        .map(|s| {
-            let job = job.clone();
-            tokio::spawn(async move {
-                let r = s.rank();
-                let available = r != Rank(2);
-                let connect = |e| async move { job.connect("quic", r, e).await };
-                let err = s
-                    .swap_transport("quic", available, connect)
-                    .await
-                    .unwrap_err();
-                assert!(
-                    matches!(err, CollectiveError::Mismatch { .. }),
-                    "rank {r}: {err}"
-                );
-                assert!(err.to_string().contains("not available"), "rank {r}: {err}");
-                assert_eq!((s.epoch(), s.transport().name()), (Epoch(0), "tcp"));
-                let x = s
-                    .allreduce("after", &[r.0 as i32 + 1; 5], ReduceOp::Sum)
-                    .await
-                    .unwrap();
-                assert_eq!(x, vec![10; 5]);
-                s.barrier("end").await.unwrap();
-                s.close(Duration::from_secs(5)).await;
-            })
-        })
+        .map(|s| tokio::spawn(f(s, job.clone())))
         .collect();
     for t in tasks {
         tokio::time::timeout(Duration::from_secs(120), t)
@@ -201,4 +192,85 @@ async fn a_transport_one_rank_lacks_changes_nothing() {
             .expect("ended")
             .unwrap();
     }
+}
+
+/// Rank 2 cannot connect the new transport (it says so): every rank gets
+/// an error, the epoch stays, and the next allreduce runs on TCP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transport_one_rank_lacks_changes_nothing() {
+    let (ss, job) = job().await;
+    on_every_rank(ss, &job, |s, job| async move {
+        let r = s.rank();
+        let available = r != Rank(2);
+        let connect = |e| async move { job.connect("quic", r, e).await };
+        let err = s
+            .swap_transport("quic", available, connect)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, CollectiveError::Mismatch { .. }),
+            "rank {r}: {err}"
+        );
+        assert!(err.to_string().contains("not available"), "rank {r}: {err}");
+        nothing_changed(s).await;
+    })
+    .await;
+}
+
+/// Every rank can connect the new transport and says so, and the swap is
+/// agreed; then rank 2's connect fails (it connects QUIC, then gives up):
+/// the other ranks, connected, hear of it at the second agreement
+/// ("another rank could not connect it"), and every rank stays on TCP at
+/// epoch 0, with an exact allreduce after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connect_that_fails_after_agreement_changes_nothing() {
+    let (ss, job) = job().await;
+    on_every_rank(ss, &job, |s, job| async move {
+        let r = s.rank();
+        // rank 2 keeps its connected endpoint until the end, so that the
+        // others' connects all succeed: only its own answer at the second
+        // agreement differs
+        let kept = Arc::new(std::sync::Mutex::new(None));
+        let keep = kept.clone();
+        let connect = |e| async move {
+            let t = job.connect("quic", r, e).await?;
+            if r != Rank(2) {
+                return Ok(t);
+            }
+            *keep.lock().unwrap() = Some(t);
+            Err(CollectiveError::Transport {
+                name: "connect".into(),
+                epoch: e,
+                source: TransportError::Unavailable {
+                    transport: "quic".into(),
+                    reason: "rank 2 gives up after connecting (the test)".into(),
+                },
+            })
+        };
+        let err = s.swap_transport("quic", true, connect).await.unwrap_err();
+        let text = chain(&err);
+        if r == Rank(2) {
+            assert!(text.contains("gives up after connecting"), "{r}: {text}");
+        } else {
+            assert!(
+                text.contains("another rank could not connect it"),
+                "{r}: {text}"
+            );
+        }
+        nothing_changed(s).await;
+        drop(kept);
+    })
+    .await;
+}
+
+/// An error and its sources, as one line.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(s) = next {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        next = s.source();
+    }
+    out
 }

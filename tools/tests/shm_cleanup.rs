@@ -219,12 +219,29 @@ fn a_worker_killed_mid_op_leaves_nothing() {
     killed_at("sent");
 }
 
+/// Waits until rank 1 hangs at `stage`, and checks that the job's ring
+/// files are there while it runs, under the name looked for after it (else
+/// the test would check nothing).
+fn hung_with_files(job: &mut Job, id: u64, stage: &str) {
+    job.wait_for(
+        &marker("hangs", stage),
+        Instant::now() + Duration::from_secs(60),
+    );
+    let during = files_of(id);
+    assert!(
+        !during.is_empty(),
+        "no ring file of the job while it runs\n{}",
+        job.output()
+    );
+}
+
 /// A worker hangs in set-up until the job's timeout stops everything.
 #[test]
 fn a_job_that_times_out_while_connecting_leaves_nothing() {
     let id = unique_id();
     let _sweep = Sweep(id);
     let mut job = Job::start(id, "hang:opened:1", &["--timeout", "5s"]);
+    hung_with_files(&mut job, id, "opened");
     let status = job.finish(Instant::now() + Duration::from_secs(60));
     let out = job.output();
     assert_eq!(status.code(), Some(124), "{out}");
@@ -241,10 +258,7 @@ fn an_interrupted_job_leaves_nothing() {
     let id = unique_id();
     let _sweep = Sweep(id);
     let mut job = Job::start(id, "hang:created:1", &["--timeout", "120s"]);
-    job.wait_for(
-        &marker("hangs", "created"),
-        Instant::now() + Duration::from_secs(60),
-    );
+    hung_with_files(&mut job, id, "created");
     let pid = nix::unistd::Pid::from_raw(job.child.id() as i32);
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).expect("SIGINT");
     let status = job.finish(Instant::now() + Duration::from_secs(60));

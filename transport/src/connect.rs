@@ -143,6 +143,8 @@ where
     let mut out: HashMap<Rank, T> = HashMap::new();
     let mut refusals: Vec<String> = Vec::new();
     let mut pending = tokio::task::JoinSet::new();
+    // the address of each handshake still in flight, by its task
+    let mut in_flight: HashMap<tokio::task::Id, String> = HashMap::new();
     let refused = |refusals: &mut Vec<String>, why: String| {
         if let Some(me) = log {
             eprintln!("kungfu: {me}: refused a connection from {why}");
@@ -154,16 +156,23 @@ where
             inc = incoming() => match inc {
                 Incoming::Conn(s, addr) => {
                     let handshake = answer(s);
-                    pending.spawn(async move {
+                    let at = addr.clone();
+                    let task = pending.spawn(async move {
                         let r = tokio::time::timeout_at(deadline, handshake).await;
                         (addr, r.unwrap_or_else(|_| Err("no hello before the deadline".into())))
                     });
+                    in_flight.insert(task.id(), at);
                 }
                 Incoming::Failed(why) => refused(&mut refusals, why),
                 Incoming::Closed => return Err(TransportError::Closed),
             },
-            Some(done) = pending.join_next(), if !pending.is_empty() => {
-                let Ok((addr, res)) = done else { continue };
+            Some(done) = pending.join_next_with_id(), if !pending.is_empty() => {
+                let id = match &done {
+                    Ok((id, _)) => *id,
+                    Err(e) => e.id(),
+                };
+                in_flight.remove(&id);
+                let Ok((_, (addr, res))) = done else { continue };
                 match res {
                     Ok((rank, c)) => match out.entry(rank) {
                         // dropped: the second connection closes
@@ -194,6 +203,15 @@ where
                 });
             }
         }
+    }
+    // Every rank is here: a handshake still in flight (a hello cut short
+    // and left open, a client that says nothing) is dropped, and said so,
+    // as any refused connection is.
+    for addr in in_flight.into_values() {
+        refused(
+            &mut refusals,
+            format!("{addr}: no whole hello by the time every rank had connected"),
+        );
     }
     Ok(out)
 }

@@ -51,8 +51,14 @@
 //! failed meanwhile). Faults come one at a time: two at once (a kill
 //! during a recovery) are not tried. At the end it
 //! stops the run (`--stop-file`: the workers agree to stop at one step),
-//! and checks that every worker ended well, that no op returned a wrong
-//! value (no exit 4, no selftest message of one), and that after every
+//! and checks that the workers finished and kungfu-run exited 0; that
+//! every worker failure kungfu-run reported was a victim's (under
+//! `replace` it exits 0 even if a survivor failed); that each recovery
+//! names exactly its fault's victim; that every kind dealt was injected
+//! at least once (past the run's time, the missing kinds are dealt, for
+//! at most 90 s); that every garbage connection to a worker that has
+//! connected a version since was refused; that no op returned a wrong
+//! value (no exit 4, no selftest message of one); and that after every
 //! recovery the survivors' model digests at their first good step are
 //! identical (the selftest prints them; the consensus of every step
 //! checks them too). It prints the counts, the detection time after
@@ -75,6 +81,7 @@ use nix::sys::signal::Signal;
 
 use super::*;
 
+mod checks;
 mod job;
 use job::{unix_ms, Job, Line};
 
@@ -159,8 +166,15 @@ struct Figures {
     recovery: Vec<u64>,
     /// Frozen workers refused when they ran again.
     refused: usize,
-    /// Local ports of the garbage connections.
-    garbage: Vec<u16>,
+    /// The garbage connections: local port, the target's pid, and the
+    /// line from which it was sent.
+    garbage: Vec<(u16, i32, usize)>,
+    /// Where each fault began (a line index), its kind and its victim's
+    /// address (none for pause, delay and garbage; a drop's is learned
+    /// from the recovery).
+    spans: Vec<(usize, Fault, Option<String>)>,
+    /// The kinds dealt.
+    dealt: BTreeSet<Fault>,
     /// What went wrong; the test fails if anything did.
     failures: Vec<String>,
 }
@@ -329,6 +343,8 @@ impl Driver {
             f.name()
         );
         let from = self.job.lines.len();
+        let aimed = matches!(f, Fault::Kill | Fault::Freeze).then(|| addr.clone());
+        self.fig.spans.push((from, f, aimed));
         let sent = unix_ms();
         self.began = Instant::now();
         self.failed_before = self.fig.failures.len();
@@ -426,7 +442,7 @@ impl Driver {
             }
             Fault::Garbage => {
                 match self.garbage(&addr) {
-                    Ok(port) => self.fig.garbage.push(port),
+                    Ok(port) => self.fig.garbage.push((port, pid, from)),
                     Err(e) => {
                         // the worker may have just gone: not injected
                         eprintln!("chaos: garbage to {addr}: {e}");
@@ -560,15 +576,29 @@ fn chaos(tag: &str, default: &[Fault], default_secs: u64) {
         d.job.story(200)
     );
     let end = Instant::now() + Duration::from_secs(secs);
+    // Past the end, only the kinds never injected yet are dealt (a fault
+    // whose victim had just gone is not), for at most 90 s more: every
+    // kind must be injected at least once.
+    let hard_end = end + Duration::from_secs(90);
+    let never = |d: &Driver| -> Vec<Fault> {
+        kinds
+            .iter()
+            .copied()
+            .filter(|k| d.fig.tally.get(k).is_none_or(|t| t.injected == 0))
+            .collect()
+    };
     let mut deck = Vec::new();
-    // every kind at least once: the first deck is dealt whole
-    let mut dealt = 0;
-    'faults: while Instant::now() < end || dealt < kinds.len() {
-        if deck.is_empty() {
-            deck = kinds.clone();
-        }
-        dealt += 1;
-        let f = deck.swap_remove(d.rng.below(deck.len()));
+    'faults: while Instant::now() < hard_end && (Instant::now() < end || !never(&d).is_empty()) {
+        let f = if Instant::now() < end {
+            if deck.is_empty() {
+                deck = kinds.clone();
+            }
+            deck.swap_remove(d.rng.below(deck.len()))
+        } else {
+            let left = never(&d);
+            left[d.rng.below(left.len())]
+        };
+        d.fig.dealt.insert(f);
         let ok = d.inject(f);
         if !d.notes.is_empty() {
             println!("chaos:   {}", d.notes.join("; "));
@@ -630,19 +660,14 @@ impl Driver {
         for w in &wrong {
             self.fail(format!("a wrong value: {w}"));
         }
-        // garbage is read when its worker next connects a version
-        let refused = self
-            .fig
-            .garbage
-            .iter()
-            .filter(|p| {
-                let from = format!("refused a connection from 127.0.0.1:{p}:");
-                self.job.find(0, |l| l.msg.contains(&from)).is_some()
-            })
-            .count();
-        if !self.fig.garbage.is_empty() {
-            self.fig.tally.entry(Fault::Garbage).or_default().detected = refused;
+        for f in self.fig.dealt.clone() {
+            if self.fig.tally.get(&f).is_none_or(|t| t.injected == 0) {
+                self.fail(format!("{}: dealt, and never injected", f.name()));
+            }
         }
+        self.check_recoveries();
+        self.check_failures();
+        self.check_garbage();
         self.report(digests.len(), wrong.len());
         if let Ok(path) = std::env::var("CHAOS_LOG") {
             let all = self.job.story(usize::MAX);
@@ -673,6 +698,9 @@ impl Driver {
                 detected,
                 t.survived
             );
+        }
+        for n in &self.notes {
+            println!("chaos: {n}");
         }
         let d = |f| median_max(self.fig.detect.get(&f).map_or(&[][..], |v| v));
         println!("chaos: detection after SIGKILL: {}", d(Fault::Kill));

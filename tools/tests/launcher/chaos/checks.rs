@@ -1,0 +1,133 @@
+//! What must hold for the whole of a chaos run, checked at its end from
+//! every line kept: each recovery lost exactly its fault's victim, every
+//! worker failure kungfu-run reported was a victim's, and garbage sent to
+//! a worker that has connected a version since was refused.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::{Driver, Fault, NP};
+
+impl Driver {
+    /// Each recovery names exactly the victim of the fault it follows (a
+    /// drop's is whom it names, one worker), and none follows a fault that
+    /// must cost nothing.
+    pub(super) fn check_recoveries(&mut self) {
+        let mut found = Vec::new();
+        for (i, l) in self.job.lines.iter().enumerate() {
+            let Some(lost) = l
+                .msg
+                .split_once(": recovered in ")
+                .and_then(|(_, r)| r.split_once(" ms: lost "))
+                .and_then(|(_, r)| r.split_once("; now "))
+                .map(|(lost, _)| lost.to_string())
+            else {
+                continue;
+            };
+            let span = self.fig.spans.iter().rposition(|s| s.0 <= i);
+            found.push((i, span, lost));
+        }
+        for (i, span, lost) in found {
+            // "R (ADDR), R (ADDR)": the addresses
+            let addrs: Vec<&str> = lost
+                .split(", ")
+                .filter_map(|x| x.split_once(" (")?.1.strip_suffix(')'))
+                .collect();
+            let Some(k) = span else {
+                self.fail(format!(
+                    "a recovery before any fault (line {i}): lost {lost}"
+                ));
+                continue;
+            };
+            let (f, victim) = (self.fig.spans[k].1, self.fig.spans[k].2.clone());
+            match (f, victim) {
+                (Fault::Kill | Fault::Freeze, Some(v)) if addrs == [v.as_str()] => {}
+                (Fault::Drop, None) if addrs.len() == 1 => {
+                    self.fig.spans[k].2 = Some(addrs[0].to_string());
+                }
+                (Fault::Drop, Some(v)) if addrs == [v.as_str()] => {}
+                (f, v) => self.fail(format!(
+                    "{}: a recovery lost {lost}, where the victim was {v:?} alone",
+                    f.name()
+                )),
+            }
+        }
+    }
+
+    /// Every worker failure kungfu-run reported is a victim's: a survivor
+    /// that panicked or exited 1 in a recovery would be replaced, and
+    /// kungfu-run would still exit 0.
+    pub(super) fn check_failures(&mut self) {
+        let victims: BTreeSet<String> = self.fig.spans.iter().filter_map(|s| s.2.clone()).collect();
+        // kungfu-run's label of a first worker is its rank at start
+        let first: BTreeMap<String, String> = self
+            .job
+            .workers
+            .iter()
+            .take(NP)
+            .map(|w| (format!("rank {}", w.label), w.addr.clone()))
+            .collect();
+        let mut bad = Vec::new();
+        for l in self.job.lines.iter().filter(|l| l.label.is_none()) {
+            let Some(rest) = l.msg.strip_prefix("kungfu-run: ") else {
+                continue;
+            };
+            if !rest.contains("; the others go on without it") {
+                continue;
+            }
+            let who = rest
+                .split(" exited with")
+                .next()
+                .and_then(|w| w.split(" was killed by").next())
+                .and_then(|w| w.split(" could not be").next())
+                .and_then(|w| w.split(" ended in").next())
+                .unwrap_or_default();
+            let addr = who
+                .strip_prefix("worker ")
+                .map(str::to_string)
+                .or_else(|| first.get(who).cloned());
+            if !addr.is_some_and(|a| victims.contains(&a)) {
+                bad.push(l.msg.clone());
+            }
+        }
+        for b in bad {
+            self.fail(format!("a worker that was no victim failed: {b}"));
+        }
+    }
+
+    /// Every garbage connection to a worker that has connected a cluster
+    /// version since (a recovery, or a resize when a replacement joined)
+    /// was read and refused, with a log line.
+    pub(super) fn check_garbage(&mut self) {
+        let mut refused = 0;
+        let mut due = 0;
+        let mut missed = Vec::new();
+        for &(port, pid, from) in &self.fig.garbage {
+            let reconnected = self.job.lines[from..].iter().any(|l| {
+                l.pid() == Some(pid)
+                    && (l.msg.contains(": recovered in ") || l.msg.contains(": resized to "))
+            });
+            let needle = format!("refused a connection from 127.0.0.1:{port}:");
+            let seen = self.job.find(0, |l| l.msg.contains(&needle)).is_some();
+            refused += usize::from(seen);
+            if reconnected {
+                due += 1;
+                if !seen {
+                    missed.push(port);
+                }
+            }
+        }
+        if !self.fig.garbage.is_empty() {
+            self.fig.tally.entry(Fault::Garbage).or_default().detected = refused;
+            self.notes.push(format!(
+                "garbage: {} sent, {due} due to be read, {refused} refused",
+                self.fig.garbage.len()
+            ));
+        }
+        for p in missed {
+            self.fail(format!(
+                "garbage: the connection from port {p} was never refused, though its worker \
+                 connected a version since"
+            ));
+        }
+    }
+}
