@@ -101,6 +101,7 @@ impl Link<'_> {
         if !kind.built() {
             return Err(BootstrapError::UnsupportedTransport(kind));
         }
+        let kind = secure_kind(self.env, self.peers, kind)?;
         if kind == TransportKind::Shm && self.peers.hosts().len() > 1 {
             return Err(shm_across_hosts(self.peers));
         }
@@ -137,6 +138,7 @@ impl Link<'_> {
         } = *self;
         let connect_timeout = deadline.saturating_duration_since(Instant::now());
         let one_host = peers.hosts().len() == 1;
+        let kind = secure_kind(env, peers, kind)?;
         let me = Rank(env.rank as u32);
         // Every cluster version gets new connections, so its sessions start
         // at epoch 0: swaps count from there (a Generation orders the two); a
@@ -185,6 +187,7 @@ impl Link<'_> {
                 drop(listener);
                 let tls = quic_tls(env)?;
                 let mut c = QuicConfig::new(cluster_id, version, epoch, me, peers.clone(), tls);
+                c.secret = env.secret.clone();
                 c.connect_timeout = connect_timeout;
                 c.pool = Some(pool.clone());
                 if let Some(spin) = env.spin {
@@ -253,6 +256,29 @@ impl Link<'_> {
     }
 }
 
+/// What `kind` becomes under `KUNGFU_SECURE=1` (see [`WorkerEnv::secure`]):
+/// across hosts `auto` is `quic`, and a wire whose frames carry no MAC is
+/// refused; on one host, or without it, `kind` itself.
+fn secure_kind(
+    env: &WorkerEnv,
+    peers: &PeerList,
+    kind: TransportKind,
+) -> Result<TransportKind, BootstrapError> {
+    if !env.secure || peers.hosts().len() < 2 {
+        return Ok(kind);
+    }
+    match kind {
+        TransportKind::Auto | TransportKind::Quic => Ok(TransportKind::Quic),
+        other => Err(BootstrapError::Env {
+            var: "KUNGFU_SECURE".into(),
+            reason: format!(
+                "KUNGFU_SECURE=1: {other}'s frames between hosts carry no MAC; a job across \
+                 hosts runs on quic (or auto, which is then quic)"
+            ),
+        }),
+    }
+}
+
 fn shm_across_hosts(peers: &PeerList) -> BootstrapError {
     BootstrapError::Env {
         var: "KUNGFU_TRANSPORT".into(),
@@ -263,16 +289,20 @@ fn shm_across_hosts(peers: &PeerList) -> BootstrapError {
     }
 }
 
-/// This worker's QUIC certificates, from the files the environment names.
+/// This worker's QUIC certificates: from the files the environment names
+/// (the user's PKI), else issued from the job's secret
+/// ([`QuicTls::from_secret`]: every worker of the job trusts them, and no
+/// one else's).
 fn quic_tls(env: &WorkerEnv) -> Result<QuicTls, BootstrapError> {
-    let Some(f) = &env.quic_files else {
-        return Err(BootstrapError::Env {
-            var: "KUNGFU_QUIC_CERT".into(),
-            reason:
-                "the quic transport needs KUNGFU_QUIC_CA, KUNGFU_QUIC_CERT and KUNGFU_QUIC_KEY \
-                     (PEM files; kungfu-run --transport quic makes them for each job)"
-                    .into(),
-        });
-    };
-    Ok(QuicTls::from_pem_files(&f.ca, &f.cert, &f.key)?)
+    match (&env.quic_files, &env.secret) {
+        (Some(f), _) => Ok(QuicTls::from_pem_files(&f.ca, &f.cert, &f.key)?),
+        (None, Some(secret)) => Ok(QuicTls::from_secret(secret, &env.rank.to_string())?),
+        (None, None) => Err(BootstrapError::Env {
+            var: "KUNGFU_JOB_SECRET".into(),
+            reason: "the quic transport needs the job's secret (KUNGFU_JOB_SECRET; kungfu-run \
+                     sets it), from which each worker makes its certificate, or the user's \
+                     PEM files in KUNGFU_QUIC_CA, KUNGFU_QUIC_CERT and KUNGFU_QUIC_KEY"
+                .into(),
+        }),
+    }
 }

@@ -150,6 +150,15 @@ impl Worker {
         if self.env.transport != TransportKind::Auto || self.peers.hosts().len() < 2 {
             return;
         }
+        if self.env.secure {
+            // auto across hosts is QUIC then: no RDMA wire authenticates
+            // its frames
+            if self.env.rank == 0 {
+                let on = any::describe(&self.session.transport());
+                eprintln!("kungfu: auto: across hosts over {on} (KUNGFU_SECURE=1)");
+            }
+            return;
+        }
         let (moved, why) = self.transport_swap().auto_across_hosts().await;
         if self.env.rank == 0 {
             let on = any::describe(&self.session.transport());

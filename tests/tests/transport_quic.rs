@@ -1,5 +1,7 @@
 //! QUIC's mutual TLS: a peer without a certificate of the job is refused,
-//! and a refused intruder does not stop the real peer from connecting.
+//! and a refused intruder does not stop the real peer from connecting;
+//! the job's secret alone is enough (certificates made from it), and a
+//! certificate the job does not vouch for is refused.
 
 use std::time::Duration;
 
@@ -8,6 +10,7 @@ use kungfu_tests::conformance::clusters::{bind_udp, quic_config};
 use kungfu_tests::conformance::ConformanceConfig;
 use kungfu_tests::unique_cluster_id;
 use kungfu_topology::{PeerList, Rank};
+use kungfu_transport::auth::JobSecret;
 use kungfu_transport::quic::{JobCa, QuicTls, QuicTransport};
 use kungfu_transport::{FrameKind, Header, OpId, OpTag, PeerSet, Transport, TransportError};
 
@@ -113,6 +116,98 @@ async fn an_intruder_does_not_stop_the_real_peer() {
         t0.close(Duration::from_secs(2)),
         t1.close(Duration::from_secs(2))
     );
+}
+
+/// QUIC from the job's secret alone (no PKI of the user's): both ranks
+/// make their certificates from the secret, prove it in the handshake, and
+/// a frame passes both ways.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_job_secret_alone_is_enough() {
+    let (mut sockets, peers) = bind_udp(2);
+    let job = JobSecret::new(b"the job's secret").unwrap();
+    let id = unique_cluster_id();
+    let wait = Duration::from_secs(10);
+    let s1 = sockets.pop().unwrap();
+    let s0 = sockets.pop().unwrap();
+    let keyed = |r: u32| {
+        let mut c = config(
+            id,
+            r,
+            &peers,
+            QuicTls::from_secret(&job, &r.to_string()).unwrap(),
+            wait,
+        );
+        c.secret = Some(job.clone());
+        c
+    };
+    let (t0, t1) = tokio::join!(
+        QuicTransport::connect(keyed(0), s0),
+        QuicTransport::connect(keyed(1), s1)
+    );
+    let (t0, t1) = (t0.unwrap(), t1.unwrap());
+    let (tag, header) = data_frame(t0.epoch(), 9);
+    t1.send(Rank(0), header, Bytes::from_static(b"keyed"))
+        .await
+        .unwrap();
+    let soon = tokio::time::Instant::now() + Duration::from_secs(10);
+    let f = t0.recv(tag, &PeerSet::all(2), soon).await.unwrap();
+    assert_eq!(&f.payload[..], b"keyed");
+    tokio::join!(
+        t0.close(Duration::from_secs(2)),
+        t1.close(Duration::from_secs(2))
+    );
+}
+
+/// What the job does not vouch for is refused: a certificate from another
+/// secret's CA (at TLS), and a certificate of a CA every rank trusts (the
+/// user's, say) held by a process without the job's secret (at the
+/// handshake on the connection's first stream).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_certificate_the_job_does_not_vouch_for_is_refused() {
+    let job = JobSecret::new(b"the job's secret").unwrap();
+    let stranger = JobSecret::new(b"a guess").unwrap();
+    let users = JobCa::new().unwrap();
+    let wait = Duration::from_secs(2);
+    // (what, rank 0's certificate, rank 1's certificate, rank 1's secret);
+    // rank 0 holds the job's secret
+    let cases = [
+        (
+            "another secret's CA",
+            QuicTls::from_secret(&job, "0").unwrap(),
+            QuicTls::from_secret(&stranger, "1").unwrap(),
+            Some(stranger.clone()),
+        ),
+        (
+            "the user's CA, no secret",
+            users.issue("0").unwrap(),
+            users.issue("1").unwrap(),
+            None,
+        ),
+        (
+            "the user's CA, another secret",
+            users.issue("0").unwrap(),
+            users.issue("1").unwrap(),
+            Some(stranger.clone()),
+        ),
+    ];
+    for (what, tls0, tls1, secret1) in cases {
+        let (mut sockets, peers) = bind_udp(2);
+        let id = unique_cluster_id();
+        let s1 = sockets.pop().unwrap();
+        let s0 = sockets.pop().unwrap();
+        let mut c0 = config(id, 0, &peers, tls0, wait);
+        c0.secret = Some(job.clone());
+        let mut c1 = config(id, 1, &peers, tls1, wait);
+        c1.secret = secret1;
+        let (r0, r1) = tokio::join!(
+            QuicTransport::connect(c0, s0),
+            QuicTransport::connect(c1, s1)
+        );
+        assert!(r0.is_err(), "{what}: rank 0 connected");
+        assert!(r1.is_err(), "{what}: rank 1 connected");
+        let e0 = r0.err().unwrap().to_string();
+        assert!(e0.contains("[1] did not connect"), "{what}: {e0}");
+    }
 }
 
 /// Not a test: prints how fast 16 MiB frames go over one QUIC connection,

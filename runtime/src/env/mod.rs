@@ -117,6 +117,11 @@ pub struct WorkerEnv {
     /// The job's secret (`KUNGFU_JOB_SECRET`; see "The job secret"
     /// above): `None`, nothing is authenticated.
     pub secret: Option<JobSecret>,
+    /// `KUNGFU_SECURE=1`: every frame between hosts must be authenticated,
+    /// so a job across hosts runs on QUIC (`auto` becomes `quic`; `tcp`,
+    /// `fabric` and `verbs`, whose frames carry no MAC, are refused, at
+    /// start and in a swap). Needs the secret. No effect on one host.
+    pub secure: bool,
     pub connect_timeout: Duration,
     pub op_timeout: Duration,
     /// A peer silent this long (no frame, no heartbeat) is lost
@@ -239,8 +244,27 @@ impl WorkerEnv {
                 })
             })
             .transpose()?;
+        let secure = match get("KUNGFU_SECURE").as_deref() {
+            None | Some("") | Some("0") => false,
+            Some("1") => true,
+            Some(v) => {
+                return Err(BootstrapError::Env {
+                    var: "KUNGFU_SECURE".into(),
+                    reason: format!("{v:?}: 1 (on) or 0 (off)"),
+                })
+            }
+        };
+        if secure && secret.is_none() {
+            return Err(BootstrapError::Env {
+                var: "KUNGFU_SECURE".into(),
+                reason: "KUNGFU_SECURE=1 needs the job's secret (KUNGFU_JOB_SECRET), which keys \
+                         the links"
+                    .into(),
+            });
+        }
         Ok(WorkerEnv {
             secret,
+            secure,
             spin,
             config_server: get("KUNGFU_CONFIG_SERVER"),
             listen_fd,

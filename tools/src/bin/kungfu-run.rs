@@ -44,15 +44,14 @@ options:
   --transport T         auto (default: shared memory inside each host; across
                         hosts RDMA if every worker has it, else tcp), tcp,
                         shm (every worker on one host), quic (mutual TLS:
-                        kungfu-run makes a CA for the job and a certificate
-                        per worker, in a directory only you can read, removed
-                        at exit), fabric (libfabric; choose the provider with
+                        each worker issues its certificate from the job
+                        secret, on any host), fabric (libfabric; choose the provider with
                         -x KUNGFU_FABRIC_PROVIDER=P, e.g. verbs;ofi_rxm, efa,
                         tcp;ofi_rxm, shm) or verbs (ibverbs, in a build with
                         the feature verbs; -x KUNGFU_VERBS_DEVICE=D)
   --quic-ca F --quic-cert F --quic-key F
                         your own PEM files for quic instead (every worker
-                        uses them; needed for quic across hosts)
+                        uses them, and still proves the job secret)
   --timeout DUR         stop the job after DUR (e.g. 90s, 5m); exit status 124
   --grace DUR           after a worker fails, how long the others may take to
                         exit by themselves before SIGTERM (default 2s)

@@ -19,7 +19,6 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::time::Instant;
 
 use crate::bind::allowed_cpus;
-use crate::certs::job_tls;
 use crate::procs::{
     control_channel, describe, report_live, signal_all, Control, Job, TERM_TO_KILL,
 };
@@ -126,8 +125,6 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
     // first (reaped when the loop below ends; on an early error, sent
     // SIGKILL by the job's drop, which does not wait for them).
     let _rings = JobRings(cluster_id);
-    let one_host = all_local && opts.self_host.is_none();
-    let tls = job_tls(opts.transport, opts.quic.as_ref(), one_host, cluster_id)?;
     let mut job = Job::default();
     let allowed = allowed_cpus();
     let starter = Starter {
@@ -135,7 +132,7 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
         allowed: &allowed,
         keys: &keys,
         url: url.as_deref(),
-        tls: tls.as_ref(),
+        tls: opts.quic.as_ref(),
     };
     for s in slots.iter().filter(|s| mine(&s.host) && late.is_none()) {
         let w = WorkerSpec {

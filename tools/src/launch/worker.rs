@@ -13,7 +13,7 @@ use tokio::process::Command;
 
 use super::{cpu_for, LaunchOptions};
 use crate::bind::pin;
-use crate::certs::JobTls;
+use crate::certs::QuicFiles;
 use crate::procs::Job;
 
 /// Hands `l` to the child `cmd` starts, as an inherited descriptor named
@@ -157,7 +157,7 @@ pub(super) struct Starter<'a> {
     pub(super) allowed: &'a [usize],
     pub(super) keys: &'a JobKeys,
     pub(super) url: Option<&'a str>,
-    pub(super) tls: Option<&'a JobTls>,
+    pub(super) tls: Option<&'a QuicFiles>,
 }
 
 impl Starter<'_> {
@@ -191,7 +191,7 @@ impl Starter<'_> {
     ) -> anyhow::Result<()> {
         let mut cmd = worker_cmd(self.opts, self.allowed, w, self.keys, self.url, listener)?;
         if let Some(t) = self.tls {
-            t.apply(&mut cmd, w.rank)?;
+            t.apply(&mut cmd);
         }
         let (name, prefix) = self.tags(w.rank, host);
         job.spawn(cmd, label.unwrap_or(name), prefix, addr, None)

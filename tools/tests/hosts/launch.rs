@@ -43,6 +43,40 @@ fn ssh_mode_runs_a_job_on_two_hosts_started_on_one_of_them() {
     assert!(!t.contains("Connection refused"), "{t}");
 }
 
+/// `KUNGFU_SECURE=1` across hosts: `auto` runs on QUIC, with no PKI of the
+/// user's (each worker's certificate comes from the job's secret), and
+/// every value is exact; `tcp`, whose frames carry no MAC, is refused at
+/// start, saying why.
+#[test]
+fn secure_mode_runs_across_hosts_on_quic_and_refuses_tcp() {
+    let Some(mut c) = cluster(2, "secure") else {
+        return;
+    };
+    c.start_sshd(&[2]);
+    let secure = ["-x", "KUNGFU_SECURE=1"];
+    let out = run_bounded(
+        ssh_job(&c, &secure, &[SELFTEST, "--steps", "20"]),
+        Duration::from_secs(120),
+    );
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert!(
+        t.contains("kungfu: auto: across hosts over quic (KUNGFU_SECURE=1)"),
+        "{t}"
+    );
+    let tcp = [&secure[..], &["--transport", "tcp", "--grace", "5s"]].concat();
+    let out = run_bounded(
+        ssh_job(&c, &tcp, &[SELFTEST, "--steps", "20"]),
+        Duration::from_secs(120),
+    );
+    let t = text(&out);
+    assert!(!out.status.success(), "{t}");
+    assert!(
+        t.contains("KUNGFU_SECURE=1: tcp's frames between hosts carry no MAC"),
+        "{t}"
+    );
+}
+
 #[test]
 fn a_worker_failing_on_the_remote_host_stops_the_job_and_is_named() {
     let Some(mut c) = cluster(2, "remote_failure") else {

@@ -69,6 +69,11 @@ pub struct QuicConfig {
     pub peers: PeerList,
     /// This worker's certificates (see [`tls`]).
     pub tls: QuicTls,
+    /// The job's secret: with it, every peer must also prove it holds the
+    /// secret in the handshake on the connection's first stream (as on
+    /// TCP), so that a certificate the TLS layer accepts (one of the
+    /// user's CA, say) is not enough to join. `None`: TLS alone.
+    pub secret: Option<crate::auth::JobSecret>,
     /// How long [`QuicTransport::connect`] waits for every peer.
     pub connect_timeout: Duration,
     /// The largest frame payload accepted.
@@ -100,8 +105,7 @@ impl QuicConfig {
             self.epoch,
             self.rank,
             &self.peers,
-            // authenticated by mutual TLS, not by the handshake
-            None,
+            self.secret.as_ref(),
         )
     }
 
@@ -123,6 +127,7 @@ impl QuicConfig {
             rank,
             peers,
             tls,
+            secret: None,
             connect_timeout: Duration::from_secs(30),
             max_frame: 64 << 20,
             mailbox_bytes: 256 << 20,
@@ -143,8 +148,7 @@ impl QuicConfig {
             self.epoch,
             self.rank,
             &self.peers,
-            // authenticated by mutual TLS, not by the handshake
-            None,
+            self.secret.as_ref(),
         )
         .expect("the rank is checked at connect")
     }

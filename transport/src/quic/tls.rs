@@ -26,6 +26,7 @@ use rcgen::{
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
+use crate::auth::JobSecret;
 use crate::TransportError;
 
 /// The name every worker certificate carries (as a DNS name), and the
@@ -68,6 +69,13 @@ fn tls_error(what: impl std::fmt::Display) -> TransportError {
 }
 
 impl QuicTls {
+    /// Certificates from the job's secret alone: the CA every holder of
+    /// the secret derives ([`JobCa::from_secret`]), and a certificate of
+    /// this worker (`who`, for logs) issued from it with a fresh key.
+    pub fn from_secret(secret: &JobSecret, who: &str) -> Result<QuicTls, TransportError> {
+        JobCa::from_secret(secret)?.issue(who)
+    }
+
     /// Reads the CA certificates, this worker's certificate chain and its
     /// private key from PEM files.
     pub fn from_pem_files(ca: &Path, cert: &Path, key: &Path) -> Result<QuicTls, TransportError> {
@@ -147,13 +155,35 @@ pub struct JobCa {
 impl JobCa {
     /// A new CA with a new ECDSA P-256 key.
     pub fn new() -> Result<JobCa, TransportError> {
+        JobCa::with_key(KeyPair::generate().map_err(tls_error)?)
+    }
+
+    /// The CA of the job whose secret is `secret`: its Ed25519 key is
+    /// derived from the secret (an HMAC under a label of its own), so every
+    /// holder of the secret, on any host, makes the same CA, and nobody
+    /// else can issue a certificate it accepts. Workers that share a secret
+    /// need no PKI of the user's: each issues its own certificate from it
+    /// ([`QuicTls::from_secret`]). A certificate from any other CA, one the
+    /// user trusts included, is refused.
+    pub fn from_secret(secret: &JobSecret) -> Result<JobCa, TransportError> {
+        let seed = secret.mac(b"kungfu quic job ca v1", &[]);
+        // PKCS#8 v1 of an Ed25519 private key (RFC 8410): a fixed prefix,
+        // then the 32-byte seed
+        let mut der = vec![
+            0x30, 0x2e, 0x02, 0x01, 0x00, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x04, 0x22,
+            0x04, 0x20,
+        ];
+        der.extend_from_slice(&seed);
+        JobCa::with_key(KeyPair::try_from(&der[..]).map_err(tls_error)?)
+    }
+
+    fn with_key(key: KeyPair) -> Result<JobCa, TransportError> {
         let mut params = CertificateParams::new(Vec::<String>::new()).map_err(tls_error)?;
         params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
         params
             .distinguished_name
             .push(DnType::CommonName, "KungFu-rs job CA");
         params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-        let key = KeyPair::generate().map_err(tls_error)?;
         let cert = params.self_signed(&key).map_err(tls_error)?;
         Ok(JobCa {
             issuer: Issuer::new(params, key),
@@ -216,6 +246,48 @@ mod tests {
         assert!(cert.starts_with("-----BEGIN CERTIFICATE-----"));
         assert!(key.contains("PRIVATE KEY"));
         assert!(ca.cert_pem().starts_with("-----BEGIN CERTIFICATE-----"));
+    }
+
+    /// Two workers that hold the secret trust each other's certificates;
+    /// one from a CA of another secret (or the user's) is not trusted.
+    #[test]
+    fn certificates_from_the_secret_are_trusted_by_its_holders_only() {
+        use rustls::client::danger::ServerCertVerifier;
+        use rustls::pki_types::{ServerName, UnixTime};
+        let job = JobSecret::new(b"the job").unwrap();
+        let a = QuicTls::from_secret(&job, "0").unwrap();
+        let b = QuicTls::from_secret(&job, "1").unwrap();
+        // the same CA, made apart from the same secret
+        assert_eq!(
+            JobCa::from_secret(&job)
+                .unwrap()
+                .issuer
+                .key()
+                .public_key_raw(),
+            JobCa::from_secret(&job)
+                .unwrap()
+                .issuer
+                .key()
+                .public_key_raw()
+        );
+        let other = QuicTls::from_secret(&JobSecret::new(b"another job").unwrap(), "1").unwrap();
+        let users = JobCa::new().unwrap().issue("1").unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(
+            a.roots().unwrap(),
+            provider,
+        )
+        .build()
+        .unwrap();
+        let name = ServerName::try_from(SERVER_NAME).unwrap();
+        let check = |t: &QuicTls| {
+            verifier.verify_server_cert(&t.chain[0], &[], &name, &[], UnixTime::now())
+        };
+        assert!(check(&b).is_ok(), "{:?}", check(&b));
+        assert!(check(&other).is_err());
+        assert!(check(&users).is_err());
+        a.server_config().unwrap();
+        a.client_config().unwrap();
     }
 
     #[test]
