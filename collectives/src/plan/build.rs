@@ -309,19 +309,32 @@ pub const RING_MIN_FRAME: usize = 64 * 1024;
 /// data frame has it (an op's tags are fewer than `u32::MAX`).
 pub const CONFIRM_CHUNK: u32 = u32::MAX;
 
+/// Up to this many ranks a rooted op's confirmations go directly between
+/// every pair (one hop, `n - 1` empty frames per rank); above it, up and
+/// down the root's tree (two hops per level, a frame per link).
+pub const DIRECT_CONFIRM_MAX: usize = 8;
+
 impl Ctx<'_> {
     /// A rooted op's confirmations (broadcast, reduce, gather), beside its
-    /// data: an empty frame up the root's tree (step 0) once this rank's
-    /// subtree has confirmed, and from the root an empty release down it
-    /// (step 1); a rank completes only with the release. Each frame
-    /// carries its sender's digest, so every rank hears (through the
-    /// tree) that every other agrees on the op (kind, root, type, count,
-    /// topology) before it completes: a disagreement fails the op on every
-    /// rank (the rank that sees it aborts it everywhere), where a root that
-    /// only sends, or a leaf that only sends, would have completed. The
-    /// confirmations do not wait for the data, so they add a round trip of
-    /// the tree's depth to the op's latency only where the data is faster.
+    /// data. Each is an empty frame that carries its sender's digest, so
+    /// every rank hears that every other agrees on the op (kind, root,
+    /// type, count, topology) before it completes: a disagreement fails
+    /// the op on every rank (the rank that sees it aborts it everywhere),
+    /// where a root that only sends, or a leaf that only sends, would have
+    /// completed. Up to [`DIRECT_CONFIRM_MAX`] ranks each sends one to
+    /// every other and waits for theirs (step 0); above, a frame goes up
+    /// the root's tree (step 0) once this rank's subtree has confirmed,
+    /// and from the root a release down it (step 1), which a rank waits
+    /// for. The confirmations do not wait for the data: they add to an
+    /// op's latency only where the data is faster than they are.
     fn confirm(&mut self, root: Rank) {
+        if self.n <= DIRECT_CONFIRM_MAX {
+            for j in (0..self.n as u32).map(Rank).filter(|&j| j != self.me) {
+                self.b.send(j, CONFIRM_CHUNK, 0, 0..0, &[]);
+                self.b.recv(j, CONFIRM_CHUNK, 0, 0..0, false, &[]);
+            }
+            return;
+        }
         let topo = (self.input.topology)(Root::At(root));
         let g = &pairs_of(&topo)[0].reduce;
         let ups: Vec<ActionId> = g
