@@ -124,6 +124,10 @@ pub(super) struct Core {
     pub(super) me: Rank,
     /// Frames that landed in receives posted for them (the rendezvous way).
     pub(super) posted_landed: AtomicU64,
+    /// Frames from an address that is no rank's (not in the address
+    /// vector the authenticated bootstrap filled): dropped, never blamed
+    /// on a rank.
+    pub(super) strangers: AtomicU64,
 }
 
 pub(super) fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
@@ -161,6 +165,7 @@ impl Core {
             spin,
             me,
             posted_landed: AtomicU64::new(0),
+            strangers: AtomicU64::new(0),
         }
     }
 

@@ -87,6 +87,15 @@ impl Core {
                 },
                 Cqe::Done { len, src, .. },
             ) => {
+                if self.stranger(src) {
+                    // not the rank it was posted for: given back to the
+                    // provider for the real frame (the stranger's bytes
+                    // in it are overwritten by it)
+                    if let Err(e) = self.post(key, mem) {
+                        self.matcher.fail_peer(key.from, e.to_string());
+                    }
+                    return;
+                }
                 self.posted_arrived(key, &header, mem, len, src);
             }
             (Kind::Posted { key, cancelled, .. }, Cqe::Failed { err, why, .. }) => {
@@ -110,8 +119,11 @@ impl Core {
             );
             (header, from)
         };
-        let Some(from) = from.filter(|r| r.idx() < self.received.len()) else {
-            // no source: nobody to blame; the frame is dropped
+        if self.stranger(src) {
+            let _ = self.repost(slot);
+            return;
+        }
+        let Some(from) = from else {
             let _ = self.repost(slot);
             return;
         };
@@ -156,6 +168,29 @@ impl Core {
             core.received[from.idx()].fetch_add(1, Ordering::Relaxed);
             let _ = core.repost(slot);
         });
+    }
+
+    /// Whether a frame's source (`src`, from `FI_SOURCE`) is no rank: an
+    /// address the authenticated bootstrap did not put in the address
+    /// vector (`FI_ADDR_NOTAVAIL`). Such a frame is counted and dropped,
+    /// and said so on standard error (the first and then every 2^k-th),
+    /// never blamed on a rank.
+    pub(super) fn stranger(&self, src: Option<u64>) -> bool {
+        let rank = src
+            .and_then(|s| usize::try_from(s).ok())
+            .filter(|&s| s < self.received.len());
+        if rank.is_some() {
+            return false;
+        }
+        let n = self.strangers.fetch_add(1, Ordering::Relaxed) + 1;
+        if n.is_power_of_two() {
+            eprintln!(
+                "kungfu: rank {}: fabric: dropped a frame from an address that is no rank's \
+                 ({n} so far)",
+                self.me.0
+            );
+        }
+        true
     }
 
     fn copy_out(&self, slot: usize, len: usize) -> Bytes {
