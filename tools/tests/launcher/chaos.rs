@@ -169,10 +169,12 @@ struct Figures {
     /// The garbage connections: local port, the target's pid, and the
     /// line from which it was sent.
     garbage: Vec<(u16, i32, usize)>,
-    /// Where each fault began (a line index), its kind and its victim's
-    /// address (none for pause, delay and garbage; a drop's is learned
-    /// from the recovery).
-    spans: Vec<(usize, Fault, Option<String>)>,
+    /// Where each fault began (a line index), its kind, the address of
+    /// the worker aimed at, and its victims: the aimed worker for kill and
+    /// freeze; for a drop, whom its recovery lost (an end of the cut link,
+    /// or both: each end loses the other); none for pause, delay and
+    /// garbage.
+    spans: Vec<(usize, Fault, String, Vec<String>)>,
     /// The kinds dealt.
     dealt: BTreeSet<Fault>,
     /// What went wrong; the test fails if anything did.
@@ -343,8 +345,11 @@ impl Driver {
             f.name()
         );
         let from = self.job.lines.len();
-        let aimed = matches!(f, Fault::Kill | Fault::Freeze).then(|| addr.clone());
-        self.fig.spans.push((from, f, aimed));
+        let victims = match f {
+            Fault::Kill | Fault::Freeze => vec![addr.clone()],
+            _ => Vec::new(),
+        };
+        self.fig.spans.push((from, f, addr.clone(), victims));
         let sent = unix_ms();
         self.began = Instant::now();
         self.failed_before = self.fig.failures.len();
@@ -524,15 +529,18 @@ fn chaos_training_survives_kills_freezes_pauses_delays_and_garbage() {
     chaos("chaos", &[Kill, Freeze, Pause, Delay, Garbage], 30);
 }
 
-/// Dropped connections (and kills), for 30 s. Passed with seeds 5 (every
-/// kind, 60 s), 11 and 12; ignored in CI since one run of every kind
-/// failed on a pause followed by a recovery from a cut ("a recovery that
-/// was not due: ... the connection was cut"): the cut of an earlier drop
-/// came later than the driver counted it, not yet understood. Run it with
-/// `cargo test -p kungfu-tools --test launcher dropped -- --ignored`, or
+/// Dropped connections (and kills), for 30 s. Ignored in CI: one run of
+/// every kind once failed on a pause followed by a recovery from a cut
+/// (the cut of an earlier drop came later than the driver counted it),
+/// and with the checks that each recovery lose only its fault's victims
+/// it failed 2 runs of 3 here: a drop's recovery lost two workers, in one
+/// run neither of them the one signalled (CHAOS_SEED=1796422064741 and
+/// 1796422119712; the timing, not the seed, decides it, so a replay may
+/// pass). Not yet understood. Run it with `cargo nextest run -p
+/// kungfu-tools --run-ignored only -E 'test(dropped)'`, or
 /// `CHAOS_FAULTS=kill,drop scripts/chaos.sh`.
 #[test]
-#[ignore = "a drop's cut was once counted against the next fault (see the doc)"]
+#[ignore = "a drop's recovery may lose workers other than the cut link's (see the doc)"]
 fn a_dropped_connection_is_recovered_from() {
     chaos("chaos-drop", &[Fault::Drop, Fault::Kill], 30);
 }

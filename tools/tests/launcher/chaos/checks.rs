@@ -38,17 +38,28 @@ impl Driver {
                 ));
                 continue;
             };
-            let (f, victim) = (self.fig.spans[k].1, self.fig.spans[k].2.clone());
-            match (f, victim) {
-                (Fault::Kill | Fault::Freeze, Some(v)) if addrs == [v.as_str()] => {}
-                (Fault::Drop, None) if addrs.len() == 1 => {
-                    self.fig.spans[k].2 = Some(addrs[0].to_string());
+            let (_, f, aimed, victims) = self.fig.spans[k].clone();
+            let addrs: Vec<String> = addrs.into_iter().map(String::from).collect();
+            let ok = match f {
+                Fault::Kill | Fault::Freeze => addrs == victims,
+                // a cut link: one of its ends, or both (the one signalled
+                // among them); every survivor's recovery alike
+                Fault::Drop if victims.is_empty() => {
+                    let fits = addrs.len() == 1 || (addrs.len() == 2 && addrs.contains(&aimed));
+                    if fits {
+                        self.fig.spans[k].3 = addrs.clone();
+                    }
+                    fits
                 }
-                (Fault::Drop, Some(v)) if addrs == [v.as_str()] => {}
-                (f, v) => self.fail(format!(
-                    "{}: a recovery lost {lost}, where the victim was {v:?} alone",
+                Fault::Drop => addrs == victims,
+                Fault::Pause | Fault::Delay | Fault::Garbage => false,
+            };
+            if !ok {
+                self.fail(format!(
+                    "{}: a recovery lost {lost}, where the victims were {victims:?} \
+                     (aimed at {aimed})",
                     f.name()
-                )),
+                ));
             }
         }
     }
@@ -57,7 +68,12 @@ impl Driver {
     /// that panicked or exited 1 in a recovery would be replaced, and
     /// kungfu-run would still exit 0.
     pub(super) fn check_failures(&mut self) {
-        let victims: BTreeSet<String> = self.fig.spans.iter().filter_map(|s| s.2.clone()).collect();
+        let victims: BTreeSet<String> = self
+            .fig
+            .spans
+            .iter()
+            .flat_map(|s| s.3.iter().cloned())
+            .collect();
         // kungfu-run's label of a first worker is its rank at start
         let first: BTreeMap<String, String> = self
             .job
