@@ -123,6 +123,9 @@ pub async fn config_server(
             Err("no free port".into())
         }),
         credential: Some(secret.clone()),
+        // across hosts the server's address is routable: TLS, trusted
+        // through the secret, hides the cluster's addresses and requests
+        tls: across,
     };
     let initial = ClusterConfig {
         version: 0,

@@ -4,14 +4,15 @@
 use std::time::Duration;
 
 use kungfu_transport::auth::JobSecret;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::credential;
-use super::message::{read_response, split_url};
+use super::message::{read_response, split_url, Url};
 use super::server::HISTORY;
+use super::tls;
 use super::ClusterConfig;
 
 /// Follows the config server at `url` from another host: every version
@@ -86,12 +87,25 @@ pub async fn request(
     secret: Option<&JobSecret>,
     deadline: Instant,
 ) -> Result<(u16, String), String> {
-    let (addr, path) = split_url(url)?;
+    let Url {
+        tls: over_tls,
+        addr,
+        path,
+    } = split_url(url)?;
     let signed = secret
         .map(|k| credential::sign(k, method, path, body.as_bytes(), credential::now_ms()))
         .transpose()?;
+    let connector = match (over_tls, secret) {
+        (false, _) => None,
+        (true, Some(k)) => Some(tls::connector(k)?),
+        (true, None) => {
+            return Err(format!(
+                "{url}: a config server over TLS is trusted through the job's secret, and there is none (KUNGFU_JOB_SECRET)"
+            ))
+        }
+    };
     let io = async {
-        let mut s = TcpStream::connect(addr)
+        let s = TcpStream::connect(addr)
             .await
             .map_err(|e| format!("connect to {addr}: {e}"))?;
         let mut headers = vec![("Host", addr), ("Connection", "close")];
@@ -99,8 +113,16 @@ pub async fn request(
             headers.push(("Authorization", &sg.authorization));
         }
         let req = crate::http::request_bytes(method, path, &headers, body.as_bytes())?;
-        s.write_all(&req).await.map_err(|e| format!("write: {e}"))?;
-        read_response(&mut s).await
+        match connector {
+            None => exchange(s, &req).await,
+            Some(c) => {
+                let s = c
+                    .connect(tls::server_name(), s)
+                    .await
+                    .map_err(|e| format!("TLS with {addr}: {e} (not the job's config server?)"))?;
+                exchange(s, &req).await
+            }
+        }
     };
     let (code, answer, signature) = tokio::time::timeout_at(deadline, io)
         .await
@@ -114,6 +136,16 @@ pub async fn request(
         }
     }
     Ok((code, answer))
+}
+
+/// Writes one request and reads its response (see [`read_response`]).
+async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(
+    mut s: S,
+    req: &[u8],
+) -> Result<(u16, String, Option<String>), String> {
+    s.write_all(req).await.map_err(|e| format!("write: {e}"))?;
+    s.flush().await.map_err(|e| format!("write: {e}"))?;
+    read_response(&mut s).await
 }
 
 /// Gets the current config (signed with `secret`, see [`request`]).

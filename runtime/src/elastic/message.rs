@@ -1,7 +1,7 @@
 //! The config server's messages in the crate's one HTTP/1.1
 //! ([`crate::http`]): a request as the server reads it, a response as the
-//! client reads it, both within [`LIMITS`]; and the address and path of an
-//! `http://` URL.
+//! client reads it, both within [`LIMITS`]; and the parts of an
+//! `http://` or `https://` URL.
 
 use tokio::io::AsyncRead;
 
@@ -52,13 +52,27 @@ pub(super) async fn read_response<S: AsyncRead + Unpin>(
     Ok((head.code, body, head.signature))
 }
 
-/// Splits `http://host:port/path` into the address and the path.
-pub(super) fn split_url(url: &str) -> Result<(&str, &str), String> {
-    let rest = url
-        .strip_prefix("http://")
-        .ok_or_else(|| format!("{url:?}: only http:// URLs are served"))?;
-    Ok(match rest.find('/') {
+/// A config server's URL, split: over TLS or not, the address, the path.
+pub(super) struct Url<'a> {
+    pub(super) tls: bool,
+    pub(super) addr: &'a str,
+    pub(super) path: &'a str,
+}
+
+/// Splits `http://host:port/path` (or `https://`) into its parts.
+pub(super) fn split_url(url: &str) -> Result<Url<'_>, String> {
+    let (tls, rest) = match (url.strip_prefix("http://"), url.strip_prefix("https://")) {
+        (Some(rest), _) => (false, rest),
+        (_, Some(rest)) => (true, rest),
+        _ => {
+            return Err(format!(
+                "{url:?}: only http:// and https:// URLs are served"
+            ))
+        }
+    };
+    let (addr, path) = match rest.find('/') {
         Some(i) => (&rest[..i], &rest[i..]),
         None => (rest, "/"),
-    })
+    };
+    Ok(Url { tls, addr, path })
 }

@@ -28,6 +28,10 @@
 //! client takes an answer only so signed: see [`credential`]. Workers and
 //! launchers sign with `KUNGFU_JOB_SECRET`; `kungfu-run --resize N
 //! --config-server URL` does for a person.
+//!
+//! Across hosts the server speaks TLS ([`ServerRules::tls`], an `https://`
+//! URL) with a certificate of the job's CA, which every holder of the
+//! secret derives and a client trusts alone: see `tls.rs`.
 
 use kungfu_topology::PeerList;
 
@@ -37,6 +41,7 @@ mod message;
 mod server;
 #[cfg(test)]
 mod tests;
+mod tls;
 
 pub use client::{follow, get_config, get_version, put_config, request};
 pub(crate) use server::fuzz_http;

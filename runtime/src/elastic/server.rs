@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use kungfu_topology::{Peer, PeerList};
 use kungfu_transport::auth::JobSecret;
-use tokio::io::AsyncWriteExt;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 
 use super::credential::{self, Verifier, SIGNATURE_HEADER};
@@ -37,6 +37,11 @@ pub struct ServerRules {
     /// answer is ([`super::credential`]); `None`: anyone who reaches the
     /// port may read and change the config (tests only).
     pub credential: Option<JobSecret>,
+    /// Serve over TLS, with a certificate of the job's CA (derived from the
+    /// credential, which it needs: see `elastic/tls.rs`); the URL is then
+    /// `https://`. `kungfu-run` does across hosts, where the server's
+    /// address is routable.
+    pub tls: bool,
 }
 
 /// A running config server.
@@ -61,6 +66,18 @@ impl ConfigServer {
         rules: ServerRules,
     ) -> std::io::Result<ConfigServer> {
         let addr = listener.local_addr()?;
+        let acceptor = match (rules.tls, &rules.credential) {
+            (false, _) => None,
+            (true, None) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "a config server over TLS needs the job's secret (its CA comes from it)",
+                ))
+            }
+            (true, Some(secret)) => Some(tokio_rustls::TlsAcceptor::from(
+                super::tls::server_config(secret).map_err(std::io::Error::other)?,
+            )),
+        };
         let (tx, rx) = watch::channel(initial);
         let history = [tx.borrow().clone()].into();
         let state = Arc::new(ServerState {
@@ -76,8 +93,16 @@ impl ConfigServer {
                     continue;
                 };
                 let state = served.clone();
+                let acceptor = acceptor.clone();
                 tokio::spawn(async move {
-                    let _ = tokio::time::timeout(REQUEST_TIMEOUT, serve_one(s, &state)).await;
+                    // the TLS handshake too is within the request's time
+                    let _ = tokio::time::timeout(REQUEST_TIMEOUT, async {
+                        match acceptor {
+                            None => serve_one(s, &state).await,
+                            Some(a) => serve_one(a.accept(s).await?, &state).await,
+                        }
+                    })
+                    .await;
                 });
             }
         });
@@ -89,9 +114,14 @@ impl ConfigServer {
         })
     }
 
-    /// The URL workers get (`KUNGFU_CONFIG_SERVER`).
+    /// The URL workers get (`KUNGFU_CONFIG_SERVER`): `https://` over TLS.
     pub fn url(&self) -> String {
-        format!("http://{}/cluster", self.addr)
+        let scheme = if self.state.rules.tls {
+            "https"
+        } else {
+            "http"
+        };
+        format!("{scheme}://{}/cluster", self.addr)
     }
 
     /// The current config, and each new one as it is put (the latest
@@ -221,7 +251,10 @@ impl ServerState {
     }
 }
 
-async fn serve_one(mut s: TcpStream, state: &ServerState) -> std::io::Result<()> {
+async fn serve_one<S: AsyncRead + AsyncWrite + Unpin>(
+    mut s: S,
+    state: &ServerState,
+) -> std::io::Result<()> {
     let (code, body, signature) = respond(state, read_request(&mut s).await, credential::now_ms());
     s.write_all(&response(code, &body, signature.as_deref()))
         .await?;
@@ -335,6 +368,7 @@ pub(crate) fn fuzz_http(data: &[u8]) {
             max_size: 64,
             // the credential check has its own tests; here, what follows it
             credential: None,
+            tls: false,
             hosts: Some(vec!["127.0.0.1".into()]),
             new_peer: Box::new(move |_| {
                 Ok(Peer {

@@ -28,6 +28,7 @@ fn rules(max_size: usize, job: Option<&JobSecret>) -> ServerRules {
             })
         }),
         credential: job.cloned(),
+        tls: false,
     }
 }
 
@@ -259,4 +260,59 @@ async fn a_recorded_request_or_answer_is_refused() {
 /// Reads a request off `s` (a stranger's side of the test above).
 async fn read_request_for_test(s: &mut TcpStream) -> Result<(), String> {
     super::message::read_request(s).await.map(|_| ())
+}
+
+/// Across hosts the server speaks TLS with a certificate of the job's CA:
+/// a client with the secret is served over `https://`; one with another
+/// secret refuses the server at TLS (it is not its job's), one with none
+/// cannot trust it; plain HTTP to the port gets no answer in clear; and a
+/// TLS server needs the secret to exist at all.
+#[tokio::test]
+async fn across_hosts_the_server_speaks_tls_trusted_through_the_secret() {
+    let job = JobSecret::new(b"s3cret").unwrap();
+    let initial = ClusterConfig {
+        version: 0,
+        peers: "127.0.0.1:1000,127.0.0.1:1001".parse().unwrap(),
+    };
+    let mut r = rules(4, Some(&job));
+    r.tls = true;
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let server = ConfigServer::start(l, initial.clone(), r).unwrap();
+    let url = server.url();
+    assert!(url.starts_with("https://127.0.0.1:"), "{url}");
+    let c = put_config(&url, "size 3", Some(&job), soon())
+        .await
+        .unwrap();
+    assert_eq!((c.version, c.peers.len()), (1, 3));
+    assert_eq!(
+        get_version(&url, 1, Some(&job), soon()).await.unwrap(),
+        Some(c)
+    );
+
+    let other = JobSecret::new(b"another").unwrap();
+    let e = get_config(&url, Some(&other), soon()).await.unwrap_err();
+    assert!(e.contains("TLS with") && e.contains("not the job's"), "{e}");
+    let e = get_config(&url, None, soon()).await.unwrap_err();
+    assert!(e.contains("KUNGFU_JOB_SECRET"), "{e}");
+    let plain = raw_request(server.addr, b"GET /cluster HTTP/1.1\r\n\r\n").await;
+    assert!(
+        !plain.contains("HTTP/1.1") && !plain.contains("peers"),
+        "{plain}"
+    );
+    // the same server's URL as plain HTTP does not reach it either
+    let e = get_config(&url.replace("https://", "http://"), Some(&job), soon())
+        .await
+        .unwrap_err();
+    assert!(!e.contains("peers"), "{e}");
+    assert_eq!(
+        get_config(&url, Some(&job), soon()).await.unwrap().version,
+        1,
+        "nothing changed"
+    );
+
+    let mut r = rules(4, None);
+    r.tls = true;
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let e = ConfigServer::start(l, initial, r).err().expect("refused");
+    assert!(e.to_string().contains("needs the job's secret"), "{e}");
 }

@@ -159,7 +159,8 @@ pub struct WorkerEnv {
     /// transport's default when unset).
     pub spin: Option<Duration>,
     /// The config server of an elastic job (`KUNGFU_CONFIG_SERVER`, set by
-    /// `kungfu-run -w`): `http://host:port/cluster`, or
+    /// `kungfu-run -w`): `http://host:port/cluster` (`https://` across
+    /// hosts), or
     /// `etcd://host:port/prefix` with `--config-store` (see [`crate::store`]).
     pub config_server: Option<String>,
     /// The listening socket kungfu-run bound for this worker and passed

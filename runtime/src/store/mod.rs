@@ -138,14 +138,15 @@ pub struct HttpStore {
 }
 
 impl ConfigStore {
-    /// The store `url` names: `http://...`, `etcd://host:port/prefix`, or
+    /// The store `url` names: `http://...` (`https://...`: the config
+    /// server across hosts, over TLS), `etcd://host:port/prefix`, or
     /// `etcds://host:port/prefix` (TLS); an etcd is reached as the
     /// environment says ([`Access::from_env`]: CA, client certificate,
     /// user).
     /// The built-in server's requests are signed with `secret` (etcd has
     /// its own access control and does not use it).
     pub fn open(url: &str, secret: Option<&JobSecret>) -> Result<ConfigStore, String> {
-        if url.starts_with("http://") {
+        if url.starts_with("http://") || url.starts_with("https://") {
             return Ok(ConfigStore::Http(HttpStore {
                 url: url.to_string(),
                 secret: secret.cloned(),

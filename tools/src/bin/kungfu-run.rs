@@ -114,7 +114,8 @@ options:
 kungfu-run --resize N --config-server URL
                         resize a running elastic job to N workers: sends
                         'size N' to its config server (the URL its workers
-                        have in KUNGFU_CONFIG_SERVER, http:// or etcd://),
+                        have in KUNGFU_CONFIG_SERVER: http://, https://
+                        across hosts, or etcd://),
                         signed with the KUNGFU_JOB_SECRET of this
                         environment, and prints the new config
 ";
@@ -461,7 +462,7 @@ async fn resize(args: &[String]) -> anyhow::Result<String> {
         .filter(|s| !s.is_empty())
         .map(|s| JobSecret::new(s.as_bytes()))
         .transpose()?;
-    if secret.is_none() && url.starts_with("http://") {
+    if secret.is_none() && (url.starts_with("http://") || url.starts_with("https://")) {
         bail!("--resize: KUNGFU_JOB_SECRET is not set (the job's secret signs the request)");
     }
     let store =

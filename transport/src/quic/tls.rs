@@ -197,6 +197,11 @@ impl JobCa {
         &self.pem
     }
 
+    /// The CA certificate (DER), to trust.
+    pub fn cert_der(&self) -> &CertificateDer<'static> {
+        &self.cert
+    }
+
     /// A certificate and key for worker `who` (named in the subject, for
     /// logs), as PEM: (certificate, private key).
     pub fn issue_pem(&self, who: &str) -> Result<(String, String), TransportError> {
