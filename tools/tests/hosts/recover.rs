@@ -105,3 +105,162 @@ fn replace_across_hosts_the_lost_worker_is_started_again_on_its_host() {
     );
     assert_eq!(t.matches("] done").count(), 4, "{t}");
 }
+
+/// The unix time in milliseconds, as `kungfu-selftest --stamp` prints it.
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// A partition: host 2's link goes down (its port on the bridge; nothing
+/// is closed, no reset or FIN reaches anyone) while a 2 x 2 job trains
+/// under `--on-failure shrink`. Host 1's workers must notice by heartbeats
+/// alone, within the bound (`KUNGFU_PEER_TIMEOUT_MS`, 1.5 s; here under
+/// 3 s of the cut, on a busy 2-core machine), naming host 2's ranks, then
+/// recover to the two of host 1, which lost exactly ranks 2 and 3, and go
+/// on training with exact values until they are told to stop.
+#[test]
+fn a_partitioned_host_is_detected_by_heartbeats_and_its_ranks_named() {
+    let Some(mut c) = cluster(2, "partition") else {
+        return;
+    };
+    c.start_sshd(&[2]);
+    let ssh = c.ssh();
+    let stop = c.dir.join("stop");
+    let stop_arg = stop.display().to_string();
+    let args = [
+        "--timeout",
+        "90s",
+        "--grace",
+        "5s",
+        "-np",
+        "4",
+        "-H",
+        "198.18.0.1:2,198.18.0.2:2",
+        "--ssh",
+        &ssh,
+        "--on-failure",
+        "shrink",
+        // the survivors must notice by themselves: no op deadline helps
+        "-x",
+        "KUNGFU_OP_TIMEOUT_MS=600000",
+        SELFTEST,
+        "--steps",
+        "1000000",
+        "--size",
+        "1024",
+        "--recover",
+        "--stamp",
+        "--step-ms",
+        "10",
+        "--stop-file",
+        &stop_arg,
+    ];
+    let mut child = c
+        .on(1, RUN, &args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let lines = lines_of(&mut child);
+    let mut seen: Vec<String> = Vec::new();
+    // pumps lines until `done` holds, for at most `limit`
+    let pump = |seen: &mut Vec<String>, limit: Duration, done: &dyn Fn(&[String]) -> bool| {
+        let end = Instant::now() + limit;
+        while !done(seen) {
+            match lines.recv_timeout(end.saturating_duration_since(Instant::now())) {
+                Ok(l) => seen.push(l),
+                Err(_) => return false,
+            }
+        }
+        true
+    };
+    let trained = |seen: &[String]| {
+        (0..4).all(|r| {
+            seen.iter()
+                .any(|l| l.starts_with(&format!("[{r}@")) && l.ends_with("step 20 ok"))
+        })
+    };
+    if !pump(&mut seen, Duration::from_secs(60), &trained) {
+        let _ = child.kill();
+        panic!("the job did not train:\n{}", seen.join("\n"));
+    }
+    // the partition
+    let cut = unix_ms();
+    let out = Command::new("ip")
+        .args([
+            "-n",
+            &format!("{}-sw", c.prefix),
+            "link",
+            "set",
+            "h2",
+            "down",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let survivors = ["[0@198.18.0.1] ", "[1@198.18.0.1] "];
+    let recovered = |seen: &[String]| {
+        survivors.iter().all(|tag| {
+            seen.iter()
+                .any(|l| l.starts_with(tag) && l.contains(": recovered in "))
+        })
+    };
+    let ok = pump(&mut seen, Duration::from_secs(30), &recovered);
+    let story = seen.join("\n");
+    if !ok {
+        let _ = child.kill();
+        panic!("the survivors did not recover:\n{story}");
+    }
+    for tag in survivors {
+        // `TAG UNIX_MS pid P: step N: op ... needs rank R: ...; recovering`
+        let first = seen
+            .iter()
+            .filter_map(|l| l.strip_prefix(tag))
+            .find(|l| l.ends_with("; recovering"))
+            .unwrap_or_else(|| panic!("{tag}: no loss reported:\n{story}"));
+        let at: u64 = first.split(' ').next().unwrap().parse().unwrap();
+        let after = at.saturating_sub(cut);
+        println!("{tag}detected the partition {after} ms after the cut: {first}");
+        assert!(
+            after < 3000,
+            "{tag}: detected {after} ms after the cut:\n{story}"
+        );
+        assert!(
+            first.contains("needs rank 2") || first.contains("needs rank 3"),
+            "{tag}: names another rank: {first}"
+        );
+        let rec = seen
+            .iter()
+            .filter_map(|l| l.strip_prefix(tag))
+            .find(|l| l.contains(": recovered in "))
+            .expect("checked");
+        let lost = rec.split(": lost ").nth(1).unwrap_or_default();
+        assert!(
+            lost.starts_with("rank 2 (198.18.0.2:")
+                && lost.contains(", rank 3 (198.18.0.2:")
+                && lost.contains("); now rank ")
+                && lost.contains("/2 at version"),
+            "{tag}: {rec}"
+        );
+    }
+    // they go on, and stop when told
+    std::fs::write(&stop, b"").unwrap();
+    let done = |seen: &[String]| {
+        survivors.iter().all(|tag| {
+            seen.iter()
+                .any(|l| l.starts_with(tag) && l.ends_with(": done"))
+        })
+    };
+    let finished = pump(&mut seen, Duration::from_secs(30), &done);
+    // host 2's launcher is cut off: kungfu-run would wait for it until its
+    // --timeout; the cluster's drop kills what is left
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        finished,
+        "the survivors did not finish:\n{}",
+        seen.join("\n")
+    );
+}
