@@ -4,7 +4,7 @@
 # new inputs go into fuzz/corpus/TARGET, crashes into fuzz/artifacts/TARGET.
 # Needs the nightly toolchain and cargo-fuzz (`cargo install cargo-fuzz`).
 # Long runs belong here, not in CI: CI replays the committed corpus on
-# stable (tests/tests/fuzz_corpus.rs).
+# stable (tests/tests/suite/fuzz_corpus.rs).
 #
 #   scripts/fuzz.sh [SECONDS] [TARGET...]
 #   scripts/fuzz.sh 600 http      # one target, ten minutes

@@ -1,4 +1,4 @@
-//! Helpers shared by the cross-crate tests in `tests/tests/`, and the
+//! Helpers shared by the cross-crate tests in `tests/tests/suite/`, and the
 //! transport conformance suite ([`conformance`]) that every wire runs.
 
 pub mod conformance;

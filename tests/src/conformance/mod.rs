@@ -47,7 +47,7 @@
 //! kungfu_tests::conformance_tests!(kungfu_tests::conformance::clusters::Tcp);
 //! ```
 //!
-//! as `tests/tests/conformance_tcp.rs` does. Every case has its own
+//! as `tests/tests/suite/conformance_tcp.rs` does. Every case has its own
 //! cluster (fresh ports, ring names, cluster ids), so the cases run in
 //! parallel, and each is bounded by [`CASE_LIMIT`].
 //!
