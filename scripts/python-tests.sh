@@ -10,10 +10,13 @@
 # set, scripts/horovod-suite.sh runs it against kungfu.torch afterwards.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# libkungfu and kungfu-run (and the other tools, which the docs' commands
+# run next in scripts/test.sh) in one cargo call, so that they compile side
+# by side; the package's install below finds libkungfu built
+echo "== libkungfu and kungfu-run (cargo build --release -p kungfu-ffi -p kungfu-tools)"
+cargo build --release --locked -q -p kungfu-ffi -p kungfu-tools
 venv=$(scripts/torch-venv.sh --install)
 py="$venv/bin/python"
-echo "== kungfu-run (release)"
-cargo build --release --locked -q -p kungfu-tools --bin kungfu-run
 export KUNGFU_RUN="$PWD/target/release/kungfu-run"
 echo "== pytest python/tests"
 set +e
