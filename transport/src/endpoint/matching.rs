@@ -113,6 +113,9 @@ struct Inner {
     /// The order ranks were lost in (the first is the likeliest cause of
     /// the others: a neighbour that gave up because of it).
     lost_order: Vec<Rank>,
+    /// Who reported each rank lost by hearsay here (absent for a loss
+    /// this endpoint found itself): see [`Matcher::hearsay`].
+    accusers: HashMap<Rank, Rank>,
     /// Where each rank runs, when known ([`Matcher::name_peers`]): added
     /// to the reason of a loss.
     names: Vec<Arc<str>>,
@@ -161,6 +164,7 @@ impl Matcher {
                 rendezvous: 0,
                 lost: HashMap::new(),
                 lost_order: Vec::new(),
+                accusers: HashMap::new(),
                 names: Vec::new(),
                 heard: HashMap::new(),
                 excused: HashMap::new(),

@@ -54,7 +54,8 @@ impl Matcher {
         }
     }
 
-    /// The watched peers not lost and not heard from since `before`.
+    /// The watched peers not heard from since `before` and not lost here
+    /// (a peer lost only by hearsay is still watched).
     pub fn silent(&self, before: Instant) -> Vec<(Rank, Instant)> {
         let inner = self.lock();
         if inner.closed {
@@ -63,7 +64,11 @@ impl Matcher {
         let mut v: Vec<_> = inner
             .heard
             .iter()
-            .filter(|(r, t)| **t < before && !inner.lost.contains_key(r))
+            // a peer lost by hearsay only is still watched: found silent
+            // here too, its loss becomes this endpoint's own
+            .filter(|(r, t)| {
+                **t < before && (!inner.lost.contains_key(r) || inner.accusers.contains_key(r))
+            })
             .map(|(r, t)| (*r, *t))
             .collect();
         v.sort_unstable();

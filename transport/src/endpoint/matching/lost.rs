@@ -28,6 +28,22 @@ impl Matcher {
         self.lock().lost_order.clone()
     }
 
+    /// The ranks this endpoint lost by itself (its connection to them
+    /// ended or broke, or they went silent), not by hearsay
+    /// ([`Matcher::hearsay`]), the first lost first. A peer's notice tells
+    /// what that peer saw, which may be a link of its own that broke: the
+    /// recovery connects a new version without a member only for what it
+    /// saw here (`runtime/src/recover/`).
+    pub fn lost_first_hand(&self) -> Vec<Rank> {
+        let inner = self.lock();
+        inner
+            .lost_order
+            .iter()
+            .copied()
+            .filter(|r| !inner.accusers.contains_key(r))
+            .collect()
+    }
+
     /// The checks every backend makes before it sends `len` bytes to
     /// `to`: a rank it has a route to, a frame within `max_frame`, an
     /// endpoint not closed, a peer not lost.

@@ -82,28 +82,43 @@ impl Matcher {
     pub fn fail_peer(&self, peer: Rank, reason: impl Into<Arc<str>>) {
         let reason = reason.into();
         let tell = *reason != *CLOSED_BY_PEER;
-        self.mark_lost(peer, reason, tell)
+        self.mark_lost(peer, reason, tell, None)
     }
 
-    /// [`Matcher::fail_peer`]; `tell`: see [`Matcher::fail_silent`].
-    fn mark_lost(&self, peer: Rank, reason: Arc<str>, tell: bool) {
+    /// [`Matcher::fail_peer`]; `tell`: see [`Matcher::fail_silent`];
+    /// `accuser`: the peer whose notice this is (hearsay), if any.
+    fn mark_lost(&self, peer: Rank, reason: Arc<str>, tell: bool, accuser: Option<Rank>) {
         let mut inner = self.lock();
         let reason = locate(&inner, peer, reason);
-        if let std::collections::hash_map::Entry::Vacant(v) = inner.lost.entry(peer) {
-            v.insert(reason.clone());
-            inner.lost_order.push(peer);
-            if tell && !inner.closed {
-                self.notices.push(peer, reason);
+        let inner = &mut *inner;
+        match inner.lost.entry(peer) {
+            std::collections::hash_map::Entry::Occupied(_) => {
+                // heard of first, now seen here: this endpoint's own loss
+                // too (the first reason is kept; the peers are not told
+                // again)
+                if accuser.is_none() {
+                    inner.accusers.remove(&peer);
+                }
+            }
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(reason.clone());
+                inner.lost_order.push(peer);
+                if let Some(by) = accuser {
+                    inner.accusers.insert(peer, by);
+                }
+                if tell && !inner.closed {
+                    self.notices.push(peer, reason);
+                }
             }
         }
-        wake_all(&mut inner);
+        wake_all(inner);
     }
 
     /// [`Matcher::fail_peer`] for a peer found silent (by the liveness
     /// watchdog), which the other peers are then told of
     /// ([`Matcher::take_notices`]): they may not have noticed yet.
     pub fn fail_silent(&self, peer: Rank, reason: impl Into<Arc<str>>) {
-        self.mark_lost(peer, reason.into(), true)
+        self.mark_lost(peer, reason.into(), true, None)
     }
 
     /// The losses found here since the last call, to tell the peers.
@@ -135,6 +150,7 @@ impl Matcher {
             peer,
             format!("reported lost by rank {}: {why}", from.0).into(),
             false,
+            Some(from),
         );
     }
 }
@@ -177,6 +193,41 @@ mod tests {
         let b = encode(Rank(4), "it says");
         m.deliver_now(Rank(1), notice(b.len()), b).unwrap();
         assert_eq!(m.lost_reason(Rank(4)), None);
+    }
+
+    #[test]
+    fn losses_found_here_are_told_apart_from_hearsay() {
+        // ranks 1 and 2 lost their link: each reports the other, and a
+        // peer believes the first it hears (the second comes from a rank
+        // it holds lost)
+        let m = Matcher::new(Epoch(0), 1 << 20);
+        m.watch((1..5).map(Rank));
+        let b = encode(Rank(1), "write: the connection was cut");
+        m.deliver_now(Rank(2), notice(b.len()), b).unwrap();
+        let b = encode(Rank(2), "connection reset");
+        m.deliver_now(Rank(1), notice(b.len()), b).unwrap();
+        assert_eq!(m.lost_in_order(), [Rank(1)]);
+        assert!(m.lost_first_hand().is_empty(), "hearsay only");
+        m.fail_peer(Rank(3), CLOSED_BY_PEER);
+        m.fail_silent(Rank(4), "silent for 1.6 s");
+        assert_eq!(m.lost_in_order(), [1, 3, 4].map(Rank));
+        assert_eq!(m.lost_first_hand(), [3, 4].map(Rank));
+        // rank 1, heard of, is still watched, and found silent here too
+        assert!(m
+            .silent(crate::Instant::now())
+            .iter()
+            .any(|&(r, _)| r == Rank(1)));
+        m.fail_silent(Rank(1), "silent for 1.6 s");
+        assert_eq!(m.lost_first_hand(), [1, 3, 4].map(Rank));
+        let why = m.lost_reason(Rank(1)).expect("lost");
+        assert!(
+            why.starts_with("reported lost by rank 2"),
+            "the first reason: {why}"
+        );
+        assert!(m
+            .silent(crate::Instant::now())
+            .iter()
+            .all(|&(r, _)| r != Rank(1)));
     }
 
     #[test]
