@@ -3,21 +3,17 @@
 //!
 //! The protocol is [`machine::Recovery`] (its docs say how it decides and
 //! why no two survivors continue with different memberships); this module
-//! drives it: views travel over the connections of the version being
-//! recovered from (they stay open meanwhile, and their heartbeats keep
-//! telling who is lost), the decision is the config server's
-//! compare-and-set of the next version, and the new version connects as a
-//! resize does.
+//! drives it: the decision is the config server's compare-and-set of the
+//! next version, the old connections stay open until the new version is
+//! connected (their heartbeats keep telling who is lost), and the new
+//! version connects as a resize does.
 
-use std::collections::BTreeSet;
 use std::time::{Duration, SystemTime};
 
-use bytes::{Buf, BufMut, Bytes};
-use kungfu_collectives::names::op_id;
-use kungfu_collectives::CollectiveError;
+use kungfu_collectives::{CollectiveError, Session as Sess};
 use kungfu_topology::{Peer, PeerList, Rank};
 use kungfu_transport::any::AnyTransport;
-use kungfu_transport::{FrameKind, Header, OpTag, PeerSet, Transport};
+use kungfu_transport::Transport;
 use tokio::time::Instant;
 
 use crate::elastic::ClusterConfig;
@@ -31,6 +27,9 @@ use machine::{Recovery, Step};
 /// How often a survivor looks at the config server and its losses while it
 /// waits.
 const POLL: Duration = Duration::from_millis(50);
+/// How long a survivor that is not the first to propose (as it sees it)
+/// waits for a decision before it proposes too (see [`machine`]).
+const PATIENCE: Duration = Duration::from_millis(200);
 
 /// What a recovery did.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -89,18 +88,14 @@ impl Worker {
         );
         let mut lost_seen = 0;
         let mut last_get = Instant::now() - POLL;
+        let mut round = (m.base(), Instant::now());
         // the server's successor of the machine's base, once made
         let mut decided: Option<ClusterConfig> = None;
+        // the new version's session, once connected
+        let mut joined: Option<Sess<AnyTransport>> = None;
         loop {
             while let Some(step) = m.poll() {
                 match step {
-                    Step::SendView { to, base, lost } => {
-                        // A failure means `to` is lost: the matcher says
-                        // so, and the next coordinator gets the view.
-                        let _ = old
-                            .send(to, view_header(&old, base), encode_view(base, &lost))
-                            .await;
-                    }
                     Step::Propose { base, members } => {
                         let next = ClusterConfig {
                             version: u32::try_from(base + 1).map_err(|_| {
@@ -114,8 +109,8 @@ impl Worker {
                                 feed(&mut m, &old_peers, &c);
                                 decided = Some(c);
                             }
-                            // another coordinator was first (409): its
-                            // config is the decision, read below
+                            // another was first (409): its config is the
+                            // decision, read below
                             Err(PutError::Conflict(_)) => last_get = Instant::now() - POLL,
                             Err(PutError::Failed(e)) => return Err(BootstrapError::Elastic(e)),
                         }
@@ -124,37 +119,60 @@ impl Worker {
                         // the successor of the base, as decided, even if a
                         // resize came after it (that one is followed later,
                         // as a resize)
-                        let cfg = decided
-                            .clone()
-                            .filter(|c| u64::from(c.version) == version)
-                            .ok_or_else(|| {
-                                BootstrapError::Elastic(format!(
-                                    "recover: no config of version {version} to connect to"
-                                ))
-                            })?;
-                        match self.join(&cfg, &old, &old_peers, deadline).await {
-                            Ok(()) => {
-                                let lost = old_peers
-                                    .peers()
-                                    .iter()
-                                    .enumerate()
-                                    .filter(|(_, p)| cfg.peers.rank_of(p).is_none())
-                                    .map(|(r, p)| (Rank(r as u32), p.clone()))
-                                    .collect();
-                                self.joined = (began, SystemTime::now());
-                                return Ok(Recovered {
-                                    lost,
-                                    version: cfg.version,
-                                });
+                        let cfg = config_of(&decided, version)?;
+                        match self.connect_new(cfg, &old, &old_peers, deadline).await {
+                            Ok(s) => {
+                                joined = Some(s);
+                                m.handle_connected(version);
                             }
                             Err(Joined::Lost(lost)) => m.handle_connect_failed(version, lost),
                             Err(Joined::Failed(e)) => return Err(e),
                         }
                     }
+                    Step::Barrier { version } => {
+                        let cfg = config_of(&decided, version)?;
+                        let session = joined.as_ref().expect("connected before the barrier");
+                        match barrier(session, cfg, &old_peers, deadline).await {
+                            Ok(()) => m.handle_barrier_passed(version),
+                            Err(Joined::Lost(lost)) => {
+                                if let Some(s) = joined.take() {
+                                    s.close(Duration::ZERO).await;
+                                }
+                                m.handle_connect_failed(version, lost);
+                            }
+                            Err(Joined::Failed(e)) => return Err(e),
+                        }
+                    }
+                    Step::Adopt { version } => {
+                        let cfg = config_of(&decided, version)?.clone();
+                        let session = joined.take().expect("connected before adopting");
+                        // The old connections are done with: every member
+                        // is here, and past the barrier none watches them.
+                        // No linger: a lost peer's link (a frozen one's)
+                        // never closes, and waiting for it held every
+                        // recovery from a freeze for the whole linger (500
+                        // ms, measured by the chaos test).
+                        self.session.close(Duration::ZERO).await;
+                        let rank = cfg.peers.rank_of(old_peers.peer(me).expect("own rank"));
+                        let env = self.env_for(rank.expect("a member").idx(), &cfg);
+                        self.adopt(session, env, cfg.clone()).await;
+                        let lost = old_peers
+                            .peers()
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, p)| cfg.peers.rank_of(p).is_none())
+                            .map(|(r, p)| (Rank(r as u32), p.clone()))
+                            .collect();
+                        self.joined = (began, SystemTime::now());
+                        return Ok(Recovered {
+                            lost,
+                            version: cfg.version,
+                        });
+                    }
                     Step::Excluded { version } => {
                         self.detached = true;
                         self.leave_store().await;
-                        self.session.close(Duration::from_millis(500)).await;
+                        self.session.close(Duration::ZERO).await;
                         return Err(excluded(
                             version as u32,
                             "the other workers declared this one lost (it was frozen, or cut \
@@ -166,33 +184,24 @@ impl Worker {
             if Instant::now() >= deadline {
                 return Err(BootstrapError::Elastic(format!(
                     "recovery from version {} did not end within the connect timeout; \
-                     known lost: {:?}, waiting for the views of {:?}",
+                     known lost: {:?}",
                     m.base(),
                     m.lost(),
-                    m.waiting_for()
                 )));
             }
-            // Inputs: a view (as the coordinator), a loss, the server's
-            // config.
-            let waiting = m.waiting_for();
-            if waiting.is_empty() {
-                tokio::time::sleep(POLL).await;
-            } else {
-                let mut from = PeerSet::new();
-                waiting.iter().for_each(|&r| from.insert(r));
-                let tag = view_tag(&old, m.base());
-                if let Ok(f) = old.recv(tag, &from, Instant::now() + POLL).await {
-                    match decode_view(f.payload) {
-                        Some((base, lost)) => m.handle_view(f.from, base, &lost),
-                        None => eprintln!("kungfu: recover: a malformed view from {}", f.from),
-                    }
-                }
-            }
+            // Inputs: a loss, the server's config, and time.
+            tokio::time::sleep(POLL).await;
             let lost = old.matcher().lost_in_order();
             for &r in &lost[lost_seen.min(lost.len())..] {
                 m.handle_lost(r);
             }
             lost_seen = lost.len();
+            if round.0 != m.base() {
+                round = (m.base(), Instant::now());
+            }
+            if round.1.elapsed() >= PATIENCE {
+                m.handle_patience();
+            }
             if last_get.elapsed() >= POLL {
                 last_get = Instant::now();
                 let next = u32::try_from(m.base() + 1).unwrap_or(u32::MAX);
@@ -209,15 +218,17 @@ impl Worker {
     }
 
     /// Connects to `cfg`, giving up as soon as the old connections say one
-    /// of its members was lost (connecting would wait for it until the
-    /// deadline).
-    async fn join(
+    /// of its members was lost here (connecting would wait for it until
+    /// the deadline). Only a loss seen here counts, not one a peer told
+    /// of: a peer whose link to that member broke would otherwise make
+    /// every worker that heard it give up a version the others connect.
+    async fn connect_new(
         &mut self,
         cfg: &ClusterConfig,
         old: &AnyTransport,
         old_peers: &PeerList,
         deadline: Instant,
-    ) -> Result<(), Joined> {
+    ) -> Result<Sess<AnyTransport>, Joined> {
         let me = old_peers
             .peer(Rank(self.env.rank as u32))
             .expect("own rank");
@@ -236,7 +247,7 @@ impl Worker {
             loop {
                 let lost: Vec<Rank> = old
                     .matcher()
-                    .lost_in_order()
+                    .lost_first_hand()
                     .into_iter()
                     .filter(|r| members.contains(r))
                     .collect();
@@ -246,50 +257,49 @@ impl Worker {
                 tokio::time::sleep(POLL).await;
             }
         };
-        let session = tokio::select! {
-            s = self.connect_version(&env, cfg, deadline) => s.map_err(Joined::Failed)?,
-            lost = lost_member => return Err(Joined::Lost(lost)),
-        };
-        // Every member is here as this worker sees it. The old connections
-        // stay open until every member sees so too: closed at once, they
-        // made this worker look lost to a member still connecting, which
-        // then gave up the version that the others had joined (the
-        // launcher's chaos test caught it). Not when the config came from
-        // a resize and has new workers: they start as in a scale-out, and
-        // would never meet the barrier.
-        let recovering = cfg
-            .peers
-            .peers()
-            .iter()
-            .all(|p| old_peers.rank_of(p).is_some());
-        let joined = match recovering {
-            true => tokio::time::timeout_at(deadline, session.barrier("kf/recover/joined")).await,
-            false => Ok(Ok(())),
-        };
-        match joined {
-            Ok(Ok(())) => {}
-            Ok(Err(CollectiveError::PeerLost { peer, .. })) => {
-                let old_rank = cfg.peers.peer(peer).and_then(|p| old_peers.rank_of(p));
-                session.close(Duration::ZERO).await;
-                return Err(Joined::Lost(old_rank.into_iter().collect()));
-            }
-            Ok(Err(e)) => return Err(Joined::Failed(BootstrapError::Op(e))),
-            Err(_) => {
-                return Err(Joined::Failed(BootstrapError::Elastic(format!(
-                    "recover: the members of version {} did not all connect it in time",
-                    cfg.version
-                ))))
-            }
+        tokio::select! {
+            s = self.connect_version(&env, cfg, deadline) => s.map_err(Joined::Failed),
+            lost = lost_member => Err(Joined::Lost(lost)),
         }
-        // The old connections are done with: every member is here, and
-        // past the barrier none watches them. No linger: a lost peer's link
-        // (a frozen one's) never closes, and waiting for it held every
-        // recovery from a freeze for the whole linger (500 ms, measured by
-        // the chaos test).
-        self.session.close(Duration::ZERO).await;
-        self.adopt(session, env, cfg.clone()).await;
-        Ok(())
     }
+}
+
+/// The barrier of a new version among workers of the old one: every
+/// member is here as each sees it, so the old connections may close (see
+/// [`machine`]).
+async fn barrier(
+    session: &Sess<AnyTransport>,
+    cfg: &ClusterConfig,
+    old_peers: &PeerList,
+    deadline: Instant,
+) -> Result<(), Joined> {
+    match tokio::time::timeout_at(deadline, session.barrier("kf/recover/joined")).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(CollectiveError::PeerLost { peer, .. })) => {
+            let old_rank = cfg.peers.peer(peer).and_then(|p| old_peers.rank_of(p));
+            Err(Joined::Lost(old_rank.into_iter().collect()))
+        }
+        Ok(Err(e)) => Err(Joined::Failed(BootstrapError::Op(e))),
+        Err(_) => Err(Joined::Failed(BootstrapError::Elastic(format!(
+            "recover: the members of version {} did not all connect it in time",
+            cfg.version
+        )))),
+    }
+}
+
+/// The config of `version` the driver read or made.
+fn config_of(
+    decided: &Option<ClusterConfig>,
+    version: u64,
+) -> Result<&ClusterConfig, BootstrapError> {
+    decided
+        .as_ref()
+        .filter(|c| u64::from(c.version) == version)
+        .ok_or_else(|| {
+            BootstrapError::Elastic(format!(
+                "recover: no config of version {version} to connect to"
+            ))
+        })
 }
 
 enum Joined {
@@ -313,7 +323,7 @@ fn feed(m: &mut Recovery, old_peers: &PeerList, cfg: &ClusterConfig) {
         .peers
         .peers()
         .iter()
-        .map(|p| old_peers.rank_of(p).unwrap_or(Rank(u32::MAX)))
+        .map(|p| old_peers.rank_of(p).unwrap_or(machine::NEW))
         .collect();
     m.handle_config(u64::from(cfg.version), members);
 }
@@ -325,61 +335,4 @@ fn members_of(old_peers: &PeerList, members: &[Rank]) -> Result<PeerList, Bootst
         .filter_map(|r| old_peers.peer(*r).cloned())
         .collect();
     PeerList::new(peers).map_err(|e| BootstrapError::Elastic(e.to_string()))
-}
-
-/// The tag of the views of the round deciding `base`.
-fn view_tag(t: &AnyTransport, base: u64) -> OpTag {
-    OpTag {
-        epoch: t.epoch(),
-        op: op_id("kf/recover/view"),
-        seq: base as u32,
-    }
-}
-
-fn view_header(t: &AnyTransport, base: u64) -> Header {
-    Header {
-        kind: FrameKind::Data,
-        tag: view_tag(t, base),
-        chunk: 0,
-        step: 0,
-        digest: 0,
-        len: 0,
-    }
-}
-
-/// A view: the base version, then the ranks known lost (u32 each).
-fn encode_view(base: u64, lost: &[Rank]) -> Bytes {
-    let mut b = Vec::with_capacity(8 + 4 * lost.len());
-    b.put_u64_le(base);
-    for r in lost {
-        b.put_u32_le(r.0);
-    }
-    b.into()
-}
-
-/// A view from the network: `None` if malformed.
-fn decode_view(mut b: Bytes) -> Option<(u64, Vec<Rank>)> {
-    if b.len() < 8 || !(b.len() - 8).is_multiple_of(4) || b.len() > 8 + 4 * (1 << 16) {
-        return None;
-    }
-    let base = b.get_u64_le();
-    let mut lost = BTreeSet::new();
-    while b.has_remaining() {
-        lost.insert(Rank(b.get_u32_le()));
-    }
-    Some((base, lost.into_iter().collect()))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn views_round_trip_and_bad_ones_are_refused() {
-        let v = encode_view(7, &[Rank(3), Rank(1)]);
-        assert_eq!(decode_view(v), Some((7, vec![Rank(1), Rank(3)])));
-        assert_eq!(decode_view(Bytes::from_static(&[1, 2, 3])), None);
-        assert_eq!(decode_view(Bytes::from(vec![0u8; 8 + 3])), None);
-        assert_eq!(decode_view(Bytes::from(vec![0u8; 8])), Some((0, vec![])));
-    }
 }

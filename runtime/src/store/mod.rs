@@ -84,6 +84,22 @@ pub(crate) enum Change {
     Whole(ClusterConfig),
 }
 
+/// The compare-and-set of every config store (the built-in server and
+/// etcd alike): a whole config is taken only as version `cur + 1`, where
+/// `cur` is the version the store holds, so of two proposals of one
+/// version the first is taken and the other gets [`PutError::Conflict`].
+/// The recovery depends on it (`runtime/src/recover/machine.rs`; the
+/// model `runtime/tests/model_recover.rs` calls this very function).
+pub fn compare_and_set(cur: u32, given: u32) -> Result<(), PutError> {
+    match cur.checked_add(1) {
+        Some(next) if given == next => Ok(()),
+        Some(next) => Err(PutError::Conflict(format!(
+            "version {given} given; the next version is {next}"
+        ))),
+        None => Err(PutError::Failed("the version cannot grow further".into())),
+    }
+}
+
 /// Reads a change (`size N`, or a whole config) of a config at version
 /// `cur`; returns the next version with it. `max_size` bounds either.
 pub(crate) fn parse_change(
@@ -107,12 +123,7 @@ pub(crate) fn parse_change(
         return Ok((next, Change::Size(n)));
     }
     let c = ClusterConfig::parse(body).map_err(bad)?;
-    if c.version != next {
-        let v = c.version;
-        return Err(PutError::Conflict(format!(
-            "version {v} given; the next version is {next}"
-        )));
-    }
+    compare_and_set(cur, c.version)?;
     if c.peers.len() > max_size {
         return Err(bad(format!("{} peers; at most {max_size}", c.peers.len())));
     }
