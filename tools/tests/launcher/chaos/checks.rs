@@ -9,8 +9,8 @@ use super::{Driver, Fault, NP};
 
 impl Driver {
     /// Each recovery names exactly the victim of the fault it follows (a
-    /// drop's is whom it names, one worker), and none follows a fault that
-    /// must cost nothing.
+    /// drop's is whom it names: one worker, an end of the link), and none
+    /// follows a fault that must cost nothing.
     pub(super) fn check_recoveries(&mut self) {
         let mut found = Vec::new();
         for (i, l) in self.job.lines.iter().enumerate() {
@@ -42,10 +42,11 @@ impl Driver {
             let addrs: Vec<String> = addrs.into_iter().map(String::from).collect();
             let ok = match f {
                 Fault::Kill | Fault::Freeze => addrs == victims,
-                // a cut link: one of its ends, or both (the one signalled
-                // among them); every survivor's recovery alike
+                // a cut link: one of its ends, whichever proposed first
+                // (runtime/src/recover/machine.rs); every survivor's
+                // recovery alike
                 Fault::Drop if victims.is_empty() => {
-                    let fits = addrs.len() == 1 || (addrs.len() == 2 && addrs.contains(&aimed));
+                    let fits = addrs.len() == 1;
                     if fits {
                         self.fig.spans[k].3 = addrs.clone();
                     }
