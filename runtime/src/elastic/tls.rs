@@ -9,9 +9,9 @@
 //! signature cannot: the cluster's addresses and the requests are not
 //! readable on the network.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use kungfu_transport::auth::JobSecret;
+use kungfu_transport::auth::{JobSecret, MAC_LEN};
 use kungfu_transport::quic::tls::SERVER_NAME;
 use kungfu_transport::quic::JobCa;
 use rustls::pki_types::ServerName;
@@ -32,8 +32,32 @@ pub(super) fn server_config(secret: &JobSecret) -> Result<Arc<rustls::ServerConf
     Ok(Arc::new(c))
 }
 
-/// A client's TLS connector: it trusts the job's CA and nothing else.
+/// The connectors made, by a MAC of the secret: a follower asks the
+/// config server every 100 ms, and deriving the CA each time was repeated
+/// work. A few secrets at most (a process is in one job, tests in more).
+static CONNECTORS: Mutex<Vec<([u8; MAC_LEN], tokio_rustls::TlsConnector)>> = Mutex::new(Vec::new());
+const CACHED: usize = 4;
+
+/// A client's TLS connector: it trusts the job's CA and nothing else
+/// (made once per secret in a process).
 pub(super) fn connector(secret: &JobSecret) -> Result<tokio_rustls::TlsConnector, String> {
+    let key = secret.mac(b"kungfu config-server connector cache", &[]);
+    let cached = |c: &Vec<([u8; MAC_LEN], tokio_rustls::TlsConnector)>| {
+        c.iter().find(|(k, _)| *k == key).map(|(_, t)| t.clone())
+    };
+    if let Some(t) = cached(&CONNECTORS.lock().unwrap_or_else(|e| e.into_inner())) {
+        return Ok(t);
+    }
+    let t = make_connector(secret)?;
+    let mut c = CONNECTORS.lock().unwrap_or_else(|e| e.into_inner());
+    if c.len() >= CACHED {
+        c.remove(0);
+    }
+    c.push((key, t.clone()));
+    Ok(t)
+}
+
+fn make_connector(secret: &JobSecret) -> Result<tokio_rustls::TlsConnector, String> {
     let ca = JobCa::from_secret(secret).map_err(|e| format!("the job's CA: {e}"))?;
     let mut roots = rustls::RootCertStore::empty();
     roots
