@@ -21,29 +21,9 @@
 #define N 1024
 
 static int start_rank = -1;
-static int failures = 0;
-
-#define CHECK(cond, ...)                                                  \
-    do {                                                                  \
-        if (!(cond)) {                                                    \
-            fprintf(stderr, "start rank %d: check failed at %s:%d: ",     \
-                    start_rank, __FILE__, __LINE__);                      \
-            fprintf(stderr, __VA_ARGS__);                                 \
-            fprintf(stderr, "\n");                                        \
-            failures++;                                                   \
-        }                                                                 \
-    } while (0)
-
-/* Any status but these ends the program: recovery is for lost peers. */
-#define MUST(call)                                                        \
-    do {                                                                  \
-        kf_status s_ = (call);                                            \
-        if (s_ != KF_OK) {                                                \
-            fprintf(stderr, "start rank %d: %s -> %s (%s)\n", start_rank, \
-                    #call, kf_status_string(s_), kf_last_error());        \
-            exit(1);                                                      \
-        }                                                                 \
-    } while (0)
+#define WHO_FMT "start rank %d"
+#define WHO start_rank
+#include "check.h"
 
 /* The detail of the last failed op (kf_release overwrites kf_last_error). */
 static char detail[1024];

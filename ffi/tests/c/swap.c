@@ -21,28 +21,9 @@
 #define N 4096
 
 static int rank_ = -1;
-static int failures = 0;
-
-#define CHECK(cond, ...)                                                     \
-    do {                                                                     \
-        if (!(cond)) {                                                       \
-            fprintf(stderr, "rank %d: check failed at %s:%d: ", rank_,       \
-                    __FILE__, __LINE__);                                     \
-            fprintf(stderr, __VA_ARGS__);                                    \
-            fprintf(stderr, "\n");                                           \
-            failures++;                                                      \
-        }                                                                    \
-    } while (0)
-
-#define MUST(call)                                                           \
-    do {                                                                     \
-        kf_status s_ = (call);                                               \
-        if (s_ != KF_OK) {                                                   \
-            fprintf(stderr, "rank %d: %s -> %s (%s)\n", rank_, #call,        \
-                    kf_status_string(s_), kf_last_error());                  \
-            exit(1);                                                         \
-        }                                                                    \
-    } while (0)
+#define WHO_FMT "rank %d"
+#define WHO rank_
+#include "check.h"
 
 static int32_t grad_of(int r, uint64_t step, int j) {
     return (int32_t)((r * 3 + j + (int)(step % 11)) % 7);
