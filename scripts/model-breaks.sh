@@ -14,8 +14,11 @@
 #
 # Exits 0 when every break made the checks fail, 1 when one did not. Not
 # for CI (each break rebuilds the runtime crate and runs the checks: a few
-# minutes). The scratch copy shares the target dir (its workspace crates
-# build apart, by path), and is removed at the end.
+# minutes). The scratch copy builds in a target dir of its own,
+# target/model-breaks, kept for the next run: cargo names a workspace
+# crate's build by its path within the workspace, so the broken copy
+# sharing target/ would replace the tree's own builds with broken ones.
+# The scratch copy is removed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -23,7 +26,7 @@ breaks=("$@")
 [ ${#breaks[@]} -gt 0 ] || breaks=(cas barrier)
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/kungfu-model-breaks.XXXXXX")
 trap 'rm -rf "$scratch"' EXIT
-target=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
+target=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/model-breaks
 
 # break FILE OLD NEW: replace the one occurrence of OLD in FILE by NEW
 break_in() {
@@ -66,7 +69,7 @@ for b in "${breaks[@]}"; do
   else
     grep -q "test result: FAILED" "$log" || { cat "$log"; echo "model-breaks: $b: the build or run failed"; exit 1; }
     echo "model-breaks: $b: the checks failed, as they must:"
-    grep -E "^test .* FAILED|Unexpected \"" "$log" | sed 's/^/  /' | head -8
+    sed -n -E 's/^---- (.*) stdout ----$/  failed: \1/p; s/^.*(Unexpected "[^"]*").*$/    \1/p' "$log" | head -12
   fi
 done
 exit $failed

@@ -226,7 +226,7 @@ fn without_the_barrier_a_connect_race_leaves_a_healthy_worker_out() {
         barrier: false,
         ..crashes_only(3)
     };
-    let c = model::find_failure("recover, no barrier", m);
+    let c = model::check("recover, no barrier", m);
     let path = c.assert_any_discovery(ONLY_CRASHED);
     println!("the counterexample: {path}");
 }
@@ -258,7 +258,7 @@ fn without_compare_and_set_two_memberships_share_a_version() {
         barrier: true,
         deadlines: true,
     };
-    let c = model::find_failure("recover, no compare-and-set", m);
+    let c = model::check("recover, no compare-and-set", m);
     let path = c.assert_any_discovery(ONE);
     println!("the counterexample: {path}");
 }

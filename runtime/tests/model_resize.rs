@@ -440,7 +440,7 @@ fn a_launcher_that_sees_only_the_latest_version_skips_a_grow() {
         every_version: false,
         ..resize(&[1, 0])
     };
-    let c = model::find_failure("resize, grow then shrink, latest only", m);
+    let c = model::check("resize, grow then shrink, latest only", m);
     let path = c.assert_any_discovery(ENDS);
     println!("the counterexample: {path}");
 }
@@ -459,7 +459,7 @@ fn without_rank_0s_read_workers_take_different_versions() {
         shared_read: false,
         ..resize(&[-1, 0])
     };
-    let c = model::find_failure("resize, each reads", m);
+    let c = model::check("resize, each reads", m);
     let path = c.assert_any_discovery(ENDS);
     println!("the counterexample: {path}");
 }

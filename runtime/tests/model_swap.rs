@@ -750,7 +750,7 @@ fn without_the_consensus_one_tag_runs_on_two_strategies() {
         consensus: false,
         ..calm(3)
     };
-    let c = model::find_failure("swap, no consensus", m);
+    let c = model::check("swap, no consensus", m);
     let path = c.assert_any_discovery(ONE_STRATEGY);
     println!("the counterexample: {path}");
 }
