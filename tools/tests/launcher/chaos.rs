@@ -23,7 +23,10 @@
 //!   bytes, a truncated hello (left open) or a forged hello. A worker
 //!   accepts only while it connects a cluster version, so these wait in
 //!   its backlog and are read (and refused, with a log line) when it next
-//!   connects one; meanwhile they must cost nothing.
+//!   connects one; meanwhile they must cost nothing. The other faults
+//!   are aimed at workers holding none where possible, and before the
+//!   end, if some is still unread, the driver kills a worker that holds
+//!   none, so that the others connect a version and read theirs.
 //!
 //! Why replace rather than shrink: the cluster stays at 4, so any fault
 //! may come at any time for as long as the test runs, and each recovery
@@ -56,8 +59,8 @@
 //! `replace` it exits 0 even if a survivor failed); that each recovery
 //! names exactly its fault's victim; that every kind dealt was injected
 //! at least once (past the run's time, the missing kinds are dealt, for
-//! at most 90 s); that every garbage connection to a worker that has
-//! connected a version since was refused; that no op returned a wrong
+//! at most 90 s); that every garbage connection was refused (but those
+//! to a worker that was a victim before it read them); that no op returned a wrong
 //! value (no exit 4, no selftest message of one); and that after every
 //! recovery the survivors' model digests at their first good step are
 //! identical (the selftest prints them; the consensus of every step
@@ -226,16 +229,32 @@ struct Driver {
 }
 
 impl Driver {
-    /// A worker to aim at: any member, picked at random.
+    /// A worker to aim at: a member picked at random, among those that
+    /// hold no unread garbage if there are any (so that garbage is read
+    /// rather than lost with its worker).
     fn victim(&mut self, since: usize) -> Option<(i32, String, String)> {
-        let m: Vec<(i32, String, String)> = self
+        let pending = self.unread_garbage();
+        let mut m: Vec<(i32, String, String)> = self
             .job
             .training_since(since)
             .iter()
             .map(|w| (w.pid, w.addr.clone(), w.label.clone()))
             .collect();
+        if m.iter().any(|w| !pending.contains(&w.0)) {
+            m.retain(|w| !pending.contains(&w.0));
+        }
         let i = self.rng.below(m.len());
         m.into_iter().nth(i)
+    }
+
+    /// The workers holding garbage not read yet.
+    fn unread_garbage(&self) -> BTreeSet<i32> {
+        self.fig
+            .garbage
+            .iter()
+            .filter(|g| !self.garbage_read(g) && !self.garbage_gone(g))
+            .map(|g| g.1)
+            .collect()
     }
 
     fn fail(&mut self, what: String) {
@@ -335,14 +354,50 @@ impl Driver {
         }
     }
 
-    /// Injects one fault of kind `f`; false if the cluster did not heal
-    /// (the run cannot go on).
+    /// Injects one fault of kind `f` at a worker picked at random; false
+    /// if the cluster did not heal (the run cannot go on).
     fn inject(&mut self, f: Fault) -> bool {
         let since = self.last_fault;
-        let Some((pid, addr, label)) = self.victim(since) else {
+        let Some(victim) = self.victim(since) else {
             self.fail(format!("{}: no worker to aim at", f.name()));
             return false;
         };
+        self.inject_at(f, victim)
+    }
+
+    /// Garbage waits in a worker's backlog until it next connects a
+    /// cluster version (it accepts only then). Before the end, if some
+    /// has not been read yet, one kill of a worker that holds none makes
+    /// the others recover (and resize when the replacement joins), so
+    /// that every garbage connection to a live worker is read and must
+    /// have been refused ([`Driver::check_garbage`]). False if the
+    /// cluster did not heal.
+    fn flush_garbage(&mut self) -> bool {
+        let pending = self.unread_garbage();
+        if pending.is_empty() {
+            return true;
+        }
+        // a worker holding none if any (else one of them: its garbage
+        // goes with it, and is counted as such)
+        let Some(victim) = self.victim(self.last_fault) else {
+            self.fail("garbage: no worker to kill to have it read".into());
+            return false;
+        };
+        println!(
+            "chaos: garbage to {} worker(s) not read yet: a kill to have it read",
+            pending.len()
+        );
+        self.fig.dealt.insert(Fault::Kill);
+        let ok = self.inject_at(Fault::Kill, victim);
+        if !self.notes.is_empty() {
+            println!("chaos:   {}", self.notes.join("; "));
+            self.notes.clear();
+        }
+        ok
+    }
+
+    /// Injects one fault of kind `f` at `(pid, addr, label)`.
+    fn inject_at(&mut self, f: Fault, (pid, addr, label): (i32, String, String)) -> bool {
         println!(
             "chaos: step {}: {} pid {pid} ({addr})",
             self.job.step(),
@@ -606,6 +661,9 @@ fn chaos(tag: &str, default: &[Fault], default_secs: u64) {
         }
         let gap = d.rng.ms(200, 1200);
         d.job.pump(gap);
+    }
+    if d.fig.failures.is_empty() {
+        d.flush_garbage();
     }
     d.finish(&stop);
 }

@@ -1,7 +1,8 @@
 //! What must hold for the whole of a chaos run, checked at its end from
 //! every line kept: each recovery lost exactly its fault's victim, every
-//! worker failure kungfu-run reported was a victim's, and garbage sent to
-//! a worker that has connected a version since was refused.
+//! worker failure kungfu-run reported was a victim's, and every garbage
+//! connection was refused (unless its worker was a victim before it read
+//! it).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -111,40 +112,62 @@ impl Driver {
         }
     }
 
-    /// Every garbage connection to a worker that has connected a cluster
-    /// version since (a recovery, or a resize when a replacement joined)
-    /// was read and refused, with a log line.
+    /// Whether the worker that garbage connection `g` went to has
+    /// connected a cluster version since (a recovery, or a resize when a
+    /// replacement joined), and so has read its backlog.
+    pub(super) fn garbage_read(&self, &(_, pid, from): &(u16, i32, usize)) -> bool {
+        self.job.lines[from..].iter().any(|l| {
+            l.pid() == Some(pid)
+                && (l.msg.contains(": recovered in ") || l.msg.contains(": resized to "))
+        })
+    }
+
+    /// Whether that worker is gone (a later fault's victim) without
+    /// having read it.
+    pub(super) fn garbage_gone(&self, g: &(u16, i32, usize)) -> bool {
+        !self.garbage_read(g) && self.job.worker(g.1).is_none_or(|w| !w.alive())
+    }
+
+    /// Every garbage connection was read and refused, with a log line,
+    /// unless its worker was a later fault's victim before it connected a
+    /// version again ([`Driver::flush_garbage`] has the others read
+    /// theirs before the end).
     pub(super) fn check_garbage(&mut self) {
         let mut refused = 0;
-        let mut due = 0;
+        let mut gone = 0;
         let mut missed = Vec::new();
-        for &(port, pid, from) in &self.fig.garbage {
-            let reconnected = self.job.lines[from..].iter().any(|l| {
-                l.pid() == Some(pid)
-                    && (l.msg.contains(": recovered in ") || l.msg.contains(": resized to "))
-            });
-            let needle = format!("refused a connection from 127.0.0.1:{port}:");
+        for g in self.fig.garbage.clone() {
+            let needle = format!("refused a connection from 127.0.0.1:{}:", g.0);
             let seen = self.job.find(0, |l| l.msg.contains(&needle)).is_some();
             refused += usize::from(seen);
-            if reconnected {
-                due += 1;
-                if !seen {
-                    missed.push(port);
+            if !seen {
+                if self.garbage_gone(&g) {
+                    gone += 1;
+                } else {
+                    missed.push((g.0, self.garbage_read(&g)));
                 }
             }
         }
         if !self.fig.garbage.is_empty() {
             self.fig.tally.entry(Fault::Garbage).or_default().detected = refused;
             self.notes.push(format!(
-                "garbage: {} sent, {due} due to be read, {refused} refused",
+                "garbage: {} sent, {refused} refused, {gone} gone with their worker (a later \
+                 fault's victim) before it was read",
                 self.fig.garbage.len()
             ));
         }
-        for p in missed {
-            self.fail(format!(
-                "garbage: the connection from port {p} was never refused, though its worker \
-                 connected a version since"
-            ));
+        for (p, read) in missed {
+            self.fail(if read {
+                format!(
+                    "garbage: the connection from port {p} was never refused, though its \
+                     worker connected a version since"
+                )
+            } else {
+                format!(
+                    "garbage: the connection from port {p} was never read: its worker, \
+                     alive, never connected a version since"
+                )
+            });
         }
     }
 }
