@@ -17,7 +17,7 @@ use bytes::Bytes;
 use kungfu_topology::{Rank, Root};
 use kungfu_transport::{Epoch, TransportError};
 
-use crate::{CollectiveError, DType, OpSpec, ReduceOp};
+use crate::{CollectiveError, DType, OpKind, OpSpec, ReduceOp};
 
 pub(crate) const ABORT_LEN: usize = 32;
 
@@ -40,16 +40,6 @@ pub(crate) struct Abort {
     root: u32,
     count: u64,
 }
-
-const KIND_NAMES: [&str; 7] = [
-    "allreduce",
-    "reduce",
-    "broadcast",
-    "allgather",
-    "gather",
-    "reduce-scatter",
-    "alltoall",
-];
 
 impl Abort {
     pub(crate) fn new(reason: AbortReason, detector: Rank, offender: Rank, spec: &OpSpec) -> Abort {
@@ -92,7 +82,7 @@ impl Abort {
             4 => AbortReason::Timeout,
             r => return Err(format!("unknown reason {r}")),
         };
-        if !(1..=7).contains(&b[1]) || DType::from_u8(b[2]).is_none() {
+        if OpKind::name_of_code(b[1]).is_none() || DType::from_u8(b[2]).is_none() {
             return Err("unknown op kind or dtype".into());
         }
         if b[3] != 0 && ReduceOp::from_u8(b[3]).is_none() {
@@ -114,7 +104,7 @@ impl Abort {
     fn describe(&self) -> String {
         let mut s = format!(
             "{} {} count={}",
-            KIND_NAMES[usize::from(self.kind - 1)],
+            OpKind::name_of_code(self.kind).unwrap_or("?"),
             DType::from_u8(self.dtype).map_or("?", |d| d.name()),
             self.count
         );

@@ -47,9 +47,12 @@ pub fn input(dtype: DType, op: Option<ReduceOp>, rank: usize, len: usize) -> Vec
 
 /// The inputs of all `n` ranks for `spec`.
 pub fn inputs(spec: &OpSpec, n: usize) -> Vec<Vec<u8>> {
-    let per = spec.input_len(n).expect("valid spec") / spec.dtype.size();
     (0..n)
-        .map(|r| input(spec.dtype, spec.kind.reduce_op(), r, per))
+        .map(|r| {
+            let me = kungfu_topology::Rank(r as u32);
+            let per = spec.input_len(me, n).expect("valid spec") / spec.dtype.size();
+            input(spec.dtype, spec.kind.reduce_op(), r, per)
+        })
         .collect()
 }
 
@@ -80,6 +83,7 @@ pub fn expected(spec: &OpSpec, me: usize, inputs: &[Vec<u8>]) -> Option<Vec<u8>>
                 .flat_map(|x| x[me * b..(me + 1) * b].to_vec())
                 .collect(),
         ),
+        OpKind::Scatter { root } => Some(inputs[root.idx()][me * b..(me + 1) * b].to_vec()),
     }
 }
 
@@ -165,7 +169,7 @@ pub fn divide(dtype: DType, a: &[u8], n: usize) -> Vec<u8> {
 }
 
 /// The number of [`OpKind`]s that [`op_shape`] picks from.
-pub const OP_KINDS: usize = 7;
+pub const OP_KINDS: usize = 8;
 
 /// One op on one cluster, from indices (as property tests draw them): `n`
 /// workers on hosts of `per` (the last host may have fewer), the
@@ -197,6 +201,7 @@ pub fn op_shape(
         4 => OpKind::Gather { root },
         5 => OpKind::ReduceScatter(op),
         6 => OpKind::Alltoall,
+        7 => OpKind::Scatter { root },
         _ => panic!("op kind {kind} of {OP_KINDS}"),
     };
     let mut hosts = vec![per; n / per];

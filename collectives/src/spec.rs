@@ -26,6 +26,9 @@ pub enum OpKind {
     /// Each rank gives `size` blocks of `count`; rank `r` gets block `r` of
     /// every rank, in rank order.
     Alltoall,
+    /// The root gives `size` blocks of `count`; rank `r` gets block `r`
+    /// (the other ranks give nothing).
+    Scatter { root: Rank },
 }
 
 impl OpKind {
@@ -38,6 +41,7 @@ impl OpKind {
             OpKind::Gather { .. } => "gather",
             OpKind::ReduceScatter(_) => "reduce-scatter",
             OpKind::Alltoall => "alltoall",
+            OpKind::Scatter { .. } => "scatter",
         }
     }
 
@@ -51,7 +55,28 @@ impl OpKind {
             OpKind::Gather { .. } => 5,
             OpKind::ReduceScatter(_) => 6,
             OpKind::Alltoall => 7,
+            OpKind::Scatter { .. } => 8,
         }
+    }
+
+    /// The name of the kind whose number on the wire is `code`
+    /// ([`OpKind::code`]), if any.
+    pub(crate) fn name_of_code(code: u8) -> Option<&'static str> {
+        let r = Rank(0);
+        let op = ReduceOp::Sum;
+        [
+            OpKind::Allreduce(op),
+            OpKind::Reduce { op, root: r },
+            OpKind::Broadcast { root: r },
+            OpKind::Allgather,
+            OpKind::Gather { root: r },
+            OpKind::ReduceScatter(op),
+            OpKind::Alltoall,
+            OpKind::Scatter { root: r },
+        ]
+        .into_iter()
+        .find(|k| k.code() == code)
+        .map(|k| k.name())
     }
 
     pub fn reduce_op(&self) -> Option<ReduceOp> {
@@ -65,7 +90,7 @@ impl OpKind {
 
     /// Whether the output of rank `me` depends on what rank `peer` gives
     /// (directly or through others): every rank's, for the all-to-all
-    /// kinds; the root's, for a broadcast; everyone's at the root of a
+    /// kinds; the root's, for a broadcast and a scatter; everyone's at the root of a
     /// reduce or gather, no one's elsewhere. An op whose rank depends on a
     /// lost peer cannot complete.
     pub fn depends_on(&self, me: Rank, peer: Rank) -> bool {
@@ -74,16 +99,17 @@ impl OpKind {
             | OpKind::Allgather
             | OpKind::ReduceScatter(_)
             | OpKind::Alltoall => true,
-            OpKind::Broadcast { root } => peer == root,
+            OpKind::Broadcast { root } | OpKind::Scatter { root } => peer == root,
             OpKind::Reduce { root, .. } | OpKind::Gather { root } => me == root,
         }
     }
 
     pub fn root(&self) -> Root {
         match *self {
-            OpKind::Reduce { root, .. } | OpKind::Broadcast { root } | OpKind::Gather { root } => {
-                Root::At(root)
-            }
+            OpKind::Reduce { root, .. }
+            | OpKind::Broadcast { root }
+            | OpKind::Gather { root }
+            | OpKind::Scatter { root } => Root::At(root),
             _ => Root::Any,
         }
     }
@@ -124,11 +150,14 @@ impl OpSpec {
         self.count.checked_mul(self.dtype.size())
     }
 
-    /// Bytes the caller passes in.
-    pub fn input_len(&self, size: usize) -> Option<usize> {
+    /// Bytes rank `me` passes in (the same on every rank but for a
+    /// scatter, whose root alone gives anything).
+    pub fn input_len(&self, me: Rank, size: usize) -> Option<usize> {
         let b = self.block_bytes()?;
         match self.kind {
             OpKind::ReduceScatter(_) | OpKind::Alltoall => b.checked_mul(size),
+            OpKind::Scatter { root } if root == me => b.checked_mul(size),
+            OpKind::Scatter { .. } => Some(0),
             _ => Some(b),
         }
     }
@@ -138,9 +167,10 @@ impl OpSpec {
         let b = self.block_bytes()?;
         match self.kind {
             OpKind::Allreduce(_) | OpKind::Reduce { .. } | OpKind::Broadcast { .. } => Some(b),
-            OpKind::Allgather | OpKind::Gather { .. } | OpKind::ReduceScatter(_) => {
-                b.checked_mul(size)
-            }
+            OpKind::Allgather
+            | OpKind::Gather { .. }
+            | OpKind::ReduceScatter(_)
+            | OpKind::Scatter { .. } => b.checked_mul(size),
             OpKind::Alltoall => b.checked_mul(size)?.checked_mul(2),
         }
     }
@@ -163,7 +193,9 @@ impl OpSpec {
             OpKind::Allreduce(_) | OpKind::Reduce { .. } | OpKind::ReduceScatter(_) => {
                 work.extend_from_slice(input)
             }
-            OpKind::Broadcast { root } if root == me => work.extend_from_slice(input),
+            OpKind::Broadcast { root } | OpKind::Scatter { root } if root == me => {
+                work.extend_from_slice(input)
+            }
             _ => {
                 work.resize(len, 0);
                 self.init_work_in(input, me, size, work);
@@ -183,8 +215,10 @@ impl OpSpec {
             OpKind::Allreduce(_) | OpKind::Reduce { .. } | OpKind::ReduceScatter(_) => {
                 work.copy_from_slice(input)
             }
-            OpKind::Broadcast { root } if root == me => work.copy_from_slice(input),
-            OpKind::Broadcast { .. } => {}
+            OpKind::Broadcast { root } | OpKind::Scatter { root } if root == me => {
+                work.copy_from_slice(input)
+            }
+            OpKind::Broadcast { .. } | OpKind::Scatter { .. } => {}
             OpKind::Allgather | OpKind::Gather { .. } => work[mine].copy_from_slice(input),
             OpKind::Alltoall => {
                 let half = b * size;
@@ -202,7 +236,9 @@ impl OpSpec {
         match self.kind {
             OpKind::Allreduce(_) | OpKind::Broadcast { .. } | OpKind::Allgather => Some(0..w),
             OpKind::Reduce { root, .. } | OpKind::Gather { root } => (root == me).then_some(0..w),
-            OpKind::ReduceScatter(_) => Some(me.idx() * b..(me.idx() + 1) * b),
+            OpKind::ReduceScatter(_) | OpKind::Scatter { .. } => {
+                Some(me.idx() * b..(me.idx() + 1) * b)
+            }
             OpKind::Alltoall => Some(w / 2..w),
         }
     }
@@ -251,7 +287,7 @@ mod tests {
             dtype: DType::U16,
             count: 2,
         };
-        assert_eq!(s.input_len(n), Some(12));
+        assert_eq!(s.input_len(Rank(1), n), Some(12));
         let input: Vec<u8> = (0..12).collect();
         let w = s.init_work(&input, Rank(1), n);
         assert_eq!(w.len(), 24);
@@ -265,6 +301,32 @@ mod tests {
         };
         assert_eq!(g.output_range(Rank(0), n), None);
         assert_eq!(g.output_range(Rank(2), n), Some(0..12));
+
+        let sc = OpSpec {
+            kind: OpKind::Scatter { root: Rank(1) },
+            dtype: DType::F32,
+            count: 2,
+        };
+        assert_eq!(sc.input_len(Rank(1), n), Some(24));
+        assert_eq!(sc.input_len(Rank(0), n), Some(0));
+        let input: Vec<u8> = (0..24).collect();
+        assert_eq!(sc.init_work(&input, Rank(1), n), input);
+        assert_eq!(sc.init_work(&[], Rank(2), n), vec![0; 24]);
+        assert_eq!(sc.output_range(Rank(2), n), Some(16..24));
+    }
+
+    #[test]
+    fn every_kind_is_known_by_its_wire_number() {
+        for k in 0..crate::reference::OP_KINDS {
+            let (_, spec) = crate::reference::op_shape(4, 4, k, 1, 0, 0, 1);
+            let code = spec.kind.code();
+            assert_eq!(OpKind::name_of_code(code), Some(spec.kind.name()));
+        }
+        assert_eq!(OpKind::name_of_code(0), None);
+        assert_eq!(
+            OpKind::name_of_code(crate::reference::OP_KINDS as u8 + 1),
+            None
+        );
     }
 
     #[test]

@@ -260,7 +260,11 @@ fn matrix(kind_of: impl Fn(usize, usize) -> OpKind) {
 /// cores, and exercised no more chunk boundaries).
 fn per_rank(kind: OpKind, n: usize, count: usize) -> usize {
     match kind {
-        OpKind::Allgather | OpKind::Gather { .. } | OpKind::ReduceScatter(_) | OpKind::Alltoall
+        OpKind::Allgather
+        | OpKind::Gather { .. }
+        | OpKind::ReduceScatter(_)
+        | OpKind::Alltoall
+        | OpKind::Scatter { .. }
             if count > 1000 =>
         {
             (count / n) | 1
@@ -301,6 +305,13 @@ fn allgather_matrix() {
 #[test]
 fn gather_matrix() {
     matrix(|n, c| OpKind::Gather {
+        root: root_for(n, c),
+    });
+}
+
+#[test]
+fn scatter_matrix() {
+    matrix(|n, c| OpKind::Scatter {
         root: root_for(n, c),
     });
 }

@@ -378,7 +378,11 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, String> {
     let nchunks = cs.len();
     let blockwise = matches!(
         spec.kind,
-        OpKind::Allgather | OpKind::Gather { .. } | OpKind::ReduceScatter(_) | OpKind::Alltoall
+        OpKind::Allgather
+            | OpKind::Gather { .. }
+            | OpKind::ReduceScatter(_)
+            | OpKind::Alltoall
+            | OpKind::Scatter { .. }
     );
     let tags = if blockwise {
         nchunks.checked_mul(n)
@@ -514,6 +518,31 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, String> {
                 }
             }
         }
+        OpKind::Scatter { root } => {
+            // Tree scatter, a gather reversed: each rank gets from its
+            // parent its own block and every block of its subtree, and
+            // forwards those of each child's subtree as they arrive.
+            let topo = (cx.input.topology)(Root::At(root));
+            let g = &pairs_of(&topo)[0].reduce;
+            let parent = g.nexts(cx.me).first().copied();
+            let children: Vec<Rank> = g.prevs(cx.me).to_vec();
+            for (c, r) in cs.iter().enumerate() {
+                if let Some(p) = parent {
+                    let br = cx.bytes(&block(cx.me.idx(), r));
+                    cx.b.recv(p, tag(cx.me.idx(), c), 0, br, false, &[]);
+                }
+                for &ch in &children {
+                    for j in g.subtree_of(ch) {
+                        let br = cx.bytes(&block(j.idx(), r));
+                        let got: Vec<ActionId> = parent
+                            .map(|p| cx.b.recv(p, tag(j.idx(), c), 0, br.clone(), false, &[]))
+                            .into_iter()
+                            .collect();
+                        cx.b.send(ch, tag(j.idx(), c), 0, br, &got);
+                    }
+                }
+            }
+        }
         OpKind::Alltoall => {
             // Direct exchange; the output half starts at n * count.
             for (c, r) in cs.iter().enumerate() {
@@ -526,8 +555,10 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, String> {
             }
         }
     }
-    if let OpKind::Broadcast { root } | OpKind::Reduce { root, .. } | OpKind::Gather { root } =
-        spec.kind
+    if let OpKind::Broadcast { root }
+    | OpKind::Reduce { root, .. }
+    | OpKind::Gather { root }
+    | OpKind::Scatter { root } = spec.kind
     {
         cx.confirm(root);
     }

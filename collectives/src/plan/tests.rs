@@ -194,7 +194,7 @@ proptest! {
 fn plans_fit_together_on_a_fixed_grid() {
     for n in [1usize, 2, 3, 4, 5, 7, 8, 16] {
         for strategy in Strategy::ALL {
-            for kind in 0..7 {
+            for kind in 0..8 {
                 for (count, chunk_bytes) in [(0usize, 4usize), (1, 4), (7, 8), (100, 12)] {
                     let root = Rank(((count + kind) % n) as u32);
                     let kind = match kind {
@@ -207,7 +207,8 @@ fn plans_fit_together_on_a_fixed_grid() {
                         3 => OpKind::Allgather,
                         4 => OpKind::Gather { root },
                         5 => OpKind::ReduceScatter(ReduceOp::Min),
-                        _ => OpKind::Alltoall,
+                        6 => OpKind::Alltoall,
+                        _ => OpKind::Scatter { root },
                     };
                     let c = Case {
                         hosts: if n >= 3 {

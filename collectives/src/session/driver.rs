@@ -119,7 +119,7 @@ impl<T: Transport> Session<T> {
         }
         spec.validate(n).map_err(invalid)?;
         let (want, got, what) = match mem {
-            Memory::Input(input) => (spec.input_len(n), input.len(), "input"),
+            Memory::Input(input) => (spec.input_len(self.rank(), n), input.len(), "input"),
             Memory::Region(r) => (spec.work_len(n), r.len(), "working"),
         };
         let want = want.expect("validated");

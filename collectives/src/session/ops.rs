@@ -157,6 +157,18 @@ impl<T: Transport> Session<T> {
         self.typed(name, OpKind::Gather { root }, input.len(), input)
     }
 
+    /// Rank `r` gets block `r` of `root`'s `input`, `size` blocks of
+    /// `count` elements; the other ranks pass an empty `input`.
+    pub fn scatter<E: Element>(
+        &self,
+        name: &str,
+        input: &[E],
+        count: usize,
+        root: Rank,
+    ) -> OpHandle<Vec<E>> {
+        self.typed(name, OpKind::Scatter { root }, count, input)
+    }
+
     /// `input` is `size` blocks; rank `r` gets the reduction of block `r`.
     pub fn reduce_scatter<E: Element>(
         &self,

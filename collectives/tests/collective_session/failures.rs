@@ -82,7 +82,11 @@ fn disagreeing_specs_fail_everywhere_with_names() {
                     .zip(&specs)
                     .enumerate()
                     .map(|(r, (s, spec))| {
-                        s.submit(name, *spec, &vec![r as u8 + 1; spec.input_len(n).unwrap()])
+                        s.submit(
+                            name,
+                            *spec,
+                            &vec![r as u8 + 1; spec.input_len(Rank(r as u32), n).unwrap()],
+                        )
                     })
                     .collect();
                 for (r, h) in handles.into_iter().enumerate() {

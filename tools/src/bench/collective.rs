@@ -50,8 +50,10 @@ fn heap_per_op(h0: (u64, u64), iters: usize) -> (f64, f64) {
 /// Where an op reads and writes in its one in-place buffer, in elements,
 /// laid out as nccl-tests lays it out: allgather (and gather) read this
 /// rank's block of the output buffer, reduce-scatter writes this rank's
-/// block of the input buffer, the others read and write the whole buffer.
-/// Ranks without an output (reduce and gather off the root) write nothing.
+/// block of the input buffer, scatter reads the whole buffer at the root
+/// (nothing elsewhere) and writes this rank's block, the others read and
+/// write the whole buffer. Ranks without an output (reduce and gather off
+/// the root) write nothing.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct InPlace {
     len: usize,
@@ -69,6 +71,9 @@ fn in_place_layout(spec: &OpSpec, n: usize, me: usize) -> InPlace {
         OpKind::Gather { root } => (n * c, mine, (root.idx() == me).then_some(all)),
         OpKind::ReduceScatter(_) => (n * c, all, Some(mine)),
         OpKind::Alltoall => (n * c, all.clone(), Some(all)),
+        // the root reads the whole buffer, the others nothing
+        OpKind::Scatter { root } if root.idx() == me => (n * c, all, Some(mine)),
+        OpKind::Scatter { .. } => (n * c, mine.start..mine.start, Some(mine)),
     };
     InPlace { len, input, output }
 }
@@ -175,7 +180,7 @@ async fn measure(
     let inputs = if args.check {
         reference::inputs(&spec, n)
     } else {
-        let per = spec.input_len(n).context("size overflows")? / spec.dtype.size();
+        let per = spec.input_len(s.rank(), n).context("size overflows")? / spec.dtype.size();
         let mut v = vec![Vec::new(); n];
         v[me] = reference::input(spec.dtype, spec.kind.reduce_op(), me, per);
         v
@@ -469,5 +474,10 @@ mod tests {
             (4, 0..4, None)
         );
         assert_eq!(lay(OpKind::Gather { root }), (12, 4..8, None));
+        assert_eq!(lay(OpKind::Scatter { root }), (12, 4..4, Some(4..8)));
+        assert_eq!(
+            lay(OpKind::Scatter { root: Rank(1) }),
+            (12, 0..12, Some(4..8))
+        );
     }
 }
