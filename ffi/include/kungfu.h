@@ -307,6 +307,22 @@ kf_status kf_gather(const void *send,
                     void *user,
                     kf_handle *out);
 
+// Rank `r` gets block `r` of `root`'s `send`, `size` blocks of
+// `count_per_rank` elements, in `recv` (`count_per_rank` elements);
+// `send` may be NULL on the other ranks.
+//
+// # Safety
+// As [`kf_allgather`], with the sizes above.
+kf_status kf_scatter(const void *send,
+                     void *recv,
+                     size_t count_per_rank,
+                     kf_dtype dtype,
+                     int root,
+                     const char *name,
+                     kf_callback cb,
+                     void *user,
+                     kf_handle *out);
+
 // Each rank gives `size * count_per_rank` elements; rank `r` gets the
 // reduction of block `r` (`count_per_rank` elements).
 //

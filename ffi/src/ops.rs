@@ -178,6 +178,41 @@ pub unsafe extern "C" fn kf_gather(
     )
 }
 
+/// Rank `r` gets block `r` of `root`'s `send`, `size` blocks of
+/// `count_per_rank` elements, in `recv` (`count_per_rank` elements);
+/// `send` may be NULL on the other ranks.
+///
+/// # Safety
+/// As [`kf_allgather`], with the sizes above.
+#[no_mangle]
+pub unsafe extern "C" fn kf_scatter(
+    send: *const c_void,
+    recv: *mut c_void,
+    count_per_rank: usize,
+    dtype: kf_dtype,
+    root: c_int,
+    name: *const c_char,
+    cb: kf_callback,
+    user: *mut c_void,
+    out: *mut kf_handle,
+) -> kf_status {
+    start_op(
+        |n| {
+            Ok(OpKind::Scatter {
+                root: root_of(root, n)?,
+            })
+        },
+        dtype,
+        count_per_rank,
+        send,
+        recv,
+        name,
+        cb,
+        user,
+        out,
+    )
+}
+
 /// Each rank gives `size * count_per_rank` elements; rank `r` gets the
 /// reduction of block `r` (`count_per_rank` elements).
 ///

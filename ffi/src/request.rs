@@ -56,7 +56,7 @@ fn request(
     let n = ctx.session.size();
     let me = ctx.session.rank();
     spec.validate(n).map_err(invalid)?;
-    let in_len = spec.input_len(n).expect("validated");
+    let in_len = spec.input_len(me, n).expect("validated");
     let input = match spec.kind {
         // only the root's input matters; others may pass NULL
         OpKind::Broadcast { root } if root != me && send.is_null() => vec![0; in_len],
@@ -173,7 +173,7 @@ fn start_in_place(
     if len == 0 || group::is_open() || spec.output_range(me, n) != Some(0..len) {
         return Some(done);
     }
-    let in_len = spec.input_len(n).expect("validated");
+    let in_len = spec.input_len(me, n).expect("validated");
     let needs_input = !matches!(spec.kind, OpKind::Broadcast { root } if root != me);
     let (s, r) = (send as usize, recv.as_ptr() as usize);
     let copy = if !needs_input {

@@ -237,6 +237,19 @@ int main(void) {
         CHECK(kf_release(h));
         if (rank_ == size - 1 && m != 100 - (size - 1)) FAIL("reduce min = %lld", (long long)m);
 
+        /* every rank gets its block of the last rank's, whose send alone
+         * is read */
+        int32_t *parts = malloc(sizeof(int32_t) * 2 * (size_t)size);
+        for (int r = 0; r < 2 * size; r++) parts[r] = 1000 * (r / 2) + r % 2 + 7;
+        int32_t part[2] = {-1, -1};
+        CHECK(kf_scatter(rank_ == size - 1 ? parts : NULL, part, 2, KF_INT32, size - 1, "scatter",
+                         NULL, NULL, &h));
+        CHECK(kf_wait(h, 60000));
+        CHECK(kf_release(h));
+        if (part[0] != 1000 * rank_ + 7 || part[1] != 1000 * rank_ + 8)
+            FAIL("scatter: %d %d", part[0], part[1]);
+        free(parts);
+
         uint32_t *blocks = malloc(sizeof(uint32_t) * 2 * (size_t)size);
         uint32_t got[2];
         for (int r = 0; r < size; r++) {
