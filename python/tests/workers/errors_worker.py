@@ -107,8 +107,6 @@ def refused(rec):
     expect_error(rec, F, "all_gather: a list of the wrong length", lambda: dist.all_gather(
         [torch.zeros(3)] * (N + 1), torch.ones(3), group=KG), "all_gather")
     # ops the backend does not have: c10d's own error
-    expect_error(rec, F, "scatter", lambda: dist.scatter(
-        torch.zeros(2), [torch.ones(2)] * N if RANK == 0 else None, 0, group=KG), "does not support scatter")
     expect_error(rec, F, "all_to_all (lists)", lambda: dist.all_to_all(
         [torch.zeros(2) for _ in range(N)], [torch.ones(2) for _ in range(N)], group=KG),
         "does not support alltoall")
@@ -189,6 +187,9 @@ def mismatch(rec):
         "gather: the last rank's size": (
             lambda: dist.gather(torch.ones(2 + last), [torch.zeros(2)] * N if RANK == 0 else None,
                                 dst=0, group=KG), RANK == 0),
+        "scatter: the last rank's size": (
+            lambda: dist.scatter(torch.zeros(2 + last), [torch.ones(2)] * N if RANK == 0 else None,
+                                 src=0, group=KG), RANK != 0),
     }
     for case, (fn, receives) in rooted.items():
         if receives:
@@ -202,6 +203,12 @@ def mismatch(rec):
         torch.full((4,), float(RANK)), src=RANK, group=KG), me, "KF_ERR_MISMATCH")
     dist.barrier()
     still_works(rec, F, "broadcast: roots")
+    # ... and of a scatter
+    expect_error(rec, "mismatch_senders", "scatter: every rank its own root", lambda: dist.scatter(
+        torch.zeros(2), [torch.full((2,), float(RANK))] * N, src=RANK, group=KG), me,
+        "KF_ERR_MISMATCH")
+    dist.barrier()
+    still_works(rec, F, "scatter: roots")
 
     # async: wait() raises; the Future carries the error to then()
     w = dist.all_reduce(torch.ones(3 + RANK), group=KG, async_op=True)

@@ -13,7 +13,7 @@ its records to OUTDIR/rank<R>.json (see common.py).
 
 Families (all by default): all_reduce broadcast all_gather
 all_gather_into_tensor reduce_scatter_tensor reduce_scatter
-all_to_all_single all_to_all_single_uneven reduce gather barrier
+all_to_all_single all_to_all_single_uneven reduce gather scatter barrier
 non_contiguous async.
 """
 
@@ -255,6 +255,25 @@ def gather(rec):
                     ok and rec.compare("gather", case, r[0], want, dtype=dt)
                 elif r:
                     rec.add("gather", case, True, "not the root", dtype=dt)
+
+
+def scatter(rec):
+    for root in range(N):
+        for dt in DTYPES:
+            for shape in [(1,), (7,), (1000,), (3, 5)]:
+                case = f"root={root} {dt} shape={shape}"
+                # the root's blocks: block j is what rank j gets
+                parts = [inputs(f"sct{root}.{j}", "wide", dt, shape, rank=root) for j in range(N)]
+
+                def f(group):
+                    out = torch.full(shape, 7 if group is KG else 0, dtype=DTYPES[dt])
+                    dist.scatter(out, parts if RANK == root else None, src=root, group=group)
+                    return out
+
+                r = both(rec, "scatter", case, f)
+                if r:
+                    ok = rec.compare("scatter", case + " vs gloo", r[0], r[1], dtype=dt)
+                    ok and rec.compare("scatter", case, r[0], parts[RANK], dtype=dt)
 
 
 def all_to_all_single(rec):
@@ -573,6 +592,7 @@ FAMILIES = {
     "all_to_all_single_uneven": all_to_all_single_uneven,
     "reduce": reduce,
     "gather": gather,
+    "scatter": scatter,
     "barrier": barrier,
     "non_contiguous": non_contiguous,
     "async": async_ops,

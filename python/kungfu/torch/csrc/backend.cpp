@@ -79,6 +79,27 @@ class KungfuBackend : public c10d::Backend {
     return kungfu_torch::gather(in, flat, root, next("gather"), outputs[0]);
   }
 
+  c10::intrusive_ptr<c10d::Work> scatter(
+      std::vector<at::Tensor>& outputs,
+      std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ScatterOptions& opts) override {
+    auto& out = one(outputs, "scatter");
+    int root = static_cast<int>(opts.rootRank);
+    if (rank_ != root) {
+      return kungfu_torch::scatter(at::Tensor(), out, root, next("scatter"));
+    }
+    TORCH_CHECK(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_,
+                prefix(), "scatter: the root needs one input list of ", size_, " tensors");
+    std::vector<at::Tensor> flat;
+    for (auto& t : inputs[0]) {
+      check_tensor(t, "scatter");
+      TORCH_CHECK(t.numel() == out.numel() && t.scalar_type() == out.scalar_type(), prefix(),
+                  "scatter: every input tensor must match the output's size and type");
+      flat.push_back(t.reshape({-1}));
+    }
+    return kungfu_torch::scatter(at::cat(flat), out, root, next("scatter"));
+  }
+
   c10::intrusive_ptr<c10d::Work> reduce_scatter(
       std::vector<at::Tensor>& outputs,
       std::vector<std::vector<at::Tensor>>& inputs,

@@ -415,6 +415,9 @@ c10::intrusive_ptr<c10d::Work> allgather(const at::Tensor& in, const at::Tensor&
 c10::intrusive_ptr<c10d::Work> gather(const at::Tensor& in, const at::Tensor& out, int root,
                                       const std::string& name,
                                       std::vector<at::Tensor> parts = {});
+// `in` (root only) holds size * numel(out) elements; rank r gets block r.
+c10::intrusive_ptr<c10d::Work> scatter(const at::Tensor& in, const at::Tensor& out, int root,
+                                       const std::string& name);
 c10::intrusive_ptr<c10d::Work> reduce_scatter(const at::Tensor& in, const at::Tensor& out,
                                               kf_op kop, const std::string& name);
 c10::intrusive_ptr<c10d::Work> alltoall(const at::Tensor& in, const at::Tensor& out,

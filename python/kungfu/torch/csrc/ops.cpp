@@ -147,6 +147,34 @@ c10::intrusive_ptr<c10d::Work> gather(const at::Tensor& in,
   return start(op);
 }
 
+// `in` (root only) holds size * numel(out) elements, rank by rank; rank r
+// gets block r.
+c10::intrusive_ptr<c10d::Work> scatter(const at::Tensor& in,
+                                       const at::Tensor& out, int root,
+                                       const std::string& name) {
+  auto what = quoted("scatter", name);
+  check_tensor(out, what);
+  kf_dtype dt = dtype_of(out, what);
+  bool here = kf_rank() == root;
+  if (here) {
+    check_tensor(in, what);
+    TORCH_CHECK(in.numel() == out.numel() * kf_size() &&
+                    in.scalar_type() == out.scalar_type(),
+                prefix(), what, ": the input must hold ", kf_size(),
+                " times the output's elements, of its type");
+  }
+  Op* op = new_op(kf_rank(), c10d::OpType::SCATTER, "kungfu:scatter", what, {out});
+  at::Tensor src = here ? input_of(in) : at::Tensor();
+  at::Tensor dst = output_of(op, out);
+  op->keep = {dst};
+  if (here) op->keep.push_back(src);
+  op->steps.push_back([=](Op* o, kf_handle* h) {
+    return kf_scatter(here ? ptr(src) : nullptr, ptr(dst), dst.numel(), dt, root,
+                      name.c_str(), on_done, o, h);
+  });
+  return start(op);
+}
+
 // `in` holds size * numel(out) elements; rank r gets the reduction of
 // block r.
 c10::intrusive_ptr<c10d::Work> reduce_scatter(const at::Tensor& in,
