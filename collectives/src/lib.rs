@@ -69,6 +69,7 @@ pub mod p2p;
 pub mod plan;
 mod pool;
 pub mod reference;
+pub mod sendrecv;
 mod session;
 mod spec;
 pub mod timeline;
@@ -78,6 +79,13 @@ pub use dtype::{
     sq_norm_f32, sq_norm_with_isa, DType, Element, KernelIsa, Order, ReduceOp,
 };
 pub use error::CollectiveError;
+
+/// Locks `m`, also if a thread panicked holding it: the guarded tables stay
+/// consistent between statements, and a panic elsewhere must not take the
+/// session down with it.
+pub(crate) fn lock<X>(m: &std::sync::Mutex<X>) -> std::sync::MutexGuard<'_, X> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
 pub use group::{Group, MemberCallback};
 pub use session::{
     Agreement, Callback, FastLarge, OpHandle, OpOutput, OpStats, PeerStats, Session, SessionConfig,

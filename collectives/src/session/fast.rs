@@ -65,7 +65,9 @@ mod step;
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, AtomicUsize};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
+
+use crate::lock;
 use std::time::Instant;
 
 use kungfu_topology::{fnv1a64, Rank, Root};
@@ -164,10 +166,6 @@ pub(super) struct FastOp<T> {
 }
 
 type Ended<T> = (FastOp<T>, Result<OpOutput, CollectiveError>);
-
-fn lock<X>(m: &Mutex<X>) -> MutexGuard<'_, X> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 fn bits(mask: u64) -> impl Iterator<Item = Rank> {
     (0..64u32).filter(move |i| mask & (1 << i) != 0).map(Rank)

@@ -27,7 +27,9 @@ mod stats;
 mod swap;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
+
+use crate::lock;
 use std::time::Duration;
 
 use kungfu_topology::{PeerList, Rank, Root, Strategy, Topology};
@@ -117,12 +119,6 @@ impl<T: Transport> Clone for Session<T> {
             inner: self.inner.clone(),
         }
     }
-}
-
-fn lock<X>(m: &Mutex<X>) -> MutexGuard<'_, X> {
-    // The guarded tables stay consistent between statements; a panic
-    // elsewhere must not take the session down with it.
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl<T: Transport> Session<T> {
