@@ -28,6 +28,7 @@ use bytes::Bytes;
 use kungfu_topology::Rank;
 use kungfu_transport::{FrameKind, Header, Instant, OpTag, PeerSet, Transport, TransportError};
 
+use crate::lock;
 use crate::names::op_id;
 use crate::Session;
 
@@ -59,6 +60,24 @@ pub enum P2pError {
     },
     #[error("bad reply from {peer}: {reason}")]
     Protocol { peer: Rank, reason: String },
+    /// A message's sender and receiver disagree on its length
+    /// ([`crate::sendrecv`]): both ends fail.
+    #[error(
+        "mismatch: {from} sent {sent} bytes under tag {tag} to {to}, which expected {expected}"
+    )]
+    Length {
+        from: Rank,
+        to: Rank,
+        tag: u64,
+        sent: u64,
+        expected: u64,
+    },
+    /// No message could come from `peer` any more: it is lost, or the
+    /// transport closed.
+    #[error("{peer} is gone: {why}")]
+    Gone { peer: Rank, why: String },
+    #[error("timed out: {0}")]
+    Timeout(String),
 }
 
 #[derive(Default)]
@@ -86,10 +105,6 @@ impl<T: Transport> Drop for PeerStore<T> {
     fn drop(&mut self) {
         self.inner.stop.store(true, Ordering::SeqCst);
     }
-}
-
-fn lock<X>(m: &Mutex<X>) -> std::sync::MutexGuard<'_, X> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl<T: Transport> PeerStore<T> {
@@ -177,7 +192,7 @@ impl<T: Transport> PeerStore<T> {
         let tr = |source| P2pError::Transport { peer, source };
         t.send(
             peer,
-            header(REQUEST, s.rank(), epoch, seq),
+            header(REQUEST, s.rank(), epoch, seq, 0),
             Bytes::from(req),
         )
         .await
@@ -215,8 +230,9 @@ impl<T: Transport> PeerStore<T> {
 }
 
 /// The tag of the `seq`-th frame of kind `name` sent by `sender` (to one
-/// peer): unique per pair, so that a receiver can retire it.
-fn tag(name: &str, sender: Rank, epoch: kungfu_transport::Epoch, seq: u32) -> OpTag {
+/// peer): unique per pair, so that a receiver can retire it (also
+/// [`crate::sendrecv`]'s).
+pub(crate) fn tag(name: &str, sender: Rank, epoch: kungfu_transport::Epoch, seq: u32) -> OpTag {
     OpTag {
         epoch,
         op: op_id(&format!("{name}{}", sender.0)),
@@ -224,11 +240,18 @@ fn tag(name: &str, sender: Rank, epoch: kungfu_transport::Epoch, seq: u32) -> Op
     }
 }
 
-fn header(name: &str, sender: Rank, epoch: kungfu_transport::Epoch, seq: u32) -> Header {
+/// The header of such a frame, piece `chunk` of what it carries.
+pub(crate) fn header(
+    name: &str,
+    sender: Rank,
+    epoch: kungfu_transport::Epoch,
+    seq: u32,
+    chunk: u32,
+) -> Header {
     Header {
         kind: FrameKind::Data,
         tag: tag(name, sender, epoch, seq),
-        chunk: 0,
+        chunk,
         step: 0,
         digest: 0,
         len: 0,
@@ -292,7 +315,7 @@ async fn serve<T: Transport>(weak: Weak<Inner<T>>, peer: Rank) {
         // A requester that left does not stop the service for the others.
         let me = t.rank();
         let _ = t
-            .send(peer, header(REPLY, me, epoch, seq), Bytes::from(reply))
+            .send(peer, header(REPLY, me, epoch, seq, 0), Bytes::from(reply))
             .await;
         seq = seq.wrapping_add(1);
     }

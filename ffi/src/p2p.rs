@@ -39,7 +39,7 @@ fn store(c: &Ctx) -> Arc<PeerStore<AnyTransport>> {
     }
 }
 
-fn fail_of(e: &P2pError) -> Fail {
+pub(crate) fn fail_of(e: &P2pError) -> Fail {
     let status = match e {
         P2pError::NotSaved { .. } | P2pError::NoSuchVersion { .. } => KF_ERR_TIMEOUT,
         P2pError::InvalidArgument(_) => KF_ERR_INVALID_ARGUMENT,
@@ -51,6 +51,9 @@ fn fail_of(e: &P2pError) -> Fail {
             _ => KF_ERR_TRANSPORT,
         },
         P2pError::Protocol { .. } => KF_ERR_TRANSPORT,
+        P2pError::Length { .. } => KF_ERR_MISMATCH,
+        P2pError::Gone { .. } => KF_ERR_PEER_LOST,
+        P2pError::Timeout(_) => KF_ERR_TIMEOUT,
     };
     Fail(status, e.to_string())
 }

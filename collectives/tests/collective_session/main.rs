@@ -20,6 +20,7 @@ mod group;
 mod in_place;
 mod ops;
 mod pool;
+mod sendrecv;
 mod stall;
 mod stats;
 mod swap;
