@@ -8,6 +8,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// The `peer` of [`kf_recv`] that takes a message from any worker.
+#define KF_ANY_SOURCE -1
+
 // The status of a call or of an op. `KF_OK` is 0; every error is positive.
 typedef int32_t kf_status;
 
@@ -578,6 +581,47 @@ kf_status kf_request(int32_t peer,
                      kf_callback cb,
                      void *user,
                      kf_handle *handle);
+
+// Sends a copy of the `len` bytes at `data` to rank `peer` under `tag`.
+// The op completes once `peer`'s matching `kf_recv` took it (a
+// rendezvous: two workers that each wait for a send to the other before
+// they receive wait for each other until the op timeout,
+// `KUNGFU_OP_TIMEOUT_MS`). Messages from one worker to another under one
+// tag are received in the order of their `kf_send` calls. A receive of
+// another length fails both ends with `KF_ERR_MISMATCH`.
+//
+// # Safety
+// `data` holds `len` bytes (NULL only if `len` is 0); `handle` is NULL or
+// points to a `kf_handle`.
+kf_status kf_send(int peer,
+                  uint64_t tag,
+                  const void *data,
+                  size_t len,
+                  kf_callback cb,
+                  void *user,
+                  kf_handle *handle);
+
+// Receives into `out`, which must hold exactly the message's `len`
+// bytes, the next message under `tag` from rank `peer`, or from any
+// worker with `KF_ANY_SOURCE`; writes the sender's rank to `*source`
+// unless it is NULL, before the op completes. Receives take messages in
+// the order of their `kf_recv` calls. Fails with `KF_ERR_MISMATCH` (and
+// so does the send) if the lengths differ, with `KF_ERR_PEER_LOST` once
+// the peer (for `KF_ANY_SOURCE`: every peer) is gone, and with
+// `KF_ERR_TIMEOUT` after the op timeout (`KUNGFU_OP_TIMEOUT_MS`).
+//
+// # Safety
+// `out` holds `len` bytes (NULL only if `len` is 0) and, like `source`
+// (NULL or an `int`), stays valid until the op completes; `handle` is
+// NULL or points to a `kf_handle`.
+kf_status kf_recv(int peer,
+                  uint64_t tag,
+                  void *out,
+                  size_t len,
+                  int *source,
+                  kf_callback cb,
+                  void *user,
+                  kf_handle *handle);
 
 #ifdef __cplusplus
 }  // extern "C"

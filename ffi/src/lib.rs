@@ -43,6 +43,8 @@ pub use recover::{kf_recover, kf_stall_report};
 mod group;
 mod p2p;
 pub use p2p::{kf_request, kf_save};
+mod sendrecv;
+pub use sendrecv::{kf_recv, kf_send, KF_ANY_SOURCE};
 mod request;
 
 use std::cell::RefCell;

@@ -250,6 +250,42 @@ int main(void) {
             FAIL("scatter: %d %d", part[0], part[1]);
         free(parts);
 
+        /* point to point: round the ring, then every other rank to rank 0,
+         * which receives from any rank */
+        {
+            int64_t sent[3] = {rank_, 10 * rank_, -rank_}, got3[3] = {0, 0, 0};
+            int next = (rank_ + 1) % size, prev = (rank_ + size - 1) % size, src = -1;
+            kf_handle hs, hr;
+            CHECK(kf_send(next, 42, sent, sizeof sent, NULL, NULL, &hs));
+            CHECK(kf_recv(prev, 42, got3, sizeof got3, &src, NULL, NULL, &hr));
+            CHECK(kf_wait(hr, 60000));
+            CHECK(kf_release(hr));
+            CHECK(kf_wait(hs, 60000));
+            CHECK(kf_release(hs));
+            if (src != prev || got3[0] != prev || got3[1] != 10 * prev || got3[2] != -prev)
+                FAIL("recv from %d: source %d, %lld", prev, src, (long long)got3[1]);
+            if (rank_ == 0) {
+                int seen = 0;
+                for (int k = 1; k < size; k++) {
+                    int32_t v = -1;
+                    int who = -1;
+                    CHECK(kf_recv(KF_ANY_SOURCE, 7, &v, sizeof v, &who, NULL, NULL, &hr));
+                    CHECK(kf_wait(hr, 60000));
+                    CHECK(kf_release(hr));
+                    if (who < 1 || who >= size || v != 100 + who)
+                        FAIL("from any rank: %d from %d", v, who);
+                    else
+                        seen |= 1 << who;
+                }
+                if (seen != (1 << size) - 2) FAIL("from any rank: senders %x", seen);
+            } else {
+                int32_t v = 100 + rank_;
+                CHECK(kf_send(0, 7, &v, sizeof v, NULL, NULL, &hs));
+                CHECK(kf_wait(hs, 60000));
+                CHECK(kf_release(hs));
+            }
+        }
+
         uint32_t *blocks = malloc(sizeof(uint32_t) * 2 * (size_t)size);
         uint32_t got[2];
         for (int r = 0; r < size; r++) {
