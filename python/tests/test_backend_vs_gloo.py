@@ -19,7 +19,8 @@ REDUCTIONS = ["SUM", "AVG", "MIN", "MAX", "PRODUCT"]
 OPS_FAMILIES = [
     "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
     "reduce_scatter_tensor", "reduce_scatter", "all_to_all_single",
-    "all_to_all_single_uneven", "reduce", "gather", "scatter", "barrier", "non_contiguous",
+    "all_to_all_single_uneven", "reduce", "gather", "scatter", "send_recv", "barrier",
+    "non_contiguous",
     "async",
 ]
 # families whose records must cover every dtype (and, for reductions, every op)

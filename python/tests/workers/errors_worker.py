@@ -110,10 +110,6 @@ def refused(rec):
     expect_error(rec, F, "all_to_all (lists)", lambda: dist.all_to_all(
         [torch.zeros(2) for _ in range(N)], [torch.ones(2) for _ in range(N)], group=KG),
         "does not support alltoall")
-    expect_error(rec, F, "send", lambda: dist.send(torch.zeros(2), (RANK + 1) % N, group=KG),
-                 "does not support send")
-    expect_error(rec, F, "recv", lambda: dist.recv(torch.zeros(2), (RANK + 1) % N, group=KG),
-                 "does not support recv")
     still_works(rec, F, "the refused calls")
 
 
@@ -209,6 +205,16 @@ def mismatch(rec):
         "KF_ERR_MISMATCH")
     dist.barrier()
     still_works(rec, F, "scatter: roots")
+    # point to point: the receiver's length differs from the sender's:
+    # both ends raise
+    if RANK == 0:
+        expect_error(rec, F, "send: the receiver's length", lambda: dist.send(
+            torch.ones(3), 1, group=KG), me, "KF_ERR_MISMATCH", "sent 12 bytes")
+    elif RANK == 1:
+        expect_error(rec, F, "recv: the sender's length", lambda: dist.recv(
+            torch.zeros(4), 0, group=KG), me, "KF_ERR_MISMATCH", "expected 16")
+    dist.barrier()
+    still_works(rec, F, "send/recv: lengths")
 
     # async: wait() raises; the Future carries the error to then()
     w = dist.all_reduce(torch.ones(3 + RANK), group=KG, async_op=True)

@@ -13,7 +13,7 @@ its records to OUTDIR/rank<R>.json (see common.py).
 
 Families (all by default): all_reduce broadcast all_gather
 all_gather_into_tensor reduce_scatter_tensor reduce_scatter
-all_to_all_single all_to_all_single_uneven reduce gather scatter barrier
+all_to_all_single all_to_all_single_uneven reduce gather scatter send_recv barrier
 non_contiguous async.
 """
 
@@ -274,6 +274,86 @@ def scatter(rec):
                 if r:
                     ok = rec.compare("scatter", case + " vs gloo", r[0], r[1], dtype=dt)
                     ok and rec.compare("scatter", case, r[0], parts[RANK], dtype=dt)
+
+
+def send_recv(rec):
+    """Point to point round the ring (N even): blocking send and recv,
+    isend/irecv under two tags received in the other order,
+    batch_isend_irecv, and a receive from any rank at rank 0."""
+    F = "send_recv"
+    nxt, prv = (RANK + 1) % N, (RANK - 1) % N
+    for dt in DTYPES:
+        for shape in [(1,), (7,), (1000,), (65539,)]:
+            case = f"{dt} shape={shape}"
+            x = inputs("p2p", "wide", dt, shape)
+            y = inputs("p2p.b", "wide", dt, shape)
+            want = inputs("p2p", "wide", dt, shape, rank=prv)
+            want_b = inputs("p2p.b", "wide", dt, shape, rank=prv)
+
+            def blocking(group):
+                out = torch.full(shape, 7, dtype=DTYPES[dt])
+                # even ranks send first, odd ones receive first
+                if RANK % 2 == 0:
+                    dist.send(x, nxt, group=group)
+                    dist.recv(out, prv, group=group)
+                else:
+                    dist.recv(out, prv, group=group)
+                    dist.send(x, nxt, group=group)
+                return out
+
+            r = both(rec, F, "blocking " + case, blocking)
+            if r:
+                ok = rec.compare(F, "blocking " + case + " vs gloo", r[0], r[1], dtype=dt)
+                ok and rec.compare(F, "blocking " + case, r[0], want, dtype=dt)
+
+            def tagged(group):
+                a = torch.full(shape, 7, dtype=DTYPES[dt])
+                b = torch.full(shape, 7, dtype=DTYPES[dt])
+                ws = [dist.isend(x, nxt, group=group, tag=5), dist.isend(y, nxt, group=group, tag=6)]
+                dist.irecv(b, prv, group=group, tag=6).wait()
+                dist.irecv(a, prv, group=group, tag=5).wait()
+                for w in ws:
+                    w.wait()
+                return torch.stack([a, b])
+
+            r = both(rec, F, "tagged " + case, tagged)
+            if r:
+                ok = rec.compare(F, "tagged " + case + " vs gloo", r[0], r[1], dtype=dt)
+                ok and rec.compare(F, "tagged " + case, r[0], torch.stack([want, want_b]), dtype=dt)
+
+            def batched(group):
+                out = torch.full(shape, 7, dtype=DTYPES[dt])
+                ops = [dist.P2POp(dist.isend, x, nxt, group=group),
+                       dist.P2POp(dist.irecv, out, prv, group=group)]
+                for w in dist.batch_isend_irecv(ops):
+                    w.wait()
+                return out
+
+            r = both(rec, F, "batch_isend_irecv " + case, batched)
+            if r:
+                ok = rec.compare(F, "batch_isend_irecv " + case + " vs gloo", r[0], r[1], dtype=dt)
+                ok and rec.compare(F, "batch_isend_irecv " + case, r[0], want, dtype=dt)
+
+            def any_source(group):
+                if RANK != 0:
+                    dist.send(x, 0, group=group)
+                    return torch.zeros(0)
+                got = {}
+                for _ in range(N - 1):
+                    out = torch.full(shape, 7, dtype=DTYPES[dt])
+                    src = dist.recv(out, group=group)
+                    got[src] = out
+                return torch.stack([got[j] for j in sorted(got)]), sorted(got)
+
+            r = both(rec, F, "from any rank " + case, any_source)
+            if r and RANK == 0:
+                senders = list(range(1, N))
+                everyone = torch.stack([inputs("p2p", "wide", dt, shape, rank=j) for j in senders])
+                rec.add(F, "from any rank: the senders " + case, r[0][1] == senders, f"{r[0][1]}")
+                ok = rec.compare(F, "from any rank " + case + " vs gloo", r[0][0], r[1][0], dtype=dt)
+                ok and rec.compare(F, "from any rank " + case, r[0][0], everyone, dtype=dt)
+            elif r:
+                rec.add(F, "from any rank " + case, True, "a sender", dtype=dt)
 
 
 def all_to_all_single(rec):
@@ -593,6 +673,7 @@ FAMILIES = {
     "reduce": reduce,
     "gather": gather,
     "scatter": scatter,
+    "send_recv": send_recv,
     "barrier": barrier,
     "non_contiguous": non_contiguous,
     "async": async_ops,

@@ -79,6 +79,26 @@ class KungfuBackend : public c10d::Backend {
     return kungfu_torch::gather(in, flat, root, next("gather"), outputs[0]);
   }
 
+  // Point to point: the tag is this group's (its id in the high half),
+  // so that two groups' messages never match.
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank,
+                                      int tag) override {
+    auto& t = one(tensors, "send");
+    return kungfu_torch::send(t, dstRank, tag_of(tag), where("send", dstRank, tag));
+  }
+
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank,
+                                      int tag) override {
+    auto& t = one(tensors, "recv");
+    return kungfu_torch::recv(t, srcRank, tag_of(tag), where("recv", srcRank, tag));
+  }
+
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
+                                               int tag) override {
+    auto& t = one(tensors, "recv");
+    return kungfu_torch::recv(t, -1, tag_of(tag), where("recv", -1, tag));
+  }
+
   c10::intrusive_ptr<c10d::Work> scatter(
       std::vector<at::Tensor>& outputs,
       std::vector<std::vector<at::Tensor>>& inputs,
@@ -167,6 +187,23 @@ class KungfuBackend : public c10d::Backend {
     std::ostringstream s;
     s << "c10d/" << id_ << "/" << seq_++ << "/" << kind;
     return s.str();
+  }
+
+  uint64_t tag_of(int tag) const {
+    return (static_cast<uint64_t>(static_cast<uint32_t>(id_)) << 32) |
+           static_cast<uint32_t>(tag);
+  }
+
+  // e.g. send "to rank 1, tag 0"
+  std::string where(const char* kind, int peer, int tag) const {
+    std::ostringstream s;
+    if (peer < 0) {
+      s << "from any rank";
+    } else {
+      s << (kind[0] == 's' ? "to" : "from") << " rank " << peer;
+    }
+    s << ", tag " << tag;
+    return kungfu_torch::quoted(kind, s.str());
   }
 
   int id_;

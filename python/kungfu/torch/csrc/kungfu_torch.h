@@ -140,6 +140,9 @@ class KfWork : public c10d::Work {
             c10::ListType::create(c10::TensorType::get()))) {}
 
   std::vector<at::Tensor> result() override { return outputs_; }
+  // The sender of a receive from any rank (kf_recv writes it before the
+  // op completes).
+  int sourceRank() const override { return source_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     return future_;
   }
@@ -157,6 +160,7 @@ class KfWork : public c10d::Work {
   }
 
   std::vector<at::Tensor> outputs_;
+  int source_ = -1;
 
  private:
   c10::intrusive_ptr<c10::ivalue::Future> future_;
@@ -415,6 +419,14 @@ c10::intrusive_ptr<c10d::Work> allgather(const at::Tensor& in, const at::Tensor&
 c10::intrusive_ptr<c10d::Work> gather(const at::Tensor& in, const at::Tensor& out, int root,
                                       const std::string& name,
                                       std::vector<at::Tensor> parts = {});
+// Sends `t`'s bytes to rank `dst` under `tag` (kf_send: a rendezvous with
+// the matching recv).
+c10::intrusive_ptr<c10d::Work> send(const at::Tensor& t, int dst, uint64_t tag,
+                                    const std::string& what);
+// Receives into `t` from rank `src`, or from any rank if `src` is -1; the
+// Work's sourceRank() names the sender.
+c10::intrusive_ptr<c10d::Work> recv(const at::Tensor& t, int src, uint64_t tag,
+                                    const std::string& what);
 // `in` (root only) holds size * numel(out) elements; rank r gets block r.
 c10::intrusive_ptr<c10d::Work> scatter(const at::Tensor& in, const at::Tensor& out, int root,
                                        const std::string& name);

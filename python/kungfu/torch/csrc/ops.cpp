@@ -147,6 +147,33 @@ c10::intrusive_ptr<c10d::Work> gather(const at::Tensor& in,
   return start(op);
 }
 
+c10::intrusive_ptr<c10d::Work> send(const at::Tensor& t, int dst, uint64_t tag,
+                                    const std::string& what) {
+  check_tensor(t, what);
+  Op* op = new_op(kf_rank(), c10d::OpType::SEND, "kungfu:send", what, {});
+  at::Tensor src = input_of(t);
+  op->keep = {src};
+  op->steps.push_back([=](Op* o, kf_handle* h) {
+    return kf_send(dst, tag, ptr(src), src.nbytes(), on_done, o, h);
+  });
+  return start(op);
+}
+
+c10::intrusive_ptr<c10d::Work> recv(const at::Tensor& t, int src, uint64_t tag,
+                                    const std::string& what) {
+  check_tensor(t, what);
+  Op* op = new_op(kf_rank(), src < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV,
+                  "kungfu:recv", what, {t});
+  at::Tensor dst = output_of(op, t);
+  op->keep = {dst};
+  int* source = &op->work->source_;
+  op->steps.push_back([=](Op* o, kf_handle* h) {
+    return kf_recv(src < 0 ? KF_ANY_SOURCE : src, tag, ptr(dst), dst.nbytes(), source,
+                   on_done, o, h);
+  });
+  return start(op);
+}
+
 // `in` (root only) holds size * numel(out) elements, rank by rank; rank r
 // gets block r.
 c10::intrusive_ptr<c10d::Work> scatter(const at::Tensor& in,
