@@ -208,3 +208,18 @@ def run_job(script, np: int, *args, **kw) -> Job:
     job = run(script, np, *args, **kw)
     assert job.rc == 0 and not job.timed_out, job.shown()
     return job
+
+
+def saved_runs(out, tag: str, np: int) -> list:
+    """What each of `np` ranks wrote with workers/model.save_result under
+    `tag` in `out`: its JSON, with its flattened parameters as "params"."""
+    import json
+
+    import torch
+
+    runs = []
+    for r in range(np):
+        data = json.loads((out / f"{tag}-rank{r}.json").read_text())
+        data["params"] = torch.load(out / f"{tag}-rank{r}.pt")
+        runs.append(data)
+    return runs

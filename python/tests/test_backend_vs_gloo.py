@@ -19,7 +19,8 @@ REDUCTIONS = ["SUM", "AVG", "MIN", "MAX", "PRODUCT"]
 OPS_FAMILIES = [
     "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
     "reduce_scatter_tensor", "reduce_scatter", "all_to_all_single",
-    "all_to_all_single_uneven", "reduce", "gather", "scatter", "send_recv", "barrier",
+    "all_to_all_single_uneven", "all_to_all", "reduce", "gather", "scatter", "send_recv",
+    "coalesced", "barrier",
     "non_contiguous",
     "async",
 ]

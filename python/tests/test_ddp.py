@@ -10,10 +10,9 @@ tiny ones (several all_reduces in flight per step).
   the final parameters. The figures are printed (pytest -s).
 """
 
-import json
-
 import pytest
-import torch
+
+from launch import saved_runs
 
 NP = 4
 STEPS = 20
@@ -24,12 +23,7 @@ PARAM_TOL = 1e-4
 def run_backend(launcher, out, backend, bucket_mb):
     launcher("workers/ddp_worker.py", NP, backend, out, STEPS, bucket_mb, log_dir=out,
              name=f"ddp-{backend}")
-    runs = []
-    for r in range(NP):
-        data = json.loads((out / f"{backend}-rank{r}.json").read_text())
-        data["params"] = torch.load(out / f"{backend}-rank{r}.pt")
-        runs.append(data)
-    return runs
+    return saved_runs(out, backend, NP)
 
 
 @pytest.mark.parametrize("bucket_mb", [25, 0.002], ids=["default-buckets", "tiny-buckets"])

@@ -107,9 +107,9 @@ def refused(rec):
     expect_error(rec, F, "all_gather: a list of the wrong length", lambda: dist.all_gather(
         [torch.zeros(3)] * (N + 1), torch.ones(3), group=KG), "all_gather")
     # ops the backend does not have: c10d's own error
-    expect_error(rec, F, "all_to_all (lists)", lambda: dist.all_to_all(
-        [torch.zeros(2) for _ in range(N)], [torch.ones(2) for _ in range(N)], group=KG),
-        "does not support alltoall")
+    expect_error(rec, F, "all_to_all: lists of the wrong length", lambda: dist.all_to_all(
+        [torch.zeros(2) for _ in range(N + 1)], [torch.ones(2) for _ in range(N + 1)], group=KG),
+        me, "all_to_all")
     still_works(rec, F, "the refused calls")
 
 

@@ -13,7 +13,7 @@ its records to OUTDIR/rank<R>.json (see common.py).
 
 Families (all by default): all_reduce broadcast all_gather
 all_gather_into_tensor reduce_scatter_tensor reduce_scatter
-all_to_all_single all_to_all_single_uneven reduce gather scatter send_recv barrier
+all_to_all_single all_to_all_single_uneven reduce gather scatter all_to_all send_recv coalesced barrier
 non_contiguous async.
 """
 
@@ -274,6 +274,81 @@ def scatter(rec):
                 if r:
                     ok = rec.compare("scatter", case + " vs gloo", r[0], r[1], dtype=dt)
                     ok and rec.compare("scatter", case, r[0], parts[RANK], dtype=dt)
+
+
+def coalesced(rec):
+    """c10d's coalescing manager (FSDP's coalesced collectives): several
+    all_reduce, all_gather_into_tensor and reduce_scatter_tensor calls in
+    one Work on kungfu, against the same calls one by one on gloo."""
+    F = "coalesced"
+    sizes = [1, 7, 1000, 15]
+
+    def check(case, dt, fn):
+        try:
+            k, err = fn(KG, True), None
+        except Exception as e:  # noqa: BLE001
+            k, err = None, e
+        g = fn(None, False)
+        if err is not None:
+            rec.add(F, case, False, f"kungfu raised {type(err).__name__}: {err}", dtype=dt)
+        else:
+            rec.compare(F, case + " vs gloo", k, g, dtype=dt)
+
+    def run(group, coalesce, calls):
+        if not coalesce:
+            for c in calls:
+                c(group)
+            return
+        with dist._coalescing_manager(group=group, async_ops=True) as cm:
+            for c in calls:
+                c(group)
+        cm.wait()
+
+    for dt in DTYPES:
+        xs = [inputs(f"co{i}", "exact", dt, (s,)) for i, s in enumerate(sizes)]
+
+        def reduced(group, coalesce):
+            ts = [x.clone() for x in xs]
+            run(group, coalesce, [lambda g, t=t: dist.all_reduce(t, group=g) for t in ts])
+            return torch.cat(ts)
+
+        def gathered(group, coalesce):
+            outs = [torch.full((N * x.numel(),), 7, dtype=DTYPES[dt]) for x in xs]
+            run(group, coalesce, [lambda g, o=o, x=x: dist.all_gather_into_tensor(o, x, group=g)
+                                  for o, x in zip(outs, xs)])
+            return torch.cat(outs)
+
+        def scattered(group, coalesce):
+            ins = [inputs(f"cors{i}", "exact", dt, (N * s,)) for i, s in enumerate(sizes)]
+            outs = [torch.full((s,), 7, dtype=DTYPES[dt]) for s in sizes]
+            run(group, coalesce, [lambda g, o=o, i=i: dist.reduce_scatter_tensor(o, i, group=g)
+                                  for o, i in zip(outs, ins)])
+            return torch.cat(outs)
+
+        check(f"all_reduce {dt}", dt, reduced)
+        check(f"all_gather_into_tensor {dt}", dt, gathered)
+        check(f"reduce_scatter_tensor {dt}", dt, scattered)
+
+
+def all_to_all_lists(rec):
+    """The list form of all_to_all, sizes that differ by pair (rank s sends
+    s + d + 1 rows to rank d), checked against the senders' inputs (gloo
+    has no list form)."""
+    F = "all_to_all"
+    for dt in DTYPES:
+        for cols in [1, 3]:
+            case = f"{dt} rows of {cols}"
+            ins = [inputs(f"a2a{RANK}>{d}", "wide", dt, (RANK + d + 1, cols)) for d in range(N)]
+            outs = [torch.full((s + RANK + 1, cols), 7, dtype=DTYPES[dt]) for s in range(N)]
+            try:
+                dist.all_to_all(outs, ins, group=KG)
+            except Exception as e:  # noqa: BLE001
+                rec.add(F, case, False, f"kungfu raised {type(e).__name__}: {e}", dtype=dt)
+                continue
+            want = [inputs(f"a2a{s}>{RANK}", "wide", dt, (s + RANK + 1, cols), rank=s)
+                    for s in range(N)]
+            rec.compare(F, case, torch.cat([o.reshape(-1) for o in outs]),
+                        torch.cat([w.reshape(-1) for w in want]), dtype=dt)
 
 
 def send_recv(rec):
@@ -673,7 +748,9 @@ FAMILIES = {
     "reduce": reduce,
     "gather": gather,
     "scatter": scatter,
+    "all_to_all": all_to_all_lists,
     "send_recv": send_recv,
+    "coalesced": coalesced,
     "barrier": barrier,
     "non_contiguous": non_contiguous,
     "async": async_ops,

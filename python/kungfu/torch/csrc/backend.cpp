@@ -79,6 +79,33 @@ class KungfuBackend : public c10d::Backend {
     return kungfu_torch::gather(in, flat, root, next("gather"), outputs[0]);
   }
 
+  // The coalesced forms (FSDP's, and _coalescing_manager's): the ops one
+  // after another, in one Work.
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
+    kf_op kop = tensors.empty() ? KF_SUM
+                                : op_of(opts.reduceOp, tensors[0], "allreduce_coalesced");
+    return kungfu_torch::coalesced(kungfu_torch::Coalesced::Allreduce, tensors, tensors, kop,
+                                   next("allreduce_coalesced"));
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& /*opts*/) override {
+    return kungfu_torch::coalesced(kungfu_torch::Coalesced::Allgather, inputs, outputs, KF_SUM,
+                                   next("all_gather_into_tensor_coalesced"));
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override {
+    kf_op kop = outputs.empty()
+                    ? KF_SUM
+                    : op_of(opts.reduceOp, outputs[0], "reduce_scatter_tensor_coalesced");
+    return kungfu_torch::coalesced(kungfu_torch::Coalesced::ReduceScatter, inputs, outputs, kop,
+                                   next("reduce_scatter_tensor_coalesced"));
+  }
+
   // Point to point: the tag is this group's (its id in the high half),
   // so that two groups' messages never match.
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank,
@@ -159,6 +186,38 @@ class KungfuBackend : public c10d::Backend {
       const c10d::AllToAllOptions& /*opts*/) override {
     return kungfu_torch::alltoall(in, out, in_splits, out_splits,
                                   next("all_to_all_single"));
+  }
+
+  // The list form: inputs[r] goes to rank r, outputs[r] comes from it;
+  // sizes may differ (one uneven all_to_all of the flattened tensors).
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& /*opts*/) override {
+    TORCH_CHECK(static_cast<int>(inputs.size()) == size_ &&
+                    static_cast<int>(outputs.size()) == size_,
+                prefix(), "all_to_all: ", size_, " input and ", size_, " output tensors, not ",
+                inputs.size(), " and ", outputs.size());
+    std::vector<at::Tensor> flat;
+    std::vector<int64_t> in_splits, out_splits;
+    int64_t total = 0;
+    for (auto* list : {&inputs, &outputs}) {
+      for (auto& t : *list) {
+        check_tensor(t, "all_to_all");
+        TORCH_CHECK(t.scalar_type() == inputs[0].scalar_type(), prefix(),
+                    "all_to_all: every tensor must be of one type");
+      }
+    }
+    for (auto& t : inputs) {
+      flat.push_back(t.reshape({-1}));
+      in_splits.push_back(t.numel());
+    }
+    for (auto& t : outputs) {
+      out_splits.push_back(t.numel());
+      total += t.numel();
+    }
+    at::Tensor out = at::empty({total}, inputs[0].options());
+    return kungfu_torch::alltoall(at::cat(flat), out, in_splits, out_splits,
+                                  next("all_to_all"), outputs);
   }
 
   c10::intrusive_ptr<c10d::Work> alltoall_base(

@@ -419,6 +419,13 @@ c10::intrusive_ptr<c10d::Work> allgather(const at::Tensor& in, const at::Tensor&
 c10::intrusive_ptr<c10d::Work> gather(const at::Tensor& in, const at::Tensor& out, int root,
                                       const std::string& name,
                                       std::vector<at::Tensor> parts = {});
+// c10d's coalesced ops: one Work for the pairs (ins[i], outs[i]), each an
+// op of `kind` named NAME/i, issued one after another (allreduce in place
+// if ins are outs).
+enum class Coalesced { Allreduce, Allgather, ReduceScatter };
+c10::intrusive_ptr<c10d::Work> coalesced(Coalesced kind, const std::vector<at::Tensor>& ins,
+                                         const std::vector<at::Tensor>& outs, kf_op kop,
+                                         const std::string& name);
 // Sends `t`'s bytes to rank `dst` under `tag` (kf_send: a rendezvous with
 // the matching recv).
 c10::intrusive_ptr<c10d::Work> send(const at::Tensor& t, int dst, uint64_t tag,
@@ -432,10 +439,13 @@ c10::intrusive_ptr<c10d::Work> scatter(const at::Tensor& in, const at::Tensor& o
                                        const std::string& name);
 c10::intrusive_ptr<c10d::Work> reduce_scatter(const at::Tensor& in, const at::Tensor& out,
                                               kf_op kop, const std::string& name);
+// `parts` (the list form): the Work's result, filled from `out` (1-D) in
+// order, each with its own number of elements.
 c10::intrusive_ptr<c10d::Work> alltoall(const at::Tensor& in, const at::Tensor& out,
                                         std::vector<int64_t> in_splits,
                                         std::vector<int64_t> out_splits,
-                                        const std::string& name);
+                                        const std::string& name,
+                                        std::vector<at::Tensor> parts = {});
 c10::intrusive_ptr<c10d::Work> allgather_v(const at::Tensor& in, const std::string& name);
 c10::intrusive_ptr<c10d::Work> barrier();
 

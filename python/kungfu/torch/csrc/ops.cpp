@@ -76,17 +76,20 @@ c10::intrusive_ptr<c10d::Work> reduce(const at::Tensor& t, kf_op kop, int root,
   return start(op);
 }
 
-// Makes `op` finish by copying `flat` (the library's output), block by
-// block, into `parts` (a list form of the op), which become its result.
+// Makes `op` finish, after what it does already, by copying `flat` (the
+// library's output, 1-D) piece by piece into `parts` (a list form of the
+// op: as many elements each as it holds), which become its result.
 void scatter_into(Op* op, const at::Tensor& flat, std::vector<at::Tensor> parts) {
   if (parts.empty()) return;
   op->work->outputs_ = parts;
   auto prev = op->finish;
   op->finish = [prev, flat, parts]() {
     if (prev) prev();
-    int64_t each = flat.numel() / static_cast<int64_t>(parts.size());
-    for (size_t i = 0; i < parts.size(); i++) {
-      parts[i].copy_(flat.narrow(0, i * each, each).view(parts[i].sizes()));
+    at::Tensor all = flat.reshape({-1});
+    int64_t at = 0;
+    for (auto& p : parts) {
+      p.copy_(all.narrow(0, at, p.numel()).view(p.sizes()));
+      at += p.numel();
     }
   };
 }
@@ -227,6 +230,61 @@ c10::intrusive_ptr<c10d::Work> reduce_scatter(const at::Tensor& in,
   return start(op);
 }
 
+c10::intrusive_ptr<c10d::Work> coalesced(Coalesced kind, const std::vector<at::Tensor>& ins,
+                                         const std::vector<at::Tensor>& outs, kf_op kop,
+                                         const std::string& name) {
+  const char* k = kind == Coalesced::Allreduce   ? "allreduce_coalesced"
+                  : kind == Coalesced::Allgather ? "all_gather_into_tensor_coalesced"
+                                                 : "reduce_scatter_tensor_coalesced";
+  auto what = quoted(k, name);
+  TORCH_CHECK(ins.size() == outs.size(), prefix(), what, ": ", ins.size(), " inputs and ",
+              outs.size(), " outputs");
+  const int64_t n = kf_size();
+  std::vector<kf_dtype> dts;
+  for (size_t i = 0; i < ins.size(); i++) {
+    check_tensor(ins[i], what);
+    check_tensor(outs[i], what);
+    const int64_t in = ins[i].numel(), out = outs[i].numel();
+    bool fits = kind == Coalesced::Allgather       ? out == in * n
+                : kind == Coalesced::ReduceScatter ? in == out * n
+                                                   : in == out;
+    TORCH_CHECK(fits && ins[i].scalar_type() == outs[i].scalar_type(), prefix(), what,
+                ": tensor ", i, ": an output of ", out, " elements for an input of ", in,
+                " on ", n, " ranks, or of another type");
+    dts.push_back(dtype_of(ins[i], what));
+  }
+  const c10d::OpType type = kind == Coalesced::Allreduce   ? c10d::OpType::ALLREDUCE_COALESCED
+                            : kind == Coalesced::Allgather ? c10d::OpType::ALLGATHER_INTO_TENSOR_COALESCED
+                                                           : c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED;
+  if (ins.empty()) {
+    auto w = c10::make_intrusive<KfWork>(kf_rank(), type, "kungfu:coalesced", outs);
+    w->complete(nullptr);
+    return w;
+  }
+  Op* op = new_op(kf_rank(), type, "kungfu:coalesced", what, outs);
+  for (size_t i = 0; i < ins.size(); i++) {
+    at::Tensor src = input_of(ins[i]);
+    at::Tensor dst = output_of(op, outs[i]);
+    op->keep.push_back(src);
+    op->keep.push_back(dst);
+    std::string each = name + "/" + std::to_string(i);
+    kf_dtype dt = dts[i];
+    op->steps.push_back([=](Op* o, kf_handle* h) {
+      switch (kind) {
+        case Coalesced::Allreduce:
+          return kf_allreduce(ptr(src), ptr(dst), src.numel(), dt, kop, each.c_str(), on_done,
+                              o, h);
+        case Coalesced::Allgather:
+          return kf_allgather(ptr(src), ptr(dst), src.numel(), dt, each.c_str(), on_done, o, h);
+        default:
+          return kf_reduce_scatter(ptr(src), ptr(dst), dst.numel(), dt, kop, each.c_str(),
+                                   on_done, o, h);
+      }
+    });
+  }
+  return start(op);
+}
+
 // Splits along the first dimension; empty: equal blocks.
 std::vector<int64_t> splits_or_equal(const std::vector<int64_t>& splits,
                                      const at::Tensor& t, int n,
@@ -266,7 +324,8 @@ c10::intrusive_ptr<c10d::Work> alltoall(const at::Tensor& in,
                                         const at::Tensor& out,
                                         std::vector<int64_t> in_splits,
                                         std::vector<int64_t> out_splits,
-                                        const std::string& name) {
+                                        const std::string& name,
+                                        std::vector<at::Tensor> parts) {
   auto what = quoted("alltoall", name);
   check_tensor(in, what);
   check_tensor(out, what);
@@ -279,7 +338,8 @@ c10::intrusive_ptr<c10d::Work> alltoall(const at::Tensor& in,
   TORCH_CHECK(!even || (in.numel() == out.numel() && in.numel() % n == 0), prefix(), what,
               ": input and output must hold the same number of elements, a "
               "multiple of the cluster size ", n);
-  Op* op = new_op(kf_rank(), c10d::OpType::ALLTOALL_BASE, "kungfu:all_to_all", what, {out});
+  Op* op = new_op(kf_rank(), parts.empty() ? c10d::OpType::ALLTOALL_BASE : c10d::OpType::ALLTOALL,
+                  "kungfu:all_to_all", what, {out});
   at::Tensor src = input_of(in);
   at::Tensor dst = output_of(op, out);
   if (even) {
@@ -288,6 +348,7 @@ c10::intrusive_ptr<c10d::Work> alltoall(const at::Tensor& in,
       return kf_alltoall(ptr(src), ptr(dst), src.numel() / n, dt, name.c_str(),
                          on_done, o, h);
     });
+    scatter_into(op, dst, parts);
     return start(op);
   }
   std::vector<int64_t> ins, outs;
@@ -368,6 +429,7 @@ c10::intrusive_ptr<c10d::Work> alltoall(const at::Tensor& in,
     }
     if (prev) prev();
   };
+  scatter_into(op, dst, parts);
   return start(op);
 }
 
