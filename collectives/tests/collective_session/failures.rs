@@ -222,9 +222,13 @@ fn missing_rank_times_out_naming_it() {
         let ss = sessions(3, Strategy::Star, 1, Duration::from_millis(300));
         // rank 0 is the star's root: it waits for rank 2 by name; rank 1
         // waits for the root's broadcast
-        let h0 = ss[0].allreduce("lonely", &[1u8], ReduceOp::Sum);
-        let h1 = ss[1].allreduce("lonely", &[1u8], ReduceOp::Sum);
         let started = std::time::Instant::now();
+        let h0 = ss[0].allreduce("lonely", &[1u8], ReduceOp::Sum);
+        // rank 1 joins 100 ms later, so that the root's timeout (which
+        // names rank 2) comes first: with both at once, rank 1's could
+        // fire first under load and abort the op naming only the root
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let h1 = ss[1].allreduce("lonely", &[1u8], ReduceOp::Sum);
         let e0 = h0.await.unwrap_err();
         let e1 = h1.await.unwrap_err();
         assert!(started.elapsed() < Duration::from_secs(3));
