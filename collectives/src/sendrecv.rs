@@ -19,15 +19,15 @@
 //! ```
 //!
 //! A send therefore ends once its receive has begun and the data is handed
-//! to the transport: like MPI's standard mode at its strictest (and
-//! gloo's), two ranks that each send to the other before they receive
-//! wait for each other until the deadline. Frames are data frames of
-//! reserved op names (with a NUL, so no op's name collides), as in
-//! [`crate::p2p`]. A message in flight across a strategy swap (a new
-//! epoch) is lost: its frames of the old epoch are dropped, and both ends
-//! time out. So is a message whose send timed out before a receive took
-//! its announcement: the receive that takes it later times out waiting for
-//! its data.
+//! to the transport, as MPI's standard mode may: two ranks that each send
+//! to the other before they receive wait for each other until the
+//! deadline (isend and irecv, or an order that pairs them, do not).
+//! Frames are data frames of reserved op names (with a NUL, so no op's
+//! name collides), as in [`crate::p2p`]. A message in flight across a
+//! strategy swap (a new epoch) is lost: its frames of the old epoch are
+//! dropped, and both ends time out. So is a message whose send timed out
+//! before a receive took its announcement: the receive that takes it later
+//! times out waiting for its data.
 //!
 //! A frame that does not parse is the peer's protocol error; nothing a peer
 //! sends is trusted (a length is checked against the receiver's before any
