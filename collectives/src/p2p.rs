@@ -108,9 +108,11 @@ impl<T: Transport> Drop for PeerStore<T> {
 }
 
 impl<T: Transport> PeerStore<T> {
-    /// A store over `session`'s transport; starts a server task per peer
-    /// on the current tokio runtime.
+    /// A store over `session`'s transport, among all of its ranks (a
+    /// subgroup's session stands for its whole session here); starts a
+    /// server task per peer on the current tokio runtime.
     pub fn new(session: &Session<T>) -> PeerStore<T> {
+        let session = &session.whole();
         let n = session.size();
         let inner = Arc::new(Inner {
             session: session.clone(),

@@ -161,9 +161,11 @@ impl<T: Transport> Drop for Mailbox<T> {
 }
 
 impl<T: Transport> Mailbox<T> {
-    /// A mailbox over `session`'s transport; starts a server task per peer
-    /// on the current tokio runtime.
+    /// A mailbox over `session`'s transport, among all of its ranks (a
+    /// subgroup's session stands for its whole session here); starts a
+    /// server task per peer on the current tokio runtime.
     pub fn new(session: &Session<T>) -> Mailbox<T> {
+        let session = &session.whole();
         let n = session.size();
         let inner = Arc::new(Inner {
             session: session.clone(),

@@ -83,8 +83,8 @@ impl OpMachine {
         if let Some(abort) = self.abort_for(&e) {
             let payload = abort.encode();
             let header = self.header(FrameKind::Abort, 0, 0);
-            for to in (0..self.size as u32).map(Rank) {
-                if to != self.me && !self.lost.contains(to) {
+            for to in self.others() {
+                if !self.lost.contains(to) {
                     self.aborts.push_back(Transmit::Abort {
                         to,
                         header,

@@ -30,7 +30,7 @@ impl OpMachine {
         if !waits {
             self.listen.remove(peer);
         }
-        let depends = !waiting.is_empty() && self.op.spec.kind.depends_on(self.me, peer);
+        let depends = !waiting.is_empty() && self.depends_on(peer);
         if let Some(e) = self.live.peer_lost(now, peer, e, waits, depends) {
             self.fail(self.transport_error(e));
         }

@@ -110,6 +110,16 @@ pub enum OpEvent {
     Failed(CollectiveError),
 }
 
+/// The ranks of an op of a subgroup (see [`OpMachine::in_group`]).
+#[derive(Clone, Debug)]
+struct Group {
+    /// This rank's place in the group (its session rank when the op runs
+    /// on the whole session).
+    pos: Rank,
+    /// The session rank of each group rank; None: the whole session.
+    members: Option<Arc<[Rank]>>,
+}
+
 /// A send handed out and not yet completed.
 #[derive(Clone, Copy, Debug)]
 struct Outstanding {
@@ -130,8 +140,11 @@ enum State {
 /// One op in flight. See the module docs.
 pub struct OpMachine {
     op: OpInstance,
+    /// This rank in the session, and the session's size.
     me: Rank,
     size: usize,
+    /// Where this op's ranks are: the session's, or a subgroup's.
+    group: Group,
     cfg: MachineConfig,
     plan: Plan,
     /// Ranks the plan sends to or receives from.
@@ -171,6 +184,10 @@ impl OpMachine {
             op,
             me,
             size,
+            group: Group {
+                pos: me,
+                members: None,
+            },
             cfg,
             plan,
             needed,
@@ -185,6 +202,24 @@ impl OpMachine {
             aborts: VecDeque::new(),
             state: State::Running,
         }
+    }
+
+    /// This machine, for an op of a subgroup: `members[i]` is the session
+    /// rank of the group's rank `i`, and this rank is the group's `pos`.
+    /// The spec and the plan's layout speak in the group's ranks (its
+    /// roots, its blocks); the plan must have been relabelled to the
+    /// session's ranks ([`Plan::relabelled`]), and frames, aborts and lost
+    /// peers speak in the session's ranks too. Only members are listened
+    /// to and told of a failure.
+    pub fn in_group(mut self, members: Arc<[Rank]>, pos: Rank) -> OpMachine {
+        debug_assert_eq!(members.get(pos.idx()), Some(&self.me));
+        let me = self.me;
+        self.listen = members.iter().copied().filter(|&r| r != me).collect();
+        self.group = Group {
+            pos,
+            members: Some(members),
+        };
+        self
     }
 
     pub fn name(&self) -> &Arc<str> {
@@ -230,7 +265,36 @@ impl OpMachine {
     /// Where this rank's output lies in the working buffer (None for
     /// non-roots of reduce and gather).
     pub fn output_range(&self) -> Option<std::ops::Range<usize>> {
-        self.op.spec.output_range(self.me, self.size)
+        self.op.spec.output_range(self.group.pos, self.group_size())
+    }
+
+    /// How many ranks run this op: the session's, or the subgroup's.
+    fn group_size(&self) -> usize {
+        self.group.members.as_ref().map_or(self.size, |m| m.len())
+    }
+
+    /// The ranks this op runs on, other than this one (the ones told of a
+    /// failure).
+    fn others(&self) -> Vec<Rank> {
+        match &self.group.members {
+            Some(m) => m.iter().copied().filter(|&r| r != self.me).collect(),
+            None => (0..self.size as u32)
+                .map(Rank)
+                .filter(|&r| r != self.me)
+                .collect(),
+        }
+    }
+
+    /// Whether this rank's output depends on session rank `peer`.
+    fn depends_on(&self, peer: Rank) -> bool {
+        let peer = match &self.group.members {
+            Some(m) => match m.iter().position(|&r| r == peer) {
+                Some(i) => Rank(i as u32),
+                None => return false,
+            },
+            None => peer,
+        };
+        self.op.spec.kind.depends_on(self.group.pos, peer)
     }
 
     /// Whether the op still runs (its end not yet polled).
@@ -297,7 +361,7 @@ impl OpMachine {
             if let (Some(ReduceOp::Avg), Some(r)) =
                 (self.op.spec.kind.reduce_op(), self.output_range())
             {
-                let (dtype, size) = (self.op.spec.dtype, self.size);
+                let (dtype, size) = (self.op.spec.dtype, self.group_size());
                 if !work.write(r.clone(), &mut |out| scale_down(dtype, out, size)) {
                     self.planned(self.me, Err(PlanError::Busy { range: r }));
                 }

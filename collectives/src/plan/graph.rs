@@ -211,3 +211,59 @@ impl PlanGraph {
         }
     }
 }
+
+impl PlanGraph {
+    /// This graph with every rank `r` named `to[r]`: a plan built over
+    /// the members of a subgroup (ranks `0..n` of the group) made to speak
+    /// in the session's ranks. `to` covers every rank the graph names.
+    pub(super) fn relabel(&self, to: &[Rank]) -> PlanGraph {
+        let map = |r: Rank| to[r.idx()];
+        let actions = self
+            .actions
+            .iter()
+            .map(|a| match a {
+                Action::Send {
+                    to: r,
+                    chunk,
+                    step,
+                    range,
+                } => Action::Send {
+                    to: map(*r),
+                    chunk: *chunk,
+                    step: *step,
+                    range: range.clone(),
+                },
+                Action::Recv {
+                    from,
+                    chunk,
+                    step,
+                    range,
+                    reduce,
+                } => Action::Recv {
+                    from: map(*from),
+                    chunk: *chunk,
+                    step: *step,
+                    range: range.clone(),
+                    reduce: *reduce,
+                },
+            })
+            .collect();
+        let set = |s: &PeerSet| s.iter().map(map).collect::<PeerSet>();
+        PlanGraph {
+            actions,
+            deps_left: self.deps_left.clone(),
+            dependents: self.dependents.clone(),
+            ready: self.ready.clone(),
+            postable: self.postable.clone(),
+            recv_index: self
+                .recv_index
+                .iter()
+                .map(|(&(r, c, s), &id)| ((map(r), c, s), id))
+                .collect(),
+            dtype: self.dtype,
+            op: self.op,
+            peers: set(&self.peers),
+            targets: set(&self.targets),
+        }
+    }
+}

@@ -56,6 +56,13 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// A fresh run of this plan's graph with every rank `r` named `to[r]`
+    /// (a subgroup's plan, built over its members' places, made to speak
+    /// in the session's ranks). Call it on a plan that has not started.
+    pub fn relabelled(&self, to: &[Rank]) -> Plan {
+        Arc::new(self.graph.relabel(to)).start()
+    }
+
     /// Every rank this plan sends to or receives from.
     pub fn peers(&self) -> &PeerSet {
         &self.graph.peers

@@ -91,6 +91,8 @@ impl<T: Transport> Session<T> {
         let done = Box::new(move |r| drop(tx.send(r)));
         let s = Start::new(name, spec, Memory::Input(input), done).internal();
         let d = if gated {
+            // the gate is the whole session's: a swap holds it
+            debug_assert!(self.scope.is_none());
             self.start_now(s)
         } else {
             self.start(s)

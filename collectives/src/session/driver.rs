@@ -15,6 +15,7 @@ use std::sync::atomic::Ordering;
 use super::fast::{Drive, Fast};
 use super::opmem;
 use super::output::{HeldMemory, Start};
+use super::scope::Scope;
 use super::swap::Deferred;
 use super::{lock, Callback, Inner, Memory, Session};
 use crate::abort::{Abort, AbortReason};
@@ -26,12 +27,17 @@ impl<T: Transport> Session<T> {
     /// the callback at once. During a swap, the caller's ops wait for it.
     /// An op on the fast path returns what its waited handle drives.
     pub(super) fn start(&self, s: Start<'_>) -> Option<Arc<dyn Drive>> {
+        let s = Start {
+            scope: self.scope.clone(),
+            ..s
+        };
         let admitted = lock(&self.inner.gate).admit(s, |s| Deferred {
             name: s.name,
             spec: s.spec,
             memory: HeldMemory::of(s.mem),
             done: s.done,
             internal: s.internal,
+            scope: s.scope,
             since: std::time::Instant::now(),
         });
         admitted.and_then(|s| self.start_now(s))
@@ -41,17 +47,17 @@ impl<T: Transport> Session<T> {
     /// takes it (then returns what a waiting handle drives), else as a
     /// task of its own.
     pub(super) fn start_now(&self, s: Start<'_>) -> Option<Arc<dyn Drive>> {
-        if let Some(f) = self.fast_for(&s.spec) {
+        if let Some(f) = self.fast_for(&s) {
             return self.start_fast(f, s);
         }
-        let (name, done) = (s.name, s.done);
+        let (name, done, scope) = (s.name, s.done, s.scope);
         // The caller's memory outlives the error report: its release may be
         // how the caller learns that the op ended.
         let keep = match &s.mem {
             Memory::Region(r) => Some(r.clone()),
             Memory::Input(_) => None,
         };
-        match self.prepare(name.clone(), s.spec, s.mem, s.internal) {
+        match self.prepare(name.clone(), s.spec, s.mem, s.internal, scope.as_deref()) {
             Ok(mut op) => {
                 let inner = self.inner.clone();
                 inner.inflight.fetch_add(1, Ordering::SeqCst);
@@ -101,15 +107,16 @@ impl<T: Transport> Session<T> {
         None
     }
 
-    /// Checks an op's name, spec and memory.
+    /// Checks an op's name, spec and memory (in `scope`'s ranks).
     pub(super) fn check(
         &self,
         name: &Arc<str>,
         spec: &OpSpec,
         mem: &Memory,
         internal: bool,
+        scope: Option<&Scope>,
     ) -> Result<(), CollectiveError> {
-        let n = self.size();
+        let (n, me) = self.place(scope);
         let invalid = |reason: String| CollectiveError::InvalidArgument {
             name: name.clone(),
             reason,
@@ -119,7 +126,7 @@ impl<T: Transport> Session<T> {
         }
         spec.validate(n).map_err(invalid)?;
         let (want, got, what) = match mem {
-            Memory::Input(input) => (spec.input_len(self.rank(), n), input.len(), "input"),
+            Memory::Input(input) => (spec.input_len(me, n), input.len(), "input"),
             Memory::Region(r) => (spec.work_len(n), r.len(), "working"),
         };
         let want = want.expect("validated");
@@ -132,9 +139,23 @@ impl<T: Transport> Session<T> {
         Ok(())
     }
 
+    /// The size and this rank's place of the ranks an op in `scope` runs
+    /// on.
+    pub(super) fn place(&self, scope: Option<&Scope>) -> (usize, Rank) {
+        match scope {
+            Some(s) => (s.members.len(), s.pos),
+            None => (self.inner.transport().size(), self.inner.transport().rank()),
+        }
+    }
+
     /// The op's working memory, laid out by [`OpSpec::init_work`].
-    pub(super) fn work_of(&self, spec: &OpSpec, mem: Memory) -> opmem::OpMem {
-        let (n, me) = (self.size(), self.rank());
+    pub(super) fn work_of(
+        &self,
+        spec: &OpSpec,
+        mem: Memory,
+        scope: Option<&Scope>,
+    ) -> opmem::OpMem {
+        let (n, me) = self.place(scope);
         match mem {
             Memory::Input(input) => {
                 let mut work = self
@@ -148,8 +169,13 @@ impl<T: Transport> Session<T> {
         }
     }
 
-    /// The fast path, if an op of `spec` takes it on the current transport.
-    fn fast_for(&self, spec: &OpSpec) -> Option<Arc<Fast<T>>> {
+    /// The fast path, if op `s` takes it on the current transport (ops of
+    /// subgroups never do: its lanes pair the session's ranks).
+    fn fast_for(&self, s: &Start<'_>) -> Option<Arc<Fast<T>>> {
+        if s.scope.is_some() {
+            return None;
+        }
+        let spec = &s.spec;
         let t = self.inner.transport();
         // keyed by the transport it was made for: a swap makes it anew
         let key = Arc::as_ptr(&t) as *const () as usize;
@@ -167,7 +193,7 @@ impl<T: Transport> Session<T> {
     fn start_fast(&self, f: Arc<Fast<T>>, s: Start<'_>) -> Option<Arc<dyn Drive>> {
         let (name, spec, done) = (s.name, s.spec, s.done);
         let begun = self
-            .check(&name, &spec, &s.mem, s.internal)
+            .check(&name, &spec, &s.mem, s.internal, None)
             .and_then(|()| lock(&self.inner.names).begin(&name));
         let (op, seq) = match begun {
             Ok(b) => b,
@@ -181,7 +207,7 @@ impl<T: Transport> Session<T> {
             op,
             seq,
         };
-        let work = self.work_of(&spec, s.mem);
+        let work = self.work_of(&spec, s.mem, None);
         let inner = self.inner.clone();
         inner.inflight.fetch_add(1, Ordering::SeqCst);
         lock(&inner.pending).insert(tag, (name.clone(), std::time::Instant::now()));

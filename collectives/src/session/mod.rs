@@ -22,6 +22,7 @@ mod ops;
 mod output;
 mod plans;
 mod running;
+mod scope;
 mod stall;
 mod stats;
 mod swap;
@@ -91,6 +92,9 @@ struct Inner<T> {
     /// The host fast path over the transport it was made for (made at the
     /// first op that could take it; remade after a transport swap).
     fast: Mutex<Option<FastFor<T>>>,
+    /// How many subgroups were made here over each set of ranks (a
+    /// group's id counts them: [`Session::subgroup`]).
+    groups_made: Mutex<HashMap<Vec<Rank>, u64>>,
 }
 
 impl<T> Inner<T> {
@@ -109,14 +113,35 @@ impl<T> Inner<T> {
 /// All methods take `&self` and may be called from any thread. Ops are
 /// started at the call; completion is reported through the returned
 /// handle or the callback.
+///
+/// A session may also stand for a subgroup of its ranks
+/// ([`Session::subgroup`]): then its ranks, size, peers and ops are the
+/// group's.
 pub struct Session<T: Transport> {
     inner: Arc<Inner<T>>,
+    /// The subgroup this session stands for; None: all of its ranks.
+    scope: Option<Arc<scope::Scope>>,
+}
+
+impl<T: Transport> std::fmt::Debug for Session<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("Session");
+        d.field("rank", &self.rank().0).field("size", &self.size());
+        if let Some(s) = &self.scope {
+            d.field("group", &format_args!("{:016x}", s.id)).field(
+                "members",
+                &s.members.iter().map(|r| r.0).collect::<Vec<_>>(),
+            );
+        }
+        d.finish()
+    }
 }
 
 impl<T: Transport> Clone for Session<T> {
     fn clone(&self) -> Self {
         Session {
             inner: self.inner.clone(),
+            scope: self.scope.clone(),
         }
     }
 }
@@ -166,13 +191,18 @@ impl<T: Transport> Session<T> {
             pending: Mutex::new(HashMap::new()),
             stall_after: Mutex::new(DEFAULT_STALL_TIMEOUT),
             fast: Mutex::new(None),
+            groups_made: Mutex::default(),
         });
         inner.runtime.spawn(watch_strays(Arc::downgrade(&inner)));
-        Ok(Session { inner })
+        Ok(Session { inner, scope: None })
     }
 
+    /// This rank (in the subgroup, for a subgroup's session).
     pub fn rank(&self) -> Rank {
-        self.inner.transport().rank()
+        match &self.scope {
+            Some(s) => s.pos,
+            None => self.inner.transport().rank(),
+        }
     }
 }
 
@@ -196,13 +226,23 @@ impl Session<kungfu_transport::mem::MemTransport> {
 }
 
 impl<T: Transport> Session<T> {
+    /// The number of ranks (of the subgroup, for a subgroup's session).
     pub fn size(&self) -> usize {
-        self.inner.transport().size()
+        match &self.scope {
+            Some(s) => s.members.len(),
+            None => self.inner.transport().size(),
+        }
     }
 
-    /// Whether `other` is a clone of this session.
+    /// Whether `other` is a clone of this session (the same subgroup, if
+    /// either is one).
     pub fn same(&self, other: &Session<T>) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
+            && match (&self.scope, &other.scope) {
+                (None, None) => true,
+                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                _ => false,
+            }
     }
 
     /// The swap epoch inside this session's cluster version.
@@ -220,8 +260,13 @@ impl<T: Transport> Session<T> {
         }
     }
 
+    /// The addresses of the ranks (the subgroup's, in its order, for a
+    /// subgroup's session).
     pub fn peers(&self) -> &PeerList {
-        &self.inner.peers
+        match &self.scope {
+            Some(s) => &s.peers,
+            None => &self.inner.peers,
+        }
     }
 
     pub fn config(&self) -> &SessionConfig {
@@ -234,7 +279,7 @@ impl<T: Transport> Session<T> {
 
     /// The topology an op of `bytes` bytes per rank and `root` runs on.
     pub fn topology(&self, root: Root, bytes: usize) -> Arc<Topology> {
-        self.topology_of(self.strategy(), root, bytes)
+        self.topology_of(self.strategy(), root, bytes, self.scope.as_deref())
     }
 
     /// Completed ops so far, by the strategy they ran on (`AUTO` resolved

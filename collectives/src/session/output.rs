@@ -33,6 +33,9 @@ pub(super) struct Start<'a> {
     /// A handle will be waited on (an op on the fast path then returns
     /// what that handle drives); else a callback completes it.
     pub(super) waited: bool,
+    /// The subgroup it runs in (None: the whole session); set by
+    /// [`super::Session::start`] from the session that starts it.
+    pub(super) scope: Option<Arc<super::scope::Scope>>,
 }
 
 impl<'a> Start<'a> {
@@ -45,6 +48,7 @@ impl<'a> Start<'a> {
             done,
             internal: false,
             waited: true,
+            scope: None,
         }
     }
 

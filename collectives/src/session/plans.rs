@@ -12,6 +12,7 @@ use kungfu_transport::{OpTag, Transport};
 
 use super::output::Memory;
 use super::running::RunningOp;
+use super::scope::Scope;
 use super::{lock, Session};
 use crate::op::{MachineConfig, OpInstance, OpMachine};
 use crate::plan::build::{build, PlanInput};
@@ -54,36 +55,49 @@ impl PlanCache {
 }
 
 impl<T: Transport> Session<T> {
-    /// [`Session::topology`] under strategy `s` rather than the session's.
-    pub(super) fn topology_of(&self, s: Strategy, root: Root, bytes: usize) -> Arc<Topology> {
+    /// [`Session::topology`] under strategy `s` rather than the session's,
+    /// over the ranks of `scope`.
+    pub(super) fn topology_of(
+        &self,
+        s: Strategy,
+        root: Root,
+        bytes: usize,
+        scope: Option<&Scope>,
+    ) -> Arc<Topology> {
+        let (peers, topologies) = match scope {
+            Some(sc) => (&sc.peers, &sc.topologies),
+            None => (&self.inner.peers, &self.inner.topologies),
+        };
         let s = match s {
             Strategy::Auto => {
-                Strategy::auto_choice_with(&self.inner.peers, root, bytes, &self.inner.config.auto)
+                Strategy::auto_choice_with(peers, root, bytes, &self.inner.config.auto)
             }
             s => s,
         };
-        lock(&self.inner.topologies)
+        lock(topologies)
             .entry((s, root))
-            .or_insert_with(|| Arc::new(s.resolve(&self.inner.peers, root, bytes)))
+            .or_insert_with(|| Arc::new(s.resolve(peers, root, bytes)))
             .clone()
     }
 
+    /// An op of `scope` (None: of the whole session), ready to run.
     pub(super) fn prepare(
         &self,
         name: Arc<str>,
         spec: OpSpec,
         mem: Memory,
         internal: bool,
+        scope: Option<&Scope>,
     ) -> Result<RunningOp, CollectiveError> {
-        let n = self.size();
-        let me = self.rank();
+        let (n, pos) = self.place(scope);
         let invalid = |reason: String| CollectiveError::InvalidArgument {
             name: name.clone(),
             reason,
         };
-        self.check(&name, &spec, &mem, internal)?;
+        self.check(&name, &spec, &mem, internal, scope)?;
         let configured = self.strategy();
-        let cached = lock(&self.inner.plans).get(&spec, configured);
+        let plans = scope.map_or(&self.inner.plans, |s| &s.plans);
+        let cached = lock(plans).get(&spec, configured);
         let Cached {
             plan,
             digest,
@@ -92,25 +106,32 @@ impl<T: Transport> Session<T> {
             Some(c) => c,
             None => {
                 let bytes = spec.block_bytes().expect("validated");
-                let topo = self.topology_of(configured, spec.kind.root(), bytes);
+                let topo = self.topology_of(configured, spec.kind.root(), bytes, scope);
+                let plan = build(&PlanInput {
+                    spec: &spec,
+                    me: pos,
+                    size: n,
+                    chunk_bytes: self.inner.config.chunk_bytes,
+                    topology: &|r| self.topology_of(configured, r, bytes, scope),
+                })
+                .map_err(invalid)?;
                 let c = Cached {
-                    plan: build(&PlanInput {
-                        spec: &spec,
-                        me,
-                        size: n,
-                        chunk_bytes: self.inner.config.chunk_bytes,
-                        topology: &|r| self.topology_of(configured, r, bytes),
-                    })
-                    .map_err(invalid)?,
+                    plan: match scope {
+                        Some(s) => plan.relabelled(&s.members),
+                        None => plan,
+                    },
                     digest: spec.digest(&topo).short(),
                     strategy: topo.strategy(),
                 };
-                lock(&self.inner.plans).insert(spec, configured, c.clone());
+                lock(plans).insert(spec, configured, c.clone());
                 c
             }
         };
-        let (op, seq) = lock(&self.inner.names).begin(&name)?;
-        let work = self.work_of(&spec, mem);
+        let (op, seq) = match scope {
+            Some(s) => lock(&self.inner.names).begin_with_id(s.op_id(&name), &name)?,
+            None => lock(&self.inner.names).begin(&name)?,
+        };
+        let work = self.work_of(&spec, mem, scope);
         let op = OpInstance {
             name,
             spec,
@@ -126,9 +147,19 @@ impl<T: Transport> Session<T> {
             timeout: self.inner.config.op_timeout,
             max_inflight_bytes: self.inner.config.max_inflight_bytes,
         };
-        Ok(RunningOp {
-            m: OpMachine::new(op, plan, me, n, cfg, kungfu_transport::Instant::now()),
-            work,
-        })
+        let t = self.inner.transport();
+        let m = OpMachine::new(
+            op,
+            plan,
+            t.rank(),
+            t.size(),
+            cfg,
+            kungfu_transport::Instant::now(),
+        );
+        let m = match scope {
+            Some(s) => m.in_group(s.members.clone(), s.pos),
+            None => m,
+        };
+        Ok(RunningOp { m, work })
     }
 }

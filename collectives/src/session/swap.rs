@@ -18,6 +18,7 @@ pub(super) struct Deferred {
     pub(super) memory: super::output::HeldMemory,
     pub(super) done: Callback,
     pub(super) internal: bool,
+    pub(super) scope: Option<Arc<super::scope::Scope>>,
     /// When it began to wait (the timeline's `queued` span).
     pub(super) since: std::time::Instant,
 }
@@ -301,6 +302,12 @@ impl<T: Transport> Session<T> {
         F: FnOnce(Epoch) -> Fut,
         Fut: std::future::Future<Output = Result<Arc<T>, CollectiveError>>,
     {
+        if self.scope.is_some() {
+            return Err(CollectiveError::InvalidArgument {
+                name: "<swap>".into(),
+                reason: "a swap is a collective of the whole session, not of a subgroup".into(),
+            });
+        }
         lock(&self.inner.gate).begin(to)?;
         // Reopens the gate even if this future is dropped half-way (the
         // ranks may then disagree on the epoch, and later ops fail on
@@ -324,6 +331,7 @@ impl<T: Transport> Session<T> {
                         done: d.done,
                         internal: d.internal,
                         waited: false,
+                        scope: d.scope,
                     }));
                 }
             }

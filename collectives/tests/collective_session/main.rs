@@ -23,6 +23,7 @@ mod pool;
 mod sendrecv;
 mod stall;
 mod stats;
+mod subgroup;
 mod swap;
 
 fn sessions(
