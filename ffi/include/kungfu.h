@@ -68,6 +68,9 @@ typedef struct {
   double rate;
 } kf_strategy_stats;
 
+// A group of ranks: [`KF_GROUP_WORLD`], or one `kf_group_create` made.
+typedef uint64_t kf_group_t;
+
 #define KF_OK 0
 
 // A NULL pointer, an unknown enum value, a bad count or root, a name that
@@ -193,6 +196,10 @@ typedef struct {
 // `value` is a `kf_transport`; the application applies it with
 // `kf_set_transport` (every rank, right after the agreement).
 #define KF_ACTION_SET_TRANSPORT 5
+
+// The group of every rank: the one the ops without `group` in their name
+// run in.
+#define KF_GROUP_WORLD 0
 
 #ifdef __cplusplus
 extern "C" {
@@ -622,6 +629,186 @@ kf_status kf_recv(int peer,
                   kf_callback cb,
                   void *user,
                   kf_handle *handle);
+
+// Makes a group of the `n` ranks at `ranks`, this rank among them: group
+// rank `i` is `ranks[i]`. A collective of the members only, which pass
+// the same list (in the same order: `KF_ERR_MISMATCH` on every member if
+// not); blocks until all have called it, or fails at the op timeout
+// (`KUNGFU_OP_TIMEOUT_MS`) if one never does. Members that make several
+// groups of one set of ranks make them in the same order. Ops of a group
+// meet only the same group's ops of the other members, so a rank may run
+// ops of many groups at once, in any order. `*out` is the group, valid in
+// every `kf_group_*` call until `kf_group_destroy`; a resize or a
+// recovery ends it (its calls then fail with
+// `KF_ERR_MEMBERSHIP_CHANGED`).
+//
+// # Safety
+// `ranks` holds `n` ints; `out` points to a `kf_group_t`.
+kf_status kf_group_create(const int *ranks, int n, kf_group_t *out);
+
+// Ends group `g` here (ops of it in flight finish). Destroying
+// [`KF_GROUP_WORLD`], or a group that is not live, is an error.
+kf_status kf_group_destroy(kf_group_t g);
+
+// This rank's rank in group `g`, in `*rank`.
+//
+// # Safety
+// `rank` points to an int.
+kf_status kf_group_rank(kf_group_t g, int *rank);
+
+// The number of ranks of group `g`, in `*size`.
+//
+// # Safety
+// `size` points to an int.
+kf_status kf_group_size(kf_group_t g, int *size);
+
+// [`kf_allreduce`] in group `g` ([`KF_GROUP_WORLD`]: every rank), whose
+// ranks (roots, blocks, counts per rank) it speaks in.
+//
+// # Safety
+// As [`kf_allreduce`].
+kf_status kf_group_allreduce(kf_group_t g,
+                             const void *send,
+                             void *recv,
+                             size_t count,
+                             kf_dtype dtype,
+                             kf_op op,
+                             const char *name,
+                             kf_callback cb,
+                             void *user,
+                             kf_handle *out);
+
+// [`kf_reduce`] in group `g` ([`KF_GROUP_WORLD`]: every rank), whose
+// ranks (roots, blocks, counts per rank) it speaks in.
+//
+// # Safety
+// As [`kf_reduce`].
+kf_status kf_group_reduce(kf_group_t g,
+                          const void *send,
+                          void *recv,
+                          size_t count,
+                          kf_dtype dtype,
+                          kf_op op,
+                          int root,
+                          const char *name,
+                          kf_callback cb,
+                          void *user,
+                          kf_handle *out);
+
+// [`kf_broadcast`] in group `g` ([`KF_GROUP_WORLD`]: every rank), whose
+// ranks (roots, blocks, counts per rank) it speaks in.
+//
+// # Safety
+// As [`kf_broadcast`].
+kf_status kf_group_broadcast(kf_group_t g,
+                             const void *send,
+                             void *recv,
+                             size_t count,
+                             kf_dtype dtype,
+                             int root,
+                             const char *name,
+                             kf_callback cb,
+                             void *user,
+                             kf_handle *out);
+
+// [`kf_allgather`] in group `g` ([`KF_GROUP_WORLD`]: every rank), whose
+// ranks (roots, blocks, counts per rank) it speaks in.
+//
+// # Safety
+// As [`kf_allgather`].
+kf_status kf_group_allgather(kf_group_t g,
+                             const void *send,
+                             void *recv,
+                             size_t count_per_rank,
+                             kf_dtype dtype,
+                             const char *name,
+                             kf_callback cb,
+                             void *user,
+                             kf_handle *out);
+
+// [`kf_gather`] in group `g` ([`KF_GROUP_WORLD`]: every rank), whose
+// ranks (roots, blocks, counts per rank) it speaks in.
+//
+// # Safety
+// As [`kf_gather`].
+kf_status kf_group_gather(kf_group_t g,
+                          const void *send,
+                          void *recv,
+                          size_t count_per_rank,
+                          kf_dtype dtype,
+                          int root,
+                          const char *name,
+                          kf_callback cb,
+                          void *user,
+                          kf_handle *out);
+
+// [`kf_scatter`] in group `g` ([`KF_GROUP_WORLD`]: every rank), whose
+// ranks (roots, blocks, counts per rank) it speaks in.
+//
+// # Safety
+// As [`kf_scatter`].
+kf_status kf_group_scatter(kf_group_t g,
+                           const void *send,
+                           void *recv,
+                           size_t count_per_rank,
+                           kf_dtype dtype,
+                           int root,
+                           const char *name,
+                           kf_callback cb,
+                           void *user,
+                           kf_handle *out);
+
+// [`kf_reduce_scatter`] in group `g` ([`KF_GROUP_WORLD`]: every rank), whose
+// ranks (roots, blocks, counts per rank) it speaks in.
+//
+// # Safety
+// As [`kf_reduce_scatter`].
+kf_status kf_group_reduce_scatter(kf_group_t g,
+                                  const void *send,
+                                  void *recv,
+                                  size_t count_per_rank,
+                                  kf_dtype dtype,
+                                  kf_op op,
+                                  const char *name,
+                                  kf_callback cb,
+                                  void *user,
+                                  kf_handle *out);
+
+// [`kf_alltoall`] in group `g` ([`KF_GROUP_WORLD`]: every rank), whose
+// ranks (roots, blocks, counts per rank) it speaks in.
+//
+// # Safety
+// As [`kf_alltoall`].
+kf_status kf_group_alltoall(kf_group_t g,
+                            const void *send,
+                            void *recv,
+                            size_t count_per_rank,
+                            kf_dtype dtype,
+                            const char *name,
+                            kf_callback cb,
+                            void *user,
+                            kf_handle *out);
+
+// [`kf_consensus`] in group `g` ([`KF_GROUP_WORLD`]: every rank), whose
+// ranks (roots, blocks, counts per rank) it speaks in.
+//
+// # Safety
+// As [`kf_consensus`].
+kf_status kf_group_consensus(kf_group_t g,
+                             const void *data,
+                             size_t len,
+                             const char *name,
+                             int *agreed,
+                             kf_callback cb,
+                             void *user,
+                             kf_handle *out);
+
+// [`kf_barrier`] in group `g` ([`KF_GROUP_WORLD`]: every rank), whose
+// ranks (roots, blocks, counts per rank) it speaks in.
+//
+// # Safety
+// As [`kf_barrier`].
+kf_status kf_group_barrier(kf_group_t g, kf_callback cb, void *user, kf_handle *out);
 
 #ifdef __cplusplus
 }  // extern "C"

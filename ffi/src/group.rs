@@ -11,7 +11,8 @@ use kungfu_collectives::{OpKind, ReduceOp};
 
 use crate::handles::Completion;
 use crate::request::{deliver, Request};
-use crate::{ctx, fail_of, invalid, Fail, Res};
+use crate::subgroup::{kf_group_t, session_of};
+use crate::{ctx, fail_of, invalid, AnyTransport, Ctx, Fail, Res, Session};
 
 /// An allreduce held by the thread's open group.
 struct Held {
@@ -80,9 +81,32 @@ pub(super) fn end() -> Res<()> {
             return Err(Fail(s, d));
         }
     };
+    // one fusion per group of ranks, in the order their first op came
+    let mut by_group: Vec<(kf_group_t, Vec<Held>)> = Vec::new();
+    for h in held {
+        match by_group.iter_mut().find(|(g, _)| *g == h.req.group) {
+            Some((_, v)) => v.push(h),
+            None => by_group.push((h.req.group, vec![h])),
+        }
+    }
+    for (g, held) in by_group {
+        match session_of(&ctx, g) {
+            Ok(session) => fuse(&ctx, &session, held),
+            Err(Fail(s, d)) => {
+                for h in held {
+                    h.done.finish(Err(Fail(s, d.clone())));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Runs `held`, allreduces of `session`, fused.
+fn fuse(ctx: &Ctx, session: &Session<AnyTransport>, held: Vec<Held>) {
     let (reqs, dones): (Vec<(Request, ReduceOp)>, Vec<Completion>) =
         held.into_iter().map(|h| ((h.req, h.op), h.done)).unzip();
-    let mut group = ctx.session.group();
+    let mut group = session.group();
     for ((req, op), done) in reqs.iter().zip(dones) {
         let (out, rt) = (req.out, ctx.rt.clone());
         group.allreduce_with_callback(
@@ -104,5 +128,4 @@ pub(super) fn end() -> Res<()> {
         );
     }
     group.submit();
-    Ok(())
 }

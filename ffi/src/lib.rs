@@ -46,6 +46,12 @@ pub use p2p::{kf_request, kf_save};
 mod sendrecv;
 pub use sendrecv::{kf_recv, kf_send, KF_ANY_SOURCE};
 mod request;
+mod subgroup;
+pub use subgroup::{
+    kf_group_create, kf_group_destroy, kf_group_rank, kf_group_size, kf_group_t, KF_GROUP_WORLD,
+};
+mod group_ops;
+pub use group_ops::*;
 
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
@@ -537,11 +543,6 @@ pub extern "C" fn kf_local_size() -> c_int {
 #[no_mangle]
 pub extern "C" fn kf_cluster_version() -> u64 {
     getter(|l| Some(i64::from(l.env.cluster_version))) as u64
-}
-
-/// The cluster size from the environment (no runtime needed).
-fn size_now() -> Res<usize> {
-    Ok(ready(&mut lock(&PHASE))?.env.size)
 }
 
 /// A static description of a status.

@@ -1,16 +1,14 @@
-//! The collectives of the C ABI (`kf_allreduce` .. `kf_barrier`), groups
-//! of them (`kf_group_start`, `kf_group_end`) and `kf_set_strategy`.
+//! The collectives of the C ABI (`kf_allreduce` .. `kf_barrier`: their
+//! `kf_group_*` forms in `group_ops.rs` in [`KF_GROUP_WORLD`]), fused
+//! allreduces (`kf_group_start`, `kf_group_end`) and `kf_set_strategy`.
 
 use std::ffi::{c_char, c_int, c_void};
 
-use kungfu_collectives::OpKind;
-
-use crate::handles::{Completion, OutPtr};
-use crate::request::{read_input, start_op};
+use crate::group_ops::*;
+use crate::subgroup::KF_GROUP_WORLD;
 use crate::{
-    ctx, fail_of, group, guard, invalid, kf_callback, kf_dtype, kf_handle, kf_op, kf_status,
-    kf_strategy, kf_transport, lock, name_of, op_of, ready, root_of, strategy_of, transport_of,
-    PHASE,
+    ctx, fail_of, group, guard, kf_callback, kf_dtype, kf_handle, kf_op, kf_status, kf_strategy,
+    kf_transport, lock, ready, strategy_of, transport_of, PHASE,
 };
 
 /// Every rank gets the reduction of every rank's `count` elements.
@@ -32,17 +30,21 @@ pub unsafe extern "C" fn kf_allreduce(
     user: *mut c_void,
     out: *mut kf_handle,
 ) -> kf_status {
-    start_op(
-        |_| Ok(OpKind::Allreduce(op_of(op)?)),
-        dtype,
-        count,
-        send,
-        recv,
-        name,
-        cb,
-        user,
-        out,
-    )
+    // SAFETY: the caller's contract is kf_group_allreduce's.
+    unsafe {
+        kf_group_allreduce(
+            KF_GROUP_WORLD,
+            send,
+            recv,
+            count,
+            dtype,
+            op,
+            name,
+            cb,
+            user,
+            out,
+        )
+    }
 }
 
 /// `root` gets the reduction of every rank's `count` elements; `recv` may
@@ -63,22 +65,22 @@ pub unsafe extern "C" fn kf_reduce(
     user: *mut c_void,
     out: *mut kf_handle,
 ) -> kf_status {
-    start_op(
-        |n| {
-            Ok(OpKind::Reduce {
-                op: op_of(op)?,
-                root: root_of(root, n)?,
-            })
-        },
-        dtype,
-        count,
-        send,
-        recv,
-        name,
-        cb,
-        user,
-        out,
-    )
+    // SAFETY: the caller's contract is kf_group_reduce's.
+    unsafe {
+        kf_group_reduce(
+            KF_GROUP_WORLD,
+            send,
+            recv,
+            count,
+            dtype,
+            op,
+            root,
+            name,
+            cb,
+            user,
+            out,
+        )
+    }
 }
 
 /// Every rank gets `root`'s `count` elements; `send` may be NULL on the
@@ -98,21 +100,21 @@ pub unsafe extern "C" fn kf_broadcast(
     user: *mut c_void,
     out: *mut kf_handle,
 ) -> kf_status {
-    start_op(
-        |n| {
-            Ok(OpKind::Broadcast {
-                root: root_of(root, n)?,
-            })
-        },
-        dtype,
-        count,
-        send,
-        recv,
-        name,
-        cb,
-        user,
-        out,
-    )
+    // SAFETY: the caller's contract is kf_group_broadcast's.
+    unsafe {
+        kf_group_broadcast(
+            KF_GROUP_WORLD,
+            send,
+            recv,
+            count,
+            dtype,
+            root,
+            name,
+            cb,
+            user,
+            out,
+        )
+    }
 }
 
 /// Every rank gets every rank's `count_per_rank` elements, in rank order
@@ -131,17 +133,20 @@ pub unsafe extern "C" fn kf_allgather(
     user: *mut c_void,
     out: *mut kf_handle,
 ) -> kf_status {
-    start_op(
-        |_| Ok(OpKind::Allgather),
-        dtype,
-        count_per_rank,
-        send,
-        recv,
-        name,
-        cb,
-        user,
-        out,
-    )
+    // SAFETY: the caller's contract is kf_group_allgather's.
+    unsafe {
+        kf_group_allgather(
+            KF_GROUP_WORLD,
+            send,
+            recv,
+            count_per_rank,
+            dtype,
+            name,
+            cb,
+            user,
+            out,
+        )
+    }
 }
 
 /// `root` gets every rank's `count_per_rank` elements, in rank order;
@@ -161,21 +166,21 @@ pub unsafe extern "C" fn kf_gather(
     user: *mut c_void,
     out: *mut kf_handle,
 ) -> kf_status {
-    start_op(
-        |n| {
-            Ok(OpKind::Gather {
-                root: root_of(root, n)?,
-            })
-        },
-        dtype,
-        count_per_rank,
-        send,
-        recv,
-        name,
-        cb,
-        user,
-        out,
-    )
+    // SAFETY: the caller's contract is kf_group_gather's.
+    unsafe {
+        kf_group_gather(
+            KF_GROUP_WORLD,
+            send,
+            recv,
+            count_per_rank,
+            dtype,
+            root,
+            name,
+            cb,
+            user,
+            out,
+        )
+    }
 }
 
 /// Rank `r` gets block `r` of `root`'s `send`, `size` blocks of
@@ -196,21 +201,21 @@ pub unsafe extern "C" fn kf_scatter(
     user: *mut c_void,
     out: *mut kf_handle,
 ) -> kf_status {
-    start_op(
-        |n| {
-            Ok(OpKind::Scatter {
-                root: root_of(root, n)?,
-            })
-        },
-        dtype,
-        count_per_rank,
-        send,
-        recv,
-        name,
-        cb,
-        user,
-        out,
-    )
+    // SAFETY: the caller's contract is kf_group_scatter's.
+    unsafe {
+        kf_group_scatter(
+            KF_GROUP_WORLD,
+            send,
+            recv,
+            count_per_rank,
+            dtype,
+            root,
+            name,
+            cb,
+            user,
+            out,
+        )
+    }
 }
 
 /// Each rank gives `size * count_per_rank` elements; rank `r` gets the
@@ -230,17 +235,21 @@ pub unsafe extern "C" fn kf_reduce_scatter(
     user: *mut c_void,
     out: *mut kf_handle,
 ) -> kf_status {
-    start_op(
-        |_| Ok(OpKind::ReduceScatter(op_of(op)?)),
-        dtype,
-        count_per_rank,
-        send,
-        recv,
-        name,
-        cb,
-        user,
-        out,
-    )
+    // SAFETY: the caller's contract is kf_group_reduce_scatter's.
+    unsafe {
+        kf_group_reduce_scatter(
+            KF_GROUP_WORLD,
+            send,
+            recv,
+            count_per_rank,
+            dtype,
+            op,
+            name,
+            cb,
+            user,
+            out,
+        )
+    }
 }
 
 /// Each rank gives `size` blocks of `count_per_rank` elements; rank `r`
@@ -259,17 +268,20 @@ pub unsafe extern "C" fn kf_alltoall(
     user: *mut c_void,
     out: *mut kf_handle,
 ) -> kf_status {
-    start_op(
-        |_| Ok(OpKind::Alltoall),
-        dtype,
-        count_per_rank,
-        send,
-        recv,
-        name,
-        cb,
-        user,
-        out,
-    )
+    // SAFETY: the caller's contract is kf_group_alltoall's.
+    unsafe {
+        kf_group_alltoall(
+            KF_GROUP_WORLD,
+            send,
+            recv,
+            count_per_rank,
+            dtype,
+            name,
+            cb,
+            user,
+            out,
+        )
+    }
 }
 
 /// Whether every rank passed the same `len` bytes: `*agreed` is set to 1
@@ -289,29 +301,8 @@ pub unsafe extern "C" fn kf_consensus(
     user: *mut c_void,
     out: *mut kf_handle,
 ) -> kf_status {
-    guard(|| {
-        let name = name_of(name)?;
-        if agreed.is_null() {
-            return Err(invalid("agreed is NULL"));
-        }
-        let data = read_input(data, len, "data")?;
-        let ctx = ctx()?;
-        let done = Completion::new(cb, user, out);
-        let h = ctx.session.consensus(&name, &data);
-        let agreed = OutPtr(agreed as *mut u8);
-        ctx.rt.spawn(async move {
-            let r = match h.await {
-                Ok(same) => {
-                    // SAFETY: the caller's int, valid until completion.
-                    unsafe { (agreed.get() as *mut c_int).write_unaligned(c_int::from(same)) };
-                    Ok(())
-                }
-                Err(e) => Err(fail_of(&e)),
-            };
-            done.finish(r);
-        });
-        Ok(())
-    })
+    // SAFETY: the caller's contract is kf_group_consensus's.
+    unsafe { kf_group_consensus(KF_GROUP_WORLD, data, len, name, agreed, cb, user, out) }
 }
 
 /// Completes once every rank has called it (the n-th call on one rank
@@ -325,15 +316,8 @@ pub unsafe extern "C" fn kf_barrier(
     user: *mut c_void,
     out: *mut kf_handle,
 ) -> kf_status {
-    guard(|| {
-        let ctx = ctx()?;
-        let done = Completion::new(cb, user, out);
-        let h = ctx.session.barrier("kf/barrier");
-        ctx.rt.spawn(async move {
-            done.finish(h.await.map_err(|e| fail_of(&e)));
-        });
-        Ok(())
-    })
+    // SAFETY: the caller's contract is kf_group_barrier's.
+    unsafe { kf_group_barrier(KF_GROUP_WORLD, cb, user, out) }
 }
 
 /// Opens a group on this thread: allreduces until the matching

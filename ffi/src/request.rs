@@ -18,9 +18,10 @@ use kungfu_collectives::{OpKind, OpSpec};
 use kungfu_transport::Region;
 
 use crate::handles::{Completion, OutPtr};
+use crate::subgroup::{kf_group_t, session_of};
 use crate::{
     ctx, dtype_of, fail_of, group, guard, invalid, kf_callback, kf_dtype, kf_handle, kf_status,
-    name_of, size_now, Ctx, Fail, Res, KF_ERR_INTERNAL,
+    name_of, AnyTransport, Ctx, Fail, Res, Session, KF_ERR_INTERNAL,
 };
 
 /// `len` bytes at `p`, copied (`p` may be unaligned; NULL only if empty).
@@ -38,6 +39,9 @@ pub(crate) fn read_input(p: *const c_void, len: usize, what: &str) -> Res<Vec<u8
 
 /// A data op: what to start, and where its output goes.
 pub(crate) struct Request {
+    /// The group it runs in ([`crate::subgroup::KF_GROUP_WORLD`]: every
+    /// rank).
+    pub(crate) group: kf_group_t,
     pub(crate) name: String,
     pub(crate) spec: OpSpec,
     pub(crate) input: Vec<u8>,
@@ -45,16 +49,17 @@ pub(crate) struct Request {
     pub(crate) out: Option<(OutPtr, usize)>,
 }
 
-/// Checks the buffers of `spec` for this rank and copies the input.
+/// Checks the buffers of `spec` for this rank (of `session`, group `g`)
+/// and copies the input.
 fn request(
-    ctx: &Ctx,
+    (session, g): (&Session<AnyTransport>, kf_group_t),
     name: String,
     spec: OpSpec,
     send: *const c_void,
     recv: *mut c_void,
 ) -> Res<Request> {
-    let n = ctx.session.size();
-    let me = ctx.session.rank();
+    let n = session.size();
+    let me = session.rank();
     spec.validate(n).map_err(invalid)?;
     let in_len = spec.input_len(me, n).expect("validated");
     let input = match spec.kind {
@@ -72,6 +77,7 @@ fn request(
         _ => None,
     };
     Ok(Request {
+        group: g,
         name,
         spec,
         input,
@@ -96,13 +102,13 @@ pub(crate) fn deliver(out: Option<(OutPtr, usize)>, got: Option<&[u8]>) -> Res<(
     Ok(())
 }
 
-/// Starts `req` (or holds it in the thread's open group) and returns at
-/// once.
-fn submit(ctx: &Ctx, req: Request, done: Completion) {
+/// Starts `req` on `session` (or holds it in the thread's open group) and
+/// returns at once.
+fn submit(ctx: &Ctx, session: &Session<AnyTransport>, req: Request, done: Completion) {
     let Some((req, done)) = group::hold(req, done) else {
         return;
     };
-    let h = ctx.session.submit(&req.name, req.spec, &req.input);
+    let h = session.submit(&req.name, req.spec, &req.input);
     let out = req.out;
     ctx.rt.spawn(async move {
         let r = match h.await {
@@ -113,8 +119,11 @@ fn submit(ctx: &Ctx, req: Request, done: Completion) {
     });
 }
 
+/// Starts a data op of group `g` from its C arguments; `kind` makes the
+/// op from the group's size.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn start_op(
+    g: kf_group_t,
     kind: impl FnOnce(usize) -> Res<OpKind>,
     dtype: kf_dtype,
     count: usize,
@@ -128,20 +137,21 @@ pub(crate) fn start_op(
     guard(|| {
         let name = name_of(name)?;
         let dtype = dtype_of(dtype)?;
-        let kind = kind(size_now()?)?;
         let ctx = ctx()?;
+        let session = session_of(&ctx, g)?;
+        let kind = kind(session.size())?;
         let spec = OpSpec { kind, dtype, count };
         // A call that fails makes no handle and runs no callback: what can
         // fail is checked before the handle exists, or the handle is
         // withdrawn (a caller that frees its callback's context on an
         // error status must not see the callback run too).
-        spec.validate(ctx.session.size()).map_err(invalid)?;
+        spec.validate(session.size()).map_err(invalid)?;
         let done = Completion::new(cb, user, out);
-        let Some(done) = start_in_place(&ctx, &name, spec, send, recv, done) else {
+        let Some(done) = start_in_place(&session, &name, spec, send, recv, done) else {
             return Ok(());
         };
-        match request(&ctx, name, spec, send, recv) {
-            Ok(req) => submit(&ctx, req, done),
+        match request((&session, g), name, spec, send, recv) {
+            Ok(req) => submit(&ctx, &session, req, done),
             Err(e) => {
                 done.withdraw();
                 return Err(e);
@@ -157,15 +167,15 @@ pub(crate) fn start_op(
 /// buffer, or does not overlap it. Otherwise gives `done` back, for the
 /// copying path (which also reports a bad buffer). `spec` is validated.
 fn start_in_place(
-    ctx: &Ctx,
+    session: &Session<AnyTransport>,
     name: &str,
     spec: OpSpec,
     send: *const c_void,
     recv: *mut c_void,
     done: Completion,
 ) -> Option<Completion> {
-    let n = ctx.session.size();
-    let me = ctx.session.rank();
+    let n = session.size();
+    let me = session.rank();
     let len = spec.work_len(n).expect("validated");
     let Some(recv) = NonNull::new(recv.cast::<u8>()) else {
         return Some(done);
@@ -220,7 +230,6 @@ fn start_in_place(
         // region, whose hook then completes the op with that status.
         drop(r);
     });
-    ctx.session
-        .submit_in_with_callback(name, spec, region, callback);
+    session.submit_in_with_callback(name, spec, region, callback);
     None
 }

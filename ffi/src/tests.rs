@@ -196,6 +196,7 @@ fn inputs_are_copied_from_any_alignment() {
 
 fn allreduce_request(name: &str, out: *mut u8) -> Request {
     Request {
+        group: crate::KF_GROUP_WORLD,
         name: name.into(),
         spec: OpSpec {
             kind: OpKind::Allreduce(ReduceOp::Sum),
