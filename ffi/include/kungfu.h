@@ -608,6 +608,20 @@ kf_status kf_send(int peer,
                   void *user,
                   kf_handle *handle);
 
+// [`kf_send`] in group `g`: `peer` is a rank of the group, and messages
+// of a group under a tag meet only receives of the same group under it.
+//
+// # Safety
+// As [`kf_send`].
+kf_status kf_group_send(kf_group_t g,
+                        int peer,
+                        uint64_t tag,
+                        const void *data,
+                        size_t len,
+                        kf_callback cb,
+                        void *user,
+                        kf_handle *handle);
+
 // Receives into `out`, which must hold exactly the message's `len`
 // bytes, the next message under `tag` from rank `peer`, or from any
 // worker with `KF_ANY_SOURCE`; writes the sender's rank to `*source`
@@ -629,6 +643,21 @@ kf_status kf_recv(int peer,
                   kf_callback cb,
                   void *user,
                   kf_handle *handle);
+
+// [`kf_recv`] in group `g`: `peer` (and the rank written to `*source`)
+// is a rank of the group; it takes only messages sent in the group.
+//
+// # Safety
+// As [`kf_recv`].
+kf_status kf_group_recv(kf_group_t g,
+                        int peer,
+                        uint64_t tag,
+                        void *out,
+                        size_t len,
+                        int *source,
+                        kf_callback cb,
+                        void *user,
+                        kf_handle *handle);
 
 // Makes a group of the `n` ranks at `ranks`, this rank among them: group
 // rank `i` is `ranks[i]`. A collective of the members only, which pass

@@ -44,7 +44,7 @@ mod group;
 mod p2p;
 pub use p2p::{kf_request, kf_save};
 mod sendrecv;
-pub use sendrecv::{kf_recv, kf_send, KF_ANY_SOURCE};
+pub use sendrecv::{kf_group_recv, kf_group_send, kf_recv, kf_send, KF_ANY_SOURCE};
 mod request;
 mod subgroup;
 pub use subgroup::{

@@ -11,13 +11,14 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use kungfu_collectives::sendrecv::Mailbox;
-use kungfu_topology::Rank;
+use kungfu_topology::{fnv1a64, Rank};
 use kungfu_transport::any::AnyTransport;
 
 use crate::handles::{Completion, OutPtr};
 use crate::p2p::fail_of;
 use crate::request::read_input;
-use crate::{ctx, guard, invalid, kf_callback, kf_handle, kf_status, lock, Ctx, Res};
+use crate::subgroup::{kf_group_t, session_of, KF_GROUP_WORLD};
+use crate::{ctx, guard, invalid, kf_callback, kf_handle, kf_status, lock, Ctx, Res, Session};
 
 /// The `peer` of [`kf_recv`] that takes a message from any worker.
 pub const KF_ANY_SOURCE: c_int = -1;
@@ -39,18 +40,34 @@ fn mailbox(c: &Ctx) -> Arc<Mailbox<AnyTransport>> {
     }
 }
 
-/// `peer` as another rank of the session.
-fn peer_of(c: &Ctx, peer: c_int) -> Res<Rank> {
-    let (me, n) = (c.session.rank(), c.session.size());
+/// `peer`, another rank of `group` (a session, or a subgroup of it), as a
+/// rank of the whole session.
+fn peer_of(group: &Session<AnyTransport>, peer: c_int) -> Res<Rank> {
+    let (me, n) = (group.rank(), group.size());
     u32::try_from(peer)
         .ok()
         .filter(|&p| (p as usize) < n && p != me.0)
-        .map(Rank)
+        .map(|p| group.session_rank(Rank(p)))
         .ok_or_else(|| {
             invalid(format!(
                 "peer {peer}: another rank of 0..{n} (this is {me})"
             ))
         })
+}
+
+/// The tag a message of `group` travels under: the caller's for the whole
+/// session; for a subgroup, the FNV-1a 64 hash of `kf/group/tag`, a NUL,
+/// the group's id and the tag, so that two groups' messages between the
+/// same two ranks do not meet (as two groups' ops do not: their names
+/// hash from the group's own basis).
+fn tag_in(group: &Session<AnyTransport>, tag: u64) -> u64 {
+    match group.group_id() {
+        None => tag,
+        Some(id) => {
+            let h = fnv1a64(0xcbf2_9ce4_8422_2325, b"kf/group/tag\0");
+            fnv1a64(fnv1a64(h, &id.to_le_bytes()), &tag.to_le_bytes())
+        }
+    }
 }
 
 /// Sends a copy of the `len` bytes at `data` to rank `peer` under `tag`.
@@ -74,9 +91,32 @@ pub unsafe extern "C" fn kf_send(
     user: *mut c_void,
     handle: *mut kf_handle,
 ) -> kf_status {
+    // SAFETY: the caller's contract is kf_group_send's.
+    unsafe { kf_group_send(KF_GROUP_WORLD, peer, tag, data, len, cb, user, handle) }
+}
+
+/// [`kf_send`] in group `g`: `peer` is a rank of the group, and messages
+/// of a group under a tag meet only receives of the same group under it.
+///
+/// # Safety
+/// As [`kf_send`].
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kf_group_send(
+    g: kf_group_t,
+    peer: c_int,
+    tag: u64,
+    data: *const c_void,
+    len: usize,
+    cb: kf_callback,
+    user: *mut c_void,
+    handle: *mut kf_handle,
+) -> kf_status {
     guard(|| {
         let c = ctx()?;
-        let to = peer_of(&c, peer)?;
+        let group = session_of(&c, g)?;
+        let to = peer_of(&group, peer)?;
+        let tag = tag_in(&group, tag);
         let data = Bytes::from(read_input(data, len, "data")?);
         let deadline = tokio::time::Instant::now() + c.session.config().op_timeout;
         // its place among this worker's messages to `to` is taken now
@@ -114,15 +154,53 @@ pub unsafe extern "C" fn kf_recv(
     user: *mut c_void,
     handle: *mut kf_handle,
 ) -> kf_status {
+    // SAFETY: the caller's contract is kf_group_recv's.
+    unsafe {
+        kf_group_recv(
+            KF_GROUP_WORLD,
+            peer,
+            tag,
+            out,
+            len,
+            source,
+            cb,
+            user,
+            handle,
+        )
+    }
+}
+
+/// [`kf_recv`] in group `g`: `peer` (and the rank written to `*source`)
+/// is a rank of the group; it takes only messages sent in the group.
+///
+/// # Safety
+/// As [`kf_recv`].
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kf_group_recv(
+    g: kf_group_t,
+    peer: c_int,
+    tag: u64,
+    out: *mut c_void,
+    len: usize,
+    source: *mut c_int,
+    cb: kf_callback,
+    user: *mut c_void,
+    handle: *mut kf_handle,
+) -> kf_status {
     guard(|| {
         if out.is_null() && len > 0 {
             return Err(invalid("out is NULL"));
         }
         let c = ctx()?;
+        let group = session_of(&c, g)?;
         let from = match peer {
             KF_ANY_SOURCE => None,
-            p => Some(peer_of(&c, p)?),
+            p => Some(peer_of(&group, p)?),
         };
+        let tag = tag_in(&group, tag);
+        // the sender's rank in the group
+        let members: Option<Vec<Rank>> = group.members().map(|m| m.to_vec());
         let deadline = tokio::time::Instant::now() + c.session.config().op_timeout;
         // its place among this worker's receives is taken now
         let recv = mailbox(&c).recv(from, tag, len, deadline);
@@ -137,7 +215,12 @@ pub unsafe extern "C" fn kf_recv(
                     unsafe {
                         std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.get(), len);
                         if !source.get().is_null() {
-                            (source.get() as *mut c_int).write_unaligned(who.0 as c_int);
+                            let who = match &members {
+                                // a member: only members send under the tag
+                                Some(m) => m.iter().position(|&r| r == who).unwrap_or(usize::MAX),
+                                None => who.idx(),
+                            };
+                            (source.get() as *mut c_int).write_unaligned(who as c_int);
                         }
                     }
                     Ok(())

@@ -7,6 +7,7 @@
  *   every    every collective in the group of all four in reverse order
  *            (group rank i is rank 3 - i), checked value by value
  *   fused    kf_group_start/kf_group_end fuse allreduces of several groups
+ *   p2p      kf_group_send/kf_group_recv in the row and the column at once
  *   errors   what a group refuses: a list without this rank, a bad root,
  *            a destroyed group, destroying KF_GROUP_WORLD
  *
@@ -97,6 +98,32 @@ static void mesh(void) {
     CHECK(b == col_ranks[0] + col_ranks[1], "fused column sum: %d", b);
     CHECK(c == 6, "fused world sum: %d", c);
     CHECK(d == row_ranks[1], "fused row max: %d", d);
+
+    /* point to point in both groups under one tag: group rank 0 sends
+     * its rank to group rank 1, which receives from any source; the
+     * messages of the row and the column never meet */
+    kf_handle hp[2];
+    int32_t sent[2] = {rank_, rank_}, got[2] = {-1, -1};
+    int from[2] = {-1, -1};
+    kf_group_t both[2] = {row, col};
+    for (int j = 0; j < 2; j++) {
+        int me = -1;
+        MUST(kf_group_rank(both[j], &me));
+        if (me == 0) {
+            MUST(kf_group_send(both[j], 1, 7, &sent[j], 4, NULL, NULL, &hp[j]));
+        } else {
+            MUST(kf_group_recv(both[j], KF_ANY_SOURCE, 7, &got[j], 4, &from[j], NULL, NULL,
+                               &hp[j]));
+        }
+    }
+    for (int j = 0; j < 2; j++) {
+        MUST(kf_wait(hp[j], 60000));
+        MUST(kf_release(hp[j]));
+    }
+    if (rank_ % 2 == 1) CHECK(got[0] == rank_ - 1 && from[0] == 0, "row message %d from %d",
+                              got[0], from[0]);
+    if (rank_ / 2 == 1) CHECK(got[1] == rank_ - 2 && from[1] == 0, "column message %d from %d",
+                              got[1], from[1]);
 
     MUST(kf_group_destroy(row));
     MUST(kf_group_destroy(col));
