@@ -11,11 +11,21 @@ from . import _ext
 
 _C = _ext.load()
 
+
+def _create_backend(opts, _options=None):
+    """c10d's extended creator: the group's rank, size and global ranks
+    (torch calls it on the group's members only)."""
+    ranks = list(opts.global_ranks_in_group or [])
+    return _C.create_backend(opts.group_rank, opts.group_size, ranks)
+
+
 if "kungfu" not in _dist.Backend.backend_list:
-    _dist.Backend.register_backend("kungfu", _C.create_backend, devices=["cpu"])
+    _dist.Backend.register_backend("kungfu", _create_backend, extended_api=True,
+                                   devices=["cpu"])
 
 # The Horovod-compatible API: `import kungfu.torch as hvd` in place of
-# `import horovod.torch as hvd` (CPU tensors; no process sets, no Adasum).
+# `import horovod.torch as hvd` (CPU tensors; process sets as library groups
+# of their members; no Adasum).
 from .compression import Compression  # noqa: E402,F401
 from .mpi_ops import (  # noqa: E402,F401
     Adasum, Average, HorovodInternalError, Max, Min, Product, ProcessSet, Sum,

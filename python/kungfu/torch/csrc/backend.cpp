@@ -9,8 +9,16 @@ namespace kungfu_torch {
 
 class KungfuBackend : public c10d::Backend {
  public:
-  KungfuBackend(int rank, int size, int id)
-      : c10d::Backend(rank, size), id_(id) {}
+  // `on`: the library's group this process group runs in (KF_GROUP_WORLD
+  // for a group of every rank in rank order); `id` tells apart process
+  // groups that share one library group.
+  KungfuBackend(int rank, int size, int id, Ranks on)
+      : c10d::Backend(rank, size), id_(id), on_(on) {}
+
+  ~KungfuBackend() override {
+    // its ops in flight finish; an error (the library finalized) is moot
+    if (on_.group != KF_GROUP_WORLD) kf_group_destroy(on_.group);
+  }
 
   const std::string getBackendName() const override { return "kungfu"; }
 
@@ -18,14 +26,14 @@ class KungfuBackend : public c10d::Backend {
       std::vector<at::Tensor>& tensors,
       const c10d::BroadcastOptions& opts) override {
     auto& t = one(tensors, "broadcast");
-    return kungfu_torch::broadcast(t, t, opts.rootRank, next("broadcast"));
+    return kungfu_torch::broadcast(on_, t, t, opts.rootRank, next("broadcast"));
   }
 
   c10::intrusive_ptr<c10d::Work> allreduce(
       std::vector<at::Tensor>& tensors,
       const c10d::AllreduceOptions& opts) override {
     auto& t = one(tensors, "allreduce");
-    return kungfu_torch::allreduce(t, t, op_of(opts.reduceOp, t, "allreduce"),
+    return kungfu_torch::allreduce(on_, t, t, op_of(opts.reduceOp, t, "allreduce"),
                                    next("allreduce"));
   }
 
@@ -33,7 +41,7 @@ class KungfuBackend : public c10d::Backend {
       std::vector<at::Tensor>& tensors,
       const c10d::ReduceOptions& opts) override {
     auto& t = one(tensors, "reduce");
-    return kungfu_torch::reduce(t, op_of(opts.reduceOp, t, "reduce"),
+    return kungfu_torch::reduce(on_, t, op_of(opts.reduceOp, t, "reduce"),
                                 opts.rootRank, next("reduce"));
   }
 
@@ -49,13 +57,13 @@ class KungfuBackend : public c10d::Backend {
                   "all_gather: every output tensor must match the input's size");
     }
     at::Tensor flat = at::empty({in.numel() * size_}, in.options());
-    return kungfu_torch::allgather(in, flat, next("all_gather"), outputs[0]);
+    return kungfu_torch::allgather(on_, in, flat, next("all_gather"), outputs[0]);
   }
 
   c10::intrusive_ptr<c10d::Work> all_gather_single(
       at::Tensor& out, at::Tensor& in,
       const c10d::AllgatherOptions& /*opts*/) override {
-    return kungfu_torch::allgather(in, out, next("all_gather_into_tensor"));
+    return kungfu_torch::allgather(on_, in, out, next("all_gather_into_tensor"));
   }
 
   c10::intrusive_ptr<c10d::Work> _allgather_base(
@@ -71,12 +79,12 @@ class KungfuBackend : public c10d::Backend {
     auto& in = one(inputs, "gather");
     int root = static_cast<int>(opts.rootRank);
     if (rank_ != root) {
-      return kungfu_torch::gather(in, at::Tensor(), root, next("gather"));
+      return kungfu_torch::gather(on_, in, at::Tensor(), root, next("gather"));
     }
     TORCH_CHECK(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_,
                 prefix(), "gather: the root needs one output list of ", size_, " tensors");
     at::Tensor flat = at::empty({in.numel() * size_}, in.options());
-    return kungfu_torch::gather(in, flat, root, next("gather"), outputs[0]);
+    return kungfu_torch::gather(on_, in, flat, root, next("gather"), outputs[0]);
   }
 
   // The coalesced forms (FSDP's, and _coalescing_manager's): the ops one
@@ -85,14 +93,14 @@ class KungfuBackend : public c10d::Backend {
       std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
     kf_op kop = tensors.empty() ? KF_SUM
                                 : op_of(opts.reduceOp, tensors[0], "allreduce_coalesced");
-    return kungfu_torch::coalesced(kungfu_torch::Coalesced::Allreduce, tensors, tensors, kop,
+    return kungfu_torch::coalesced(on_, kungfu_torch::Coalesced::Allreduce, tensors, tensors, kop,
                                    next("allreduce_coalesced"));
   }
 
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions& /*opts*/) override {
-    return kungfu_torch::coalesced(kungfu_torch::Coalesced::Allgather, inputs, outputs, KF_SUM,
+    return kungfu_torch::coalesced(on_, kungfu_torch::Coalesced::Allgather, inputs, outputs, KF_SUM,
                                    next("all_gather_into_tensor_coalesced"));
   }
 
@@ -102,7 +110,7 @@ class KungfuBackend : public c10d::Backend {
     kf_op kop = outputs.empty()
                     ? KF_SUM
                     : op_of(opts.reduceOp, outputs[0], "reduce_scatter_tensor_coalesced");
-    return kungfu_torch::coalesced(kungfu_torch::Coalesced::ReduceScatter, inputs, outputs, kop,
+    return kungfu_torch::coalesced(on_, kungfu_torch::Coalesced::ReduceScatter, inputs, outputs, kop,
                                    next("reduce_scatter_tensor_coalesced"));
   }
 
@@ -111,19 +119,19 @@ class KungfuBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank,
                                       int tag) override {
     auto& t = one(tensors, "send");
-    return kungfu_torch::send(t, dstRank, tag_of(tag), where("send", dstRank, tag));
+    return kungfu_torch::send(on_, t, dstRank, tag_of(tag), where("send", dstRank, tag));
   }
 
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank,
                                       int tag) override {
     auto& t = one(tensors, "recv");
-    return kungfu_torch::recv(t, srcRank, tag_of(tag), where("recv", srcRank, tag));
+    return kungfu_torch::recv(on_, t, srcRank, tag_of(tag), where("recv", srcRank, tag));
   }
 
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
                                                int tag) override {
     auto& t = one(tensors, "recv");
-    return kungfu_torch::recv(t, -1, tag_of(tag), where("recv", -1, tag));
+    return kungfu_torch::recv(on_, t, -1, tag_of(tag), where("recv", -1, tag));
   }
 
   c10::intrusive_ptr<c10d::Work> scatter(
@@ -133,7 +141,7 @@ class KungfuBackend : public c10d::Backend {
     auto& out = one(outputs, "scatter");
     int root = static_cast<int>(opts.rootRank);
     if (rank_ != root) {
-      return kungfu_torch::scatter(at::Tensor(), out, root, next("scatter"));
+      return kungfu_torch::scatter(on_, at::Tensor(), out, root, next("scatter"));
     }
     TORCH_CHECK(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_,
                 prefix(), "scatter: the root needs one input list of ", size_, " tensors");
@@ -144,7 +152,7 @@ class KungfuBackend : public c10d::Backend {
                   "scatter: every input tensor must match the output's size and type");
       flat.push_back(t.reshape({-1}));
     }
-    return kungfu_torch::scatter(at::cat(flat), out, root, next("scatter"));
+    return kungfu_torch::scatter(on_, at::cat(flat), out, root, next("scatter"));
   }
 
   c10::intrusive_ptr<c10d::Work> reduce_scatter(
@@ -161,7 +169,7 @@ class KungfuBackend : public c10d::Backend {
                   "reduce_scatter: every input tensor must match the output's size");
       flat.push_back(t.reshape({-1}));
     }
-    return kungfu_torch::reduce_scatter(at::cat(flat), out,
+    return kungfu_torch::reduce_scatter(on_, at::cat(flat), out,
                                         op_of(opts.reduceOp, out, "reduce_scatter"),
                                         next("reduce_scatter"));
   }
@@ -169,7 +177,7 @@ class KungfuBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> reduce_scatter_single(
       at::Tensor& out, at::Tensor& in,
       const c10d::ReduceScatterOptions& opts) override {
-    return kungfu_torch::reduce_scatter(in, out,
+    return kungfu_torch::reduce_scatter(on_, in, out,
                                         op_of(opts.reduceOp, in, "reduce_scatter_tensor"),
                                         next("reduce_scatter_tensor"));
   }
@@ -184,7 +192,7 @@ class KungfuBackend : public c10d::Backend {
       at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
       std::vector<int64_t>& in_splits,
       const c10d::AllToAllOptions& /*opts*/) override {
-    return kungfu_torch::alltoall(in, out, in_splits, out_splits,
+    return kungfu_torch::alltoall(on_, in, out, in_splits, out_splits,
                                   next("all_to_all_single"));
   }
 
@@ -216,7 +224,7 @@ class KungfuBackend : public c10d::Backend {
       total += t.numel();
     }
     at::Tensor out = at::empty({total}, inputs[0].options());
-    return kungfu_torch::alltoall(at::cat(flat), out, in_splits, out_splits,
+    return kungfu_torch::alltoall(on_, at::cat(flat), out, in_splits, out_splits,
                                   next("all_to_all"), outputs);
   }
 
@@ -229,7 +237,7 @@ class KungfuBackend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> barrier(
       const c10d::BarrierOptions& /*opts*/) override {
-    return kungfu_torch::barrier();
+    return kungfu_torch::barrier(on_);
   }
 
  private:
@@ -266,10 +274,13 @@ class KungfuBackend : public c10d::Backend {
   }
 
   int id_;
+  Ranks on_;
   uint64_t seq_ = 0;
 };
 
-std::atomic<int> backends{0};
+// Process groups of every rank made so far (they share KF_GROUP_WORLD,
+// and every rank makes them in one order).
+std::atomic<int> world_backends{0};
 
 // Starts the library's runtime now, with a barrier: torch creates a
 // group's backend on all of its ranks together. Otherwise it starts at the
@@ -300,19 +311,40 @@ void start_runtime() {
   }
 }
 
-c10::intrusive_ptr<c10d::Backend> create_backend(
-    const c10::intrusive_ptr<c10d::Store>& /*store*/, int64_t rank,
-    int64_t size, const std::chrono::duration<float>& /*timeout*/) {
+// The backend of a process group: `ranks` are its members' global ranks
+// in group order (empty: every rank), of which this process is `rank`.
+// A group of every rank in rank order runs in KF_GROUP_WORLD, after a
+// barrier that starts the runtime; any other in a library group that its
+// members make here (kf_group_create, a collective of the members alone:
+// torch creates a backend only on the group's members).
+c10::intrusive_ptr<c10d::Backend> create_backend(int64_t rank, int64_t size,
+                                                 std::vector<int64_t> ranks) {
   init();
-  TORCH_CHECK(rank == kf_rank() && size == kf_size(), prefix(),
-              "the kungfu backend spans the whole cluster of the library "
-              "(rank ", kf_rank(), " of ", kf_size(),
-              "), but torch asked for rank ", rank, " of ", size,
-              ": process groups over a subset of the ranks are not supported, "
-              "and RANK/WORLD_SIZE must agree with the launcher's");
-  start_runtime();
-  return c10::make_intrusive<KungfuBackend>(static_cast<int>(rank),
-                                            static_cast<int>(size), backends++);
+  bool world = ranks.empty() && size == kf_size();
+  if (static_cast<int64_t>(ranks.size()) == kf_size()) {
+    world = true;
+    for (int64_t i = 0; i < size; i++) world = world && ranks[i] == i;
+  }
+  if (world) {
+    TORCH_CHECK(rank == kf_rank() && size == kf_size(), prefix(),
+                "torch asked for rank ", rank, " of ", size, " of every rank, "
+                "but the library's cluster has this process as rank ", kf_rank(), " of ",
+                kf_size(), ": RANK/WORLD_SIZE must agree with the launcher's");
+    start_runtime();
+    return c10::make_intrusive<KungfuBackend>(static_cast<int>(rank), static_cast<int>(size),
+                                              world_backends++, ranks_of(KF_GROUP_WORLD));
+  }
+  TORCH_CHECK(static_cast<int64_t>(ranks.size()) == size && rank >= 0 && rank < size &&
+                  ranks[rank] == kf_rank(),
+              prefix(), "torch asked for rank ", rank, " of a group of ", size,
+              " over global ranks ", c10::Join(",", ranks), ", which does not place this "
+              "process (global rank ", kf_rank(), ") there");
+  std::vector<int> list(ranks.begin(), ranks.end());
+  kf_group_t g = KF_GROUP_WORLD;
+  kf_status s = kf_group_create(list.data(), static_cast<int>(list.size()), &g);
+  if (s != KF_OK) raise("making the group of ranks " + c10::Join(",", ranks), s);
+  return c10::make_intrusive<KungfuBackend>(static_cast<int>(rank), static_cast<int>(size), 0,
+                                            ranks_of(g));
 }
 
 kf_op op_from_int(int64_t op, const at::Tensor& t, const std::string& what) {
@@ -336,24 +368,62 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   auto nogil = py::call_guard<py::gil_scoped_release>();
   m.doc() = "KungFu-rs for torch: the \"kungfu\" c10d backend and named ops";
   m.def("create_backend", &kt::create_backend,
-        "The creator for torch.distributed.Backend.register_backend", nogil);
+        "The backend of a process group: (group rank, group size, global ranks)", nogil);
   m.def("init", &kt::init, nogil);
+  // Every named op runs in `group` (0: KF_GROUP_WORLD, every rank).
+  auto group = py::arg("group") = static_cast<uint64_t>(KF_GROUP_WORLD);
   // op: 0 SUM, 1 MIN, 2 MAX, 3 PRODUCT, 4 AVG (kungfu.h's numbers)
   m.def("allreduce",
-        [](Tensor in, Tensor out, int64_t op, const std::string& name) {
-          return kt::allreduce(in, out, kt::op_from_int(op, in, kt::quoted("allreduce", name)), name);
-        });
-  m.def("broadcast", &kt::broadcast);
-  m.def("allgather", [](Tensor in, Tensor out, const std::string& name) {
-    return kt::allgather(in, out, name);
-  });
-  m.def("allgather_v", &kt::allgather_v);
-  m.def("alltoall", &kt::alltoall);
+        [](Tensor in, Tensor out, int64_t op, const std::string& name, uint64_t g) {
+          return kt::allreduce(kt::ranks_of(g), in, out,
+                               kt::op_from_int(op, in, kt::quoted("allreduce", name)), name);
+        },
+        py::arg("input"), py::arg("output"), py::arg("op"), py::arg("name"), group);
+  m.def("broadcast",
+        [](Tensor in, Tensor out, int root, const std::string& name, uint64_t g) {
+          return kt::broadcast(kt::ranks_of(g), in, out, root, name);
+        },
+        py::arg("input"), py::arg("output"), py::arg("root"), py::arg("name"), group);
+  m.def("allgather",
+        [](Tensor in, Tensor out, const std::string& name, uint64_t g) {
+          return kt::allgather(kt::ranks_of(g), in, out, name);
+        },
+        py::arg("input"), py::arg("output"), py::arg("name"), group);
+  m.def("allgather_v",
+        [](Tensor in, const std::string& name, uint64_t g) {
+          return kt::allgather_v(kt::ranks_of(g), in, name);
+        },
+        py::arg("input"), py::arg("name"), group);
+  m.def("alltoall",
+        [](Tensor in, Tensor out, std::vector<int64_t> in_splits,
+           std::vector<int64_t> out_splits, const std::string& name, uint64_t g) {
+          return kt::alltoall(kt::ranks_of(g), in, out, in_splits, out_splits, name);
+        },
+        py::arg("input"), py::arg("output"), py::arg("in_splits"), py::arg("out_splits"),
+        py::arg("name"), group);
   m.def("reduce_scatter",
-        [](Tensor in, Tensor out, int64_t op, const std::string& name) {
-          return kt::reduce_scatter(in, out, kt::op_from_int(op, in, kt::quoted("reduce_scatter", name)), name);
-        });
-  m.def("barrier", &kt::barrier);
+        [](Tensor in, Tensor out, int64_t op, const std::string& name, uint64_t g) {
+          return kt::reduce_scatter(kt::ranks_of(g), in, out,
+                                    kt::op_from_int(op, in, kt::quoted("reduce_scatter", name)),
+                                    name);
+        },
+        py::arg("input"), py::arg("output"), py::arg("op"), py::arg("name"), group);
+  m.def("barrier", [](uint64_t g) { return kt::barrier(kt::ranks_of(g)); }, group);
+  // Library groups (Horovod's process sets): made by their members alone.
+  m.def("group_create",
+        [](std::vector<int> ranks) {
+          kf_group_t g = KF_GROUP_WORLD;
+          kf_status s = kf_group_create(ranks.data(), static_cast<int>(ranks.size()), &g);
+          if (s != KF_OK) kt::raise("kf_group_create", s);
+          return static_cast<uint64_t>(g);
+        },
+        nogil);
+  m.def("group_destroy", [](uint64_t g) {
+    kf_status s = kf_group_destroy(g);
+    if (s != KF_OK) kt::raise("kf_group_destroy", s);
+  });
+  m.def("group_rank", [](uint64_t g) { return kt::ranks_of(g).rank; });
+  m.def("group_size", [](uint64_t g) { return kt::ranks_of(g).size; });
   m.def("group_start", []() {
     kf_status s = kf_group_start();
     if (s != KF_OK) kt::raise("kf_group_start", s);

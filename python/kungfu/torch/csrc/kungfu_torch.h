@@ -78,6 +78,25 @@ inline void init() {
   if (s != KF_OK) raise("kf_init", s);
 }
 
+// The ranks an op runs on: every rank (KF_GROUP_WORLD), or a group that
+// kf_group_create made; roots, peers and blocks are counted in them.
+struct Ranks {
+  kf_group_t group = KF_GROUP_WORLD;
+  int rank = 0;  // this process's, in the group
+  int size = 1;
+};
+
+// The ranks of group `g` (KF_GROUP_WORLD: every rank), raising if the
+// library does not know it.
+inline Ranks ranks_of(kf_group_t g) {
+  Ranks r;
+  r.group = g;
+  kf_status s = kf_group_rank(g, &r.rank);
+  if (s == KF_OK) s = kf_group_size(g, &r.size);
+  if (s != KF_OK) raise("the ranks of a group", s);
+  return r;
+}
+
 inline kf_dtype dtype_of(const at::Tensor& t, const std::string& what) {
   switch (t.scalar_type()) {
     case at::kFloat: return KF_FLOAT32;
@@ -146,7 +165,7 @@ class KfWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     return future_;
   }
-  // c10d's wait(), except on the completion thread (see Completions::pump)
+  // Completes ops itself while it waits (see Completions::pump).
   bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override;
 
   // The Work first (wait() returns), then the Future (its callbacks run).
@@ -190,12 +209,14 @@ class Completions {
     return *c;
   }
 
+  // A library thread's callback: the completion thread, or a thread
+  // waiting for a Work in pump(), takes it.
   void push(kf_handle h, kf_status s, Op* op) {
     {
       std::lock_guard<std::mutex> g(mu_);
       q_.push_back({h, s, op});
     }
-    cv_.notify_one();
+    cv_.notify_all();
   }
 
  private:
@@ -210,7 +231,6 @@ class Completions {
   }
 
   void run() {
-    on_thread_ = true;
     for (;;) {
       Item it;
       {
@@ -220,42 +240,43 @@ class Completions {
         q_.pop_front();
       }
       process(it);
+      cv_.notify_all();  // a waiter whose op this completed
     }
   }
 
  public:
-  // Whether the caller is the completion thread: a Future's callback
-  // (torch runs them where the Future completes, here).
-  static bool on_thread() { return on_thread_; }
-
-  // Runs completions here until `done()` or `deadline`; false if the
-  // deadline came first. For a Work's wait() on the completion thread (a
-  // callback that runs a blocking collective, which gloo allows): blocking
-  // there would wait for this very thread, forever. Every Work completes on
-  // this thread, so `done()` changes only by what this loop runs.
+  // Runs completions on the calling thread until `done()` or `deadline`;
+  // false if the deadline came first. A Work's wait() does this: the
+  // library's callback then wakes the waiter itself, which completes the
+  // op (one thread hand-off, not two: the library thread to the
+  // completion thread, then to the waiter), and a wait() on the
+  // completion thread (a Future's callback that runs a blocking
+  // collective, which gloo allows) cannot wait for that very thread. Any
+  // number of threads pump at once; each completion is taken by one, and
+  // every thread waiting here is woken when an op completes elsewhere.
   bool pump(const std::function<bool()>& done,
             std::chrono::steady_clock::time_point deadline) {
-    while (!done()) {
+    for (;;) {
       Item it;
       {
         std::unique_lock<std::mutex> g(mu_);
-        auto ready = [this] { return !q_.empty(); };
+        auto ready = [&] { return !q_.empty() || done(); };
         if (deadline == std::chrono::steady_clock::time_point::max()) {
           cv_.wait(g, ready);
         } else if (!cv_.wait_until(g, deadline, ready)) {
           return done();
         }
+        if (q_.empty()) return true;  // done() holds
         it = q_.front();
         q_.pop_front();
       }
       process(it);
+      cv_.notify_all();  // a waiter whose op this completed
+      if (done()) return true;
     }
-    return true;
   }
 
  private:
-  static inline thread_local bool on_thread_ = false;
-
   void process(const Item& it) {
     std::string detail;
     if (it.s != KF_OK) {
@@ -342,7 +363,7 @@ class Completions {
 
 
 inline bool KfWork::wait(std::chrono::milliseconds timeout) {
-  if (Completions::on_thread() && !isCompleted()) {
+  if (!isCompleted()) {
     auto deadline = timeout == ::kNoTimeout
                         ? std::chrono::steady_clock::time_point::max()
                         : std::chrono::steady_clock::now() + timeout;
@@ -404,49 +425,50 @@ inline std::string quoted(const char* kind, const std::string& name) {
 
 
 // ---- the ops (ops.cpp), by name: shared by the backend and the Python API ----
+// Each runs on the ranks `on`.
 
-c10::intrusive_ptr<c10d::Work> allreduce(const at::Tensor& in, const at::Tensor& out, kf_op kop,
+c10::intrusive_ptr<c10d::Work> allreduce(const Ranks& on, const at::Tensor& in, const at::Tensor& out, kf_op kop,
                                          const std::string& name);
-c10::intrusive_ptr<c10d::Work> broadcast(const at::Tensor& in, const at::Tensor& out, int root,
+c10::intrusive_ptr<c10d::Work> broadcast(const Ranks& on, const at::Tensor& in, const at::Tensor& out, int root,
                                          const std::string& name);
-c10::intrusive_ptr<c10d::Work> reduce(const at::Tensor& t, kf_op kop, int root,
+c10::intrusive_ptr<c10d::Work> reduce(const Ranks& on, const at::Tensor& t, kf_op kop, int root,
                                       const std::string& name);
 // `out` holds size * numel(in) elements, rank by rank; `parts` (a list
 // form) get them block by block.
-c10::intrusive_ptr<c10d::Work> allgather(const at::Tensor& in, const at::Tensor& out,
+c10::intrusive_ptr<c10d::Work> allgather(const Ranks& on, const at::Tensor& in, const at::Tensor& out,
                                          const std::string& name,
                                          std::vector<at::Tensor> parts = {});
-c10::intrusive_ptr<c10d::Work> gather(const at::Tensor& in, const at::Tensor& out, int root,
+c10::intrusive_ptr<c10d::Work> gather(const Ranks& on, const at::Tensor& in, const at::Tensor& out, int root,
                                       const std::string& name,
                                       std::vector<at::Tensor> parts = {});
 // c10d's coalesced ops: one Work for the pairs (ins[i], outs[i]), each an
 // op of `kind` named NAME/i, issued one after another (allreduce in place
 // if ins are outs).
 enum class Coalesced { Allreduce, Allgather, ReduceScatter };
-c10::intrusive_ptr<c10d::Work> coalesced(Coalesced kind, const std::vector<at::Tensor>& ins,
+c10::intrusive_ptr<c10d::Work> coalesced(const Ranks& on, Coalesced kind, const std::vector<at::Tensor>& ins,
                                          const std::vector<at::Tensor>& outs, kf_op kop,
                                          const std::string& name);
 // Sends `t`'s bytes to rank `dst` under `tag` (kf_send: a rendezvous with
 // the matching recv).
-c10::intrusive_ptr<c10d::Work> send(const at::Tensor& t, int dst, uint64_t tag,
+c10::intrusive_ptr<c10d::Work> send(const Ranks& on, const at::Tensor& t, int dst, uint64_t tag,
                                     const std::string& what);
 // Receives into `t` from rank `src`, or from any rank if `src` is -1; the
 // Work's sourceRank() names the sender.
-c10::intrusive_ptr<c10d::Work> recv(const at::Tensor& t, int src, uint64_t tag,
+c10::intrusive_ptr<c10d::Work> recv(const Ranks& on, const at::Tensor& t, int src, uint64_t tag,
                                     const std::string& what);
 // `in` (root only) holds size * numel(out) elements; rank r gets block r.
-c10::intrusive_ptr<c10d::Work> scatter(const at::Tensor& in, const at::Tensor& out, int root,
+c10::intrusive_ptr<c10d::Work> scatter(const Ranks& on, const at::Tensor& in, const at::Tensor& out, int root,
                                        const std::string& name);
-c10::intrusive_ptr<c10d::Work> reduce_scatter(const at::Tensor& in, const at::Tensor& out,
+c10::intrusive_ptr<c10d::Work> reduce_scatter(const Ranks& on, const at::Tensor& in, const at::Tensor& out,
                                               kf_op kop, const std::string& name);
 // `parts` (the list form): the Work's result, filled from `out` (1-D) in
 // order, each with its own number of elements.
-c10::intrusive_ptr<c10d::Work> alltoall(const at::Tensor& in, const at::Tensor& out,
+c10::intrusive_ptr<c10d::Work> alltoall(const Ranks& on, const at::Tensor& in, const at::Tensor& out,
                                         std::vector<int64_t> in_splits,
                                         std::vector<int64_t> out_splits,
                                         const std::string& name,
                                         std::vector<at::Tensor> parts = {});
-c10::intrusive_ptr<c10d::Work> allgather_v(const at::Tensor& in, const std::string& name);
-c10::intrusive_ptr<c10d::Work> barrier();
+c10::intrusive_ptr<c10d::Work> allgather_v(const Ranks& on, const at::Tensor& in, const std::string& name);
+c10::intrusive_ptr<c10d::Work> barrier(const Ranks& on);
 
 }  // namespace kungfu_torch

@@ -3,13 +3,15 @@
 // and nothing else of the library.
 //
 // An op is a short list of steps, each one kf_* call. Its callback runs on
-// a library thread and only queues the completed handle; one completion
-// thread per process takes the op's error text (kf_wait, kf_last_error),
-// releases the handle, issues the next step or runs the op's finishing
-// copies, and then completes the Work and its Future. So callbacks of the
-// Future (DDP's comm hooks) never run on a library thread, and a step that
-// needs the result of the one before (the padding of an uneven alltoall)
-// is issued from there.
+// a library thread and only queues the completed handle; a thread of the
+// caller's waiting for a Work (Work.wait()) takes it, or else one
+// completion thread per process: that thread takes the op's error text
+// (kf_wait, kf_last_error), releases the handle, issues the next step or
+// runs the op's finishing copies, and then completes the Work and its
+// Future. So callbacks of the Future (DDP's comm hooks) never run on a
+// library thread, a step that needs the result of the one before (the
+// padding of an uneven alltoall) is issued from there, and a waiter is
+// woken by the library's thread itself (Completions::pump).
 
 #include "kungfu_torch.h"
 
@@ -19,7 +21,7 @@ extern "C" void on_done(kf_handle h, kf_status s, void* user) {
   Completions::get().push(h, s, static_cast<Op*>(user));
 }
 
-c10::intrusive_ptr<c10d::Work> allreduce(const at::Tensor& in,
+c10::intrusive_ptr<c10d::Work> allreduce(const Ranks& on, const at::Tensor& in,
                                          const at::Tensor& out, kf_op kop,
                                          const std::string& name) {
   auto what = quoted("allreduce", name);
@@ -28,18 +30,18 @@ c10::intrusive_ptr<c10d::Work> allreduce(const at::Tensor& in,
   TORCH_CHECK(in.numel() == out.numel() && in.scalar_type() == out.scalar_type(),
               prefix(), what, ": output and input differ in size or type");
   kf_dtype dt = dtype_of(in, what);
-  Op* op = new_op(kf_rank(), c10d::OpType::ALLREDUCE, "kungfu:all_reduce", what, {out});
+  Op* op = new_op(on.rank, c10d::OpType::ALLREDUCE, "kungfu:all_reduce", what, {out});
   at::Tensor src = input_of(in);
   at::Tensor dst = output_of(op, out);
   op->keep = {src, dst};
   op->steps.push_back([=](Op* o, kf_handle* h) {
-    return kf_allreduce(ptr(src), ptr(dst), src.numel(), dt, kop, name.c_str(),
+    return kf_group_allreduce(on.group, ptr(src), ptr(dst), src.numel(), dt, kop, name.c_str(),
                         on_done, o, h);
   });
   return start(op);
 }
 
-c10::intrusive_ptr<c10d::Work> broadcast(const at::Tensor& in,
+c10::intrusive_ptr<c10d::Work> broadcast(const Ranks& on, const at::Tensor& in,
                                          const at::Tensor& out, int root,
                                          const std::string& name) {
   auto what = quoted("broadcast", name);
@@ -48,29 +50,29 @@ c10::intrusive_ptr<c10d::Work> broadcast(const at::Tensor& in,
   TORCH_CHECK(in.numel() == out.numel() && in.scalar_type() == out.scalar_type(),
               prefix(), what, ": output and input differ in size or type");
   kf_dtype dt = dtype_of(in, what);
-  Op* op = new_op(kf_rank(), c10d::OpType::BROADCAST, "kungfu:broadcast", what, {out});
+  Op* op = new_op(on.rank, c10d::OpType::BROADCAST, "kungfu:broadcast", what, {out});
   at::Tensor src = input_of(in);
   at::Tensor dst = output_of(op, out);
   op->keep = {src, dst};
   op->steps.push_back([=](Op* o, kf_handle* h) {
-    return kf_broadcast(ptr(src), ptr(dst), src.numel(), dt, root, name.c_str(),
+    return kf_group_broadcast(on.group, ptr(src), ptr(dst), src.numel(), dt, root, name.c_str(),
                         on_done, o, h);
   });
   return start(op);
 }
 
-c10::intrusive_ptr<c10d::Work> reduce(const at::Tensor& t, kf_op kop, int root,
+c10::intrusive_ptr<c10d::Work> reduce(const Ranks& on, const at::Tensor& t, kf_op kop, int root,
                                       const std::string& name) {
   auto what = quoted("reduce", name);
   check_tensor(t, what);
   kf_dtype dt = dtype_of(t, what);
-  Op* op = new_op(kf_rank(), c10d::OpType::REDUCE, "kungfu:reduce", what, {t});
+  Op* op = new_op(on.rank, c10d::OpType::REDUCE, "kungfu:reduce", what, {t});
   at::Tensor src = input_of(t);
-  at::Tensor dst = kf_rank() == root ? output_of(op, t) : at::Tensor();
+  at::Tensor dst = on.rank == root ? output_of(op, t) : at::Tensor();
   op->keep = {src};
   if (dst.defined()) op->keep.push_back(dst);
   op->steps.push_back([=](Op* o, kf_handle* h) {
-    return kf_reduce(ptr(src), dst.defined() ? ptr(dst) : nullptr, src.numel(),
+    return kf_group_reduce(on.group, ptr(src), dst.defined() ? ptr(dst) : nullptr, src.numel(),
                      dt, kop, root, name.c_str(), on_done, o, h);
   });
   return start(op);
@@ -95,25 +97,25 @@ void scatter_into(Op* op, const at::Tensor& flat, std::vector<at::Tensor> parts)
 }
 
 // `out` holds size * numel(in) elements, rank by rank.
-c10::intrusive_ptr<c10d::Work> allgather(const at::Tensor& in,
+c10::intrusive_ptr<c10d::Work> allgather(const Ranks& on, const at::Tensor& in,
                                          const at::Tensor& out,
                                          const std::string& name,
                                          std::vector<at::Tensor> parts) {
   auto what = quoted("allgather", name);
   check_tensor(in, what);
   check_tensor(out, what);
-  TORCH_CHECK(out.numel() == in.numel() * kf_size() &&
+  TORCH_CHECK(out.numel() == in.numel() * on.size &&
                   in.scalar_type() == out.scalar_type(),
-              prefix(), what, ": the output must hold ", kf_size(),
+              prefix(), what, ": the output must hold ", on.size,
               " times the input's ", in.numel(), " elements of ", in.scalar_type(),
               ", not ", out.numel(), " of ", out.scalar_type());
   kf_dtype dt = dtype_of(in, what);
-  Op* op = new_op(kf_rank(), c10d::OpType::_ALLGATHER_BASE, "kungfu:all_gather", what, {out});
+  Op* op = new_op(on.rank, c10d::OpType::_ALLGATHER_BASE, "kungfu:all_gather", what, {out});
   at::Tensor src = input_of(in);
   at::Tensor dst = output_of(op, out);
   op->keep = {src, dst};
   op->steps.push_back([=](Op* o, kf_handle* h) {
-    return kf_allgather(ptr(src), ptr(dst), src.numel(), dt, name.c_str(),
+    return kf_group_allgather(on.group, ptr(src), ptr(dst), src.numel(), dt, name.c_str(),
                         on_done, o, h);
   });
   scatter_into(op, dst, parts);
@@ -121,57 +123,57 @@ c10::intrusive_ptr<c10d::Work> allgather(const at::Tensor& in,
 }
 
 // `out` (root only) holds size * numel(in) elements, rank by rank.
-c10::intrusive_ptr<c10d::Work> gather(const at::Tensor& in,
+c10::intrusive_ptr<c10d::Work> gather(const Ranks& on, const at::Tensor& in,
                                       const at::Tensor& out, int root,
                                       const std::string& name,
                                       std::vector<at::Tensor> parts) {
   auto what = quoted("gather", name);
   check_tensor(in, what);
   kf_dtype dt = dtype_of(in, what);
-  bool here = kf_rank() == root;
+  bool here = on.rank == root;
   if (here) {
     check_tensor(out, what);
-    TORCH_CHECK(out.numel() == in.numel() * kf_size() &&
+    TORCH_CHECK(out.numel() == in.numel() * on.size &&
                     in.scalar_type() == out.scalar_type(),
-                prefix(), what, ": the output must hold ", kf_size(),
+                prefix(), what, ": the output must hold ", on.size,
                 " times the input's elements, of its type");
   }
-  Op* op = new_op(kf_rank(), c10d::OpType::GATHER, "kungfu:gather", what,
+  Op* op = new_op(on.rank, c10d::OpType::GATHER, "kungfu:gather", what,
                   here ? std::vector<at::Tensor>{out} : std::vector<at::Tensor>{});
   at::Tensor src = input_of(in);
   at::Tensor dst = here ? output_of(op, out) : at::Tensor();
   op->keep = {src};
   if (here) op->keep.push_back(dst);
   op->steps.push_back([=](Op* o, kf_handle* h) {
-    return kf_gather(ptr(src), here ? ptr(dst) : nullptr, src.numel(), dt, root,
+    return kf_group_gather(on.group, ptr(src), here ? ptr(dst) : nullptr, src.numel(), dt, root,
                      name.c_str(), on_done, o, h);
   });
   if (here) scatter_into(op, dst, parts);
   return start(op);
 }
 
-c10::intrusive_ptr<c10d::Work> send(const at::Tensor& t, int dst, uint64_t tag,
+c10::intrusive_ptr<c10d::Work> send(const Ranks& on, const at::Tensor& t, int dst, uint64_t tag,
                                     const std::string& what) {
   check_tensor(t, what);
-  Op* op = new_op(kf_rank(), c10d::OpType::SEND, "kungfu:send", what, {});
+  Op* op = new_op(on.rank, c10d::OpType::SEND, "kungfu:send", what, {});
   at::Tensor src = input_of(t);
   op->keep = {src};
   op->steps.push_back([=](Op* o, kf_handle* h) {
-    return kf_send(dst, tag, ptr(src), src.nbytes(), on_done, o, h);
+    return kf_group_send(on.group, dst, tag, ptr(src), src.nbytes(), on_done, o, h);
   });
   return start(op);
 }
 
-c10::intrusive_ptr<c10d::Work> recv(const at::Tensor& t, int src, uint64_t tag,
+c10::intrusive_ptr<c10d::Work> recv(const Ranks& on, const at::Tensor& t, int src, uint64_t tag,
                                     const std::string& what) {
   check_tensor(t, what);
-  Op* op = new_op(kf_rank(), src < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV,
+  Op* op = new_op(on.rank, src < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV,
                   "kungfu:recv", what, {t});
   at::Tensor dst = output_of(op, t);
   op->keep = {dst};
   int* source = &op->work->source_;
   op->steps.push_back([=](Op* o, kf_handle* h) {
-    return kf_recv(src < 0 ? KF_ANY_SOURCE : src, tag, ptr(dst), dst.nbytes(), source,
+    return kf_group_recv(on.group, src < 0 ? KF_ANY_SOURCE : src, tag, ptr(dst), dst.nbytes(), source,
                    on_done, o, h);
   });
   return start(op);
@@ -179,27 +181,27 @@ c10::intrusive_ptr<c10d::Work> recv(const at::Tensor& t, int src, uint64_t tag,
 
 // `in` (root only) holds size * numel(out) elements, rank by rank; rank r
 // gets block r.
-c10::intrusive_ptr<c10d::Work> scatter(const at::Tensor& in,
+c10::intrusive_ptr<c10d::Work> scatter(const Ranks& on, const at::Tensor& in,
                                        const at::Tensor& out, int root,
                                        const std::string& name) {
   auto what = quoted("scatter", name);
   check_tensor(out, what);
   kf_dtype dt = dtype_of(out, what);
-  bool here = kf_rank() == root;
+  bool here = on.rank == root;
   if (here) {
     check_tensor(in, what);
-    TORCH_CHECK(in.numel() == out.numel() * kf_size() &&
+    TORCH_CHECK(in.numel() == out.numel() * on.size &&
                     in.scalar_type() == out.scalar_type(),
-                prefix(), what, ": the input must hold ", kf_size(),
+                prefix(), what, ": the input must hold ", on.size,
                 " times the output's elements, of its type");
   }
-  Op* op = new_op(kf_rank(), c10d::OpType::SCATTER, "kungfu:scatter", what, {out});
+  Op* op = new_op(on.rank, c10d::OpType::SCATTER, "kungfu:scatter", what, {out});
   at::Tensor src = here ? input_of(in) : at::Tensor();
   at::Tensor dst = output_of(op, out);
   op->keep = {dst};
   if (here) op->keep.push_back(src);
   op->steps.push_back([=](Op* o, kf_handle* h) {
-    return kf_scatter(here ? ptr(src) : nullptr, ptr(dst), dst.numel(), dt, root,
+    return kf_group_scatter(on.group, here ? ptr(src) : nullptr, ptr(dst), dst.numel(), dt, root,
                       name.c_str(), on_done, o, h);
   });
   return start(op);
@@ -207,30 +209,30 @@ c10::intrusive_ptr<c10d::Work> scatter(const at::Tensor& in,
 
 // `in` holds size * numel(out) elements; rank r gets the reduction of
 // block r.
-c10::intrusive_ptr<c10d::Work> reduce_scatter(const at::Tensor& in,
+c10::intrusive_ptr<c10d::Work> reduce_scatter(const Ranks& on, const at::Tensor& in,
                                               const at::Tensor& out, kf_op kop,
                                               const std::string& name) {
   auto what = quoted("reduce_scatter", name);
   check_tensor(in, what);
   check_tensor(out, what);
-  TORCH_CHECK(in.numel() == out.numel() * kf_size() &&
+  TORCH_CHECK(in.numel() == out.numel() * on.size &&
                   in.scalar_type() == out.scalar_type(),
-              prefix(), what, ": the input must hold ", kf_size(),
+              prefix(), what, ": the input must hold ", on.size,
               " times the output's ", out.numel(), " elements of its type, not ",
               in.numel());
   kf_dtype dt = dtype_of(in, what);
-  Op* op = new_op(kf_rank(), c10d::OpType::_REDUCE_SCATTER_BASE, "kungfu:reduce_scatter", what, {out});
+  Op* op = new_op(on.rank, c10d::OpType::_REDUCE_SCATTER_BASE, "kungfu:reduce_scatter", what, {out});
   at::Tensor src = input_of(in);
   at::Tensor dst = output_of(op, out);
   op->keep = {src, dst};
   op->steps.push_back([=](Op* o, kf_handle* h) {
-    return kf_reduce_scatter(ptr(src), ptr(dst), dst.numel(), dt, kop,
+    return kf_group_reduce_scatter(on.group, ptr(src), ptr(dst), dst.numel(), dt, kop,
                              name.c_str(), on_done, o, h);
   });
   return start(op);
 }
 
-c10::intrusive_ptr<c10d::Work> coalesced(Coalesced kind, const std::vector<at::Tensor>& ins,
+c10::intrusive_ptr<c10d::Work> coalesced(const Ranks& on, Coalesced kind, const std::vector<at::Tensor>& ins,
                                          const std::vector<at::Tensor>& outs, kf_op kop,
                                          const std::string& name) {
   const char* k = kind == Coalesced::Allreduce   ? "allreduce_coalesced"
@@ -239,7 +241,7 @@ c10::intrusive_ptr<c10d::Work> coalesced(Coalesced kind, const std::vector<at::T
   auto what = quoted(k, name);
   TORCH_CHECK(ins.size() == outs.size(), prefix(), what, ": ", ins.size(), " inputs and ",
               outs.size(), " outputs");
-  const int64_t n = kf_size();
+  const int64_t n = on.size;
   std::vector<kf_dtype> dts;
   for (size_t i = 0; i < ins.size(); i++) {
     check_tensor(ins[i], what);
@@ -257,11 +259,11 @@ c10::intrusive_ptr<c10d::Work> coalesced(Coalesced kind, const std::vector<at::T
                             : kind == Coalesced::Allgather ? c10d::OpType::ALLGATHER_INTO_TENSOR_COALESCED
                                                            : c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED;
   if (ins.empty()) {
-    auto w = c10::make_intrusive<KfWork>(kf_rank(), type, "kungfu:coalesced", outs);
+    auto w = c10::make_intrusive<KfWork>(on.rank, type, "kungfu:coalesced", outs);
     w->complete(nullptr);
     return w;
   }
-  Op* op = new_op(kf_rank(), type, "kungfu:coalesced", what, outs);
+  Op* op = new_op(on.rank, type, "kungfu:coalesced", what, outs);
   for (size_t i = 0; i < ins.size(); i++) {
     at::Tensor src = input_of(ins[i]);
     at::Tensor dst = output_of(op, outs[i]);
@@ -272,12 +274,12 @@ c10::intrusive_ptr<c10d::Work> coalesced(Coalesced kind, const std::vector<at::T
     op->steps.push_back([=](Op* o, kf_handle* h) {
       switch (kind) {
         case Coalesced::Allreduce:
-          return kf_allreduce(ptr(src), ptr(dst), src.numel(), dt, kop, each.c_str(), on_done,
+          return kf_group_allreduce(on.group, ptr(src), ptr(dst), src.numel(), dt, kop, each.c_str(), on_done,
                               o, h);
         case Coalesced::Allgather:
-          return kf_allgather(ptr(src), ptr(dst), src.numel(), dt, each.c_str(), on_done, o, h);
+          return kf_group_allgather(on.group, ptr(src), ptr(dst), src.numel(), dt, each.c_str(), on_done, o, h);
         default:
-          return kf_reduce_scatter(ptr(src), ptr(dst), dst.numel(), dt, kop, each.c_str(),
+          return kf_group_reduce_scatter(on.group, ptr(src), ptr(dst), dst.numel(), dt, kop, each.c_str(),
                                    on_done, o, h);
       }
     });
@@ -320,7 +322,7 @@ int64_t row_len(const at::Tensor& t) {
 // (out_splits[r] rows) comes from rank r. Uneven splits go as equal
 // blocks of the largest split anywhere (an allgather of every rank's splits
 // finds it first, and checks that the ranks agree on them).
-c10::intrusive_ptr<c10d::Work> alltoall(const at::Tensor& in,
+c10::intrusive_ptr<c10d::Work> alltoall(const Ranks& on, const at::Tensor& in,
                                         const at::Tensor& out,
                                         std::vector<int64_t> in_splits,
                                         std::vector<int64_t> out_splits,
@@ -332,20 +334,20 @@ c10::intrusive_ptr<c10d::Work> alltoall(const at::Tensor& in,
   TORCH_CHECK(in.scalar_type() == out.scalar_type(), prefix(), what,
               ": output and input differ in type");
   kf_dtype dt = dtype_of(in, what);
-  int n = kf_size();
+  int n = on.size;
   bool even = in_splits.empty() && out_splits.empty();
   // before the op exists, which a raise here would leak
   TORCH_CHECK(!even || (in.numel() == out.numel() && in.numel() % n == 0), prefix(), what,
               ": input and output must hold the same number of elements, a "
               "multiple of the cluster size ", n);
-  Op* op = new_op(kf_rank(), parts.empty() ? c10d::OpType::ALLTOALL_BASE : c10d::OpType::ALLTOALL,
+  Op* op = new_op(on.rank, parts.empty() ? c10d::OpType::ALLTOALL_BASE : c10d::OpType::ALLTOALL,
                   "kungfu:all_to_all", what, {out});
   at::Tensor src = input_of(in);
   at::Tensor dst = output_of(op, out);
   if (even) {
     op->keep = {src, dst};
     op->steps.push_back([=](Op* o, kf_handle* h) {
-      return kf_alltoall(ptr(src), ptr(dst), src.numel() / n, dt, name.c_str(),
+      return kf_group_alltoall(on.group, ptr(src), ptr(dst), src.numel() / n, dt, name.c_str(),
                          on_done, o, h);
     });
     scatter_into(op, dst, parts);
@@ -380,7 +382,7 @@ c10::intrusive_ptr<c10d::Work> alltoall(const at::Tensor& in,
   op->keep = {src, dst, mine, every};
   std::string name_splits = name + "/splits";
   op->steps.push_back([=](Op* o, kf_handle* h) {
-    return kf_allgather(ptr(mine), ptr(every), 2 * n, KF_INT64,
+    return kf_group_allgather(on.group, ptr(mine), ptr(every), 2 * n, KF_INT64,
                         name_splits.c_str(), on_done, o, h);
   });
   op->steps.push_back([=](Op* o, kf_handle* h) {
@@ -413,7 +415,7 @@ c10::intrusive_ptr<c10d::Work> alltoall(const at::Tensor& in,
     }
     pad->first = send;
     pad->second = recv;
-    return kf_alltoall(ptr(send), ptr(recv), block, dt, name.c_str(), on_done, o, h);
+    return kf_group_alltoall(on.group, ptr(send), ptr(recv), block, dt, name.c_str(), on_done, o, h);
   });
   auto prev = op->finish;  // the copy into a non-contiguous `out`
   op->finish = [=]() {
@@ -436,7 +438,7 @@ c10::intrusive_ptr<c10d::Work> alltoall(const at::Tensor& in,
 // Every rank's `in` along the first dimension, which may differ by rank
 // (the others may not): the result is the Work's result()[0]. The shapes
 // are gathered first, so a mismatch fails on every rank.
-c10::intrusive_ptr<c10d::Work> allgather_v(const at::Tensor& in,
+c10::intrusive_ptr<c10d::Work> allgather_v(const Ranks& on, const at::Tensor& in,
                                            const std::string& name) {
   constexpr int kMaxDims = 16;
   auto what = quoted("allgather", name);
@@ -444,8 +446,8 @@ c10::intrusive_ptr<c10d::Work> allgather_v(const at::Tensor& in,
   TORCH_CHECK(in.dim() <= kMaxDims - 1, prefix(), what, ": at most ",
               kMaxDims - 1, " dimensions");
   kf_dtype dt = dtype_of(in, what);
-  int n = kf_size();
-  Op* op = new_op(kf_rank(), c10d::OpType::ALLGATHER, "kungfu:allgather", what, {});
+  int n = on.size;
+  Op* op = new_op(on.rank, c10d::OpType::ALLGATHER, "kungfu:allgather", what, {});
   at::Tensor src = input_of(in);
   at::Tensor shape = at::full({kMaxDims}, -1, at::kLong);
   shape[0] = src.dim();
@@ -455,7 +457,7 @@ c10::intrusive_ptr<c10d::Work> allgather_v(const at::Tensor& in,
   op->keep = {src, shape, shapes};
   std::string name_shape = name + "/shape";
   op->steps.push_back([=](Op* o, kf_handle* h) {
-    return kf_allgather(ptr(shape), ptr(shapes), kMaxDims, KF_INT64,
+    return kf_group_allgather(on.group, ptr(shape), ptr(shapes), kMaxDims, KF_INT64,
                         name_shape.c_str(), on_done, o, h);
   });
   op->steps.push_back([=](Op* o, kf_handle* h) {
@@ -479,7 +481,7 @@ c10::intrusive_ptr<c10d::Work> allgather_v(const at::Tensor& in,
     at::Tensor recv = at::empty({block * n}, src.options());
     bufs->first = send;
     bufs->second = recv;
-    return kf_allgather(ptr(send), ptr(recv), block, dt, name.c_str(), on_done, o, h);
+    return kf_group_allgather(on.group, ptr(send), ptr(recv), block, dt, name.c_str(), on_done, o, h);
   });
   KfWork* work = op->work.get();
   op->finish = [=]() {
@@ -504,10 +506,10 @@ c10::intrusive_ptr<c10d::Work> allgather_v(const at::Tensor& in,
   return start(op);
 }
 
-c10::intrusive_ptr<c10d::Work> barrier() {
-  Op* op = new_op(kf_rank(), c10d::OpType::BARRIER, "kungfu:barrier", "barrier", {});
+c10::intrusive_ptr<c10d::Work> barrier(const Ranks& on) {
+  Op* op = new_op(on.rank, c10d::OpType::BARRIER, "kungfu:barrier", "barrier", {});
   op->steps.push_back(
-      [](Op* o, kf_handle* h) { return kf_barrier(on_done, o, h); });
+      [on](Op* o, kf_handle* h) { return kf_group_barrier(on.group, on_done, o, h); });
   return start(op);
 }
 
