@@ -3,8 +3,8 @@
 
     PY=~/.cache/kungfu-torch-venv/bin/python
     PYTHONPATH=python $PY benches/peers/torch_compare.py [--np 2 4] [--min 4] [--max 64M]
-        [--rounds 5] [--budget 0.15] [--ddp-steps 20] [--bind-to auto|none|core]
-        [--json FILE]
+        [--rounds 5] [--budget 0.15] [--ddp-steps 20] [--bind-to auto|none|core ...]
+        [--no-sweep] [--json FILE]
 
 For each process count it launches itself under `kungfu-run -np N`
 ($KUNGFU_RUN, default target/release/kungfu-run; build it with
@@ -24,7 +24,16 @@ group over the same ranks, and times:
 - one DDP training step (forward, backward with DDP's bucketed
   all_reduces, SGD step) of the test model (python/tests/workers/model.py,
   batch 16, default buckets), the same way, in blocks of --ddp-steps steps;
-  and the same step without DDP (no communication), for scale.
+  and the same step without DDP (no communication), for scale;
+- steps of model.TinyTransformer with DEEP_LAYERS layers (207 parameter
+  tensors, batch 8), in blocks of --ddp-steps steps, the same way: DDP
+  over gloo and over kungfu; kungfu.torch's DistributedOptimizer (the
+  Horovod API, its gradients fused into KUNGFU_FUSION_BYTES buckets) on
+  the library's world; FSDP2 (`fully_shard` of each layer and the root,
+  over a DeviceMesh of each backend's group); and the step alone.
+
+--no-sweep skips the all_reduce sizes. With several --bind-to values the
+whole run is made once per value, alternating within each.
 
 torch runs one thread per process (torch.set_num_threads(1)) under both
 backends. Rank 0's results go to FILE; the driver prints a markdown table
@@ -109,7 +118,7 @@ def worker(args):
         return slowest((time.perf_counter() - t0) / iters)
 
     result = {"np": n, "allreduce": [], "ddp": {}}
-    for size in sizes(args.min, args.max):
+    for size in ([] if args.no_sweep else sizes(args.min, args.max)):
         x = torch.zeros(max(1, size // 4), dtype=torch.float32)
         ops = {b: (lambda g=g: dist.all_reduce(x, group=g)) for b, g in groups.items()}
         # warm-up (plans are built once per shape), then the loop length
@@ -154,14 +163,75 @@ def worker(args):
     if rank == 0:
         print("ddp step: " + ", ".join(f"{b} {v:.1f} us" for b, v in result["ddp"]["us"].items()),
               flush=True)
+    result["deep"] = deep_steps(args, groups, kg, timed_loop)
+    if rank == 0:
+        print("deep step: " + ", ".join(f"{b} {v:.1f} us"
+                                        for b, v in result["deep"]["us"].items()), flush=True)
         Path(args.worker).write_text(json.dumps(result, indent=1))
     dist.barrier()
     dist.destroy_process_group()
 
 
+def deep_steps(args, groups, kg, timed_loop) -> dict:
+    """The steps of the 207-tensor transformer (see the module's doc):
+    {"us": {way: median us per step}, "rounds": ..., "tensors": n}."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import kungfu.torch as hvd
+    from model import DEEP_LAYERS, make_transformer, token_batches, token_loss
+
+    hvd.init()
+    rank, steps = dist.get_rank(), args.ddp_steps
+    data = token_batches(rank, steps)
+    models, forwards, opts = {}, {}, {}
+
+    def sgd(m):
+        return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+    for b, g in groups.items():
+        m = models[f"ddp {b}"] = make_transformer(DEEP_LAYERS)
+        forwards[f"ddp {b}"] = DDP(m, process_group=g)
+        opts[f"ddp {b}"] = sgd(m)
+    m = models["hvd kungfu"] = forwards["hvd kungfu"] = make_transformer(DEEP_LAYERS)
+    opts["hvd kungfu"] = hvd.DistributedOptimizer(sgd(m), named_parameters=m.named_parameters())
+    for b, g in groups.items():
+        mesh = DeviceMesh.from_group(g if g is not None else dist.group.WORLD, "cpu")
+        m = make_transformer(DEEP_LAYERS)
+        for layer in m.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        models[f"fsdp {b}"] = forwards[f"fsdp {b}"] = m
+        opts[f"fsdp {b}"] = sgd(m)
+    m = models["local"] = forwards["local"] = make_transformer(DEEP_LAYERS)
+    opts["local"] = sgd(m)
+
+    def train(w):
+        f, opt = forwards[w], opts[w]
+        for x, y in data:
+            opt.zero_grad()
+            token_loss(f, x, y).backward()
+            opt.step()
+
+    for w in forwards:  # warm-up
+        train(w)
+    blocks = {w: [] for w in forwards}
+    for r in range(args.rounds):
+        order = list(forwards) if r % 2 == 0 else list(forwards)[::-1]
+        for w in order:
+            blocks[w].append(timed_loop(lambda: train(w), 1) / steps * 1e6)
+    return {"steps_per_block": steps, "rounds": blocks,
+            "tensors": len(list(models["local"].parameters())),
+            "buckets": len(opts["hvd kungfu"]._buckets),
+            "us": {w: statistics.median(v) for w, v in blocks.items()}}
+
+
 # ---- the driver ----
 
-def launch(np: int, args, out: Path) -> dict:
+def launch(np: int, args, out: Path, bind: str) -> dict:
     launcher = Path(os.environ.get("KUNGFU_RUN") or ROOT / "target" / "release" / "kungfu-run")
     if not launcher.is_file():
         sys.exit(f"kungfu-run not found at {launcher}: cargo build --release -p kungfu-tools "
@@ -176,17 +246,28 @@ def launch(np: int, args, out: Path) -> dict:
     path += [str(Path(p).resolve()) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [str(launcher), "-np", str(np), "--timeout", "30m", "--bind-to", args.bind_to,
+    cmd = [str(launcher), "-np", str(np), "--timeout", "30m", "--bind-to", bind,
            "--", sys.executable,
            str(Path(__file__).resolve()), "--worker", str(out),
            "--min", str(args.min), "--max", str(args.max), "--rounds", str(args.rounds),
            "--budget", str(args.budget), "--ddp-steps", str(args.ddp_steps)]
+    if args.no_sweep:
+        cmd.append("--no-sweep")
     print(f"$ {' '.join(cmd)}", file=sys.stderr, flush=True)
     r = subprocess.run(cmd, env=env, stdout=sys.stderr, stderr=subprocess.STDOUT,
                        timeout=35 * 60, start_new_session=True)
     if r.returncode != 0:
         sys.exit(f"the np={np} job failed ({r.returncode})")
     return json.loads(out.read_text())
+
+
+DEEP_GOAL = 0.7      # kungfu / gloo, at most, per way of training
+FUSED_GOAL = 1.1     # the fused DistributedOptimizer / kungfu DDP, at most
+
+# the deep steps: (label, kungfu's way, gloo's way)
+DEEP_PAIRS = [("DDP step, 207 tensors", "ddp kungfu", "ddp gloo"),
+              ("DistributedOptimizer step (vs gloo DDP)", "hvd kungfu", "ddp gloo"),
+              ("FSDP step, 207 tensors", "fsdp kungfu", "fsdp gloo")]
 
 
 def table(res: dict) -> str:
@@ -201,24 +282,33 @@ def table(res: dict) -> str:
     flag = "" if d["kungfu"] / d["gloo"] <= DDP_GOAL else " !"
     lines.append(f"| DDP step | {d['gloo']:.1f} | {d['kungfu']:.1f} | {d['kungfu'] / d['gloo']:.2f}{flag} |")
     lines.append(f"| (step without DDP) | {d['local']:.1f} | {d['local']:.1f} | |")
+    e = res["deep"]["us"]
+    for label, k, g in DEEP_PAIRS:
+        flag = "" if e[k] / e[g] <= DEEP_GOAL else " !"
+        lines.append(f"| {label} | {e[g]:.1f} | {e[k]:.1f} | {e[k] / e[g]:.2f}{flag} |")
+    lines.append(f"| (207-tensor step alone) | {e['local']:.1f} | {e['local']:.1f} | |")
     return "\n".join(lines)
 
 
 def json_table(results: list, args) -> Table:
-    """The printed tables of all N side by side, without the step without
-    DDP, as the docs show them."""
-    t = Table("allreduce-ddp", f"all_reduce (f32, SUM, in place) and a DDP step, time in us, median of "
-              f"{args.rounds} rounds (kungfu-run --bind-to {args.bind_to}); ratio = kungfu/gloo",
-              ["size"] + [c for r in results for c in (f"{r['np']}p gloo", f"{r['np']}p kungfu", "ratio")],
+    """The printed tables of all runs side by side, without the steps
+    without communication, as the docs show them."""
+    cols = [f"{r['np']}p {r['bind_to']}" for r in results]
+    t = Table("allreduce-ddp", f"all_reduce (f32, SUM, in place) and training steps, time in us, "
+              f"median of {args.rounds} rounds; per run (processes, kungfu-run --bind-to): gloo, "
+              "kungfu and ratio = kungfu/gloo",
+              ["size"] + [c for col in cols for c in (f"{col} gloo", f"{col} kungfu", "ratio")],
               ["{}"] + ["{:.1f}", "{:.1f}", "{:.2f}"] * len(results))
 
-    def cells(us):
-        return [us["gloo"], us["kungfu"], us["kungfu"] / us["gloo"]]
+    def cells(us, k="kungfu", g="gloo"):
+        return [us[g], us[k], us[k] / us[g]]
 
-    # every N ran the same sizes
+    # every run ran the same sizes
     for i, row in enumerate(results[0]["allreduce"]):
         t.add(human(row["bytes"]), *[c for r in results for c in cells(r["allreduce"][i]["us"])])
-    t.add("DDP step", *[c for r in results for c in cells(r["ddp"]["us"])])
+    t.add("DDP step (SmallCNN)", *[c for r in results for c in cells(r["ddp"]["us"])])
+    for label, k, g in DEEP_PAIRS:
+        t.add(label, *[c for r in results for c in cells(r["deep"]["us"], k, g)])
     return t
 
 
@@ -226,11 +316,23 @@ def verdict(res: dict) -> str:
     missed = [f"{human(r['bytes'])} ({r['us']['kungfu'] / r['us']['gloo']:.2f}x gloo)"
               for r in res["allreduce"] if r["us"]["kungfu"] / r["us"]["gloo"] > ALLREDUCE_GOAL]
     d = res["ddp"]["us"]
-    out = [f"np={res['np']}: all_reduce <= {ALLREDUCE_GOAL}x gloo: "
-           + ("met at every size" if not missed else "missed at " + ", ".join(missed)),
-           f"np={res['np']}: DDP step <= {DDP_GOAL}x gloo: "
-           + ("met" if d["kungfu"] / d["gloo"] <= DDP_GOAL else "missed")
-           + f" ({d['kungfu'] / d['gloo']:.2f}x)"]
+    at = f"np={res['np']} bind-to {res['bind_to']}"
+    out = []
+    if res["allreduce"]:
+        out.append(f"{at}: all_reduce <= {ALLREDUCE_GOAL}x gloo: "
+                   + ("met at every size" if not missed else "missed at " + ", ".join(missed)))
+    out.append(f"{at}: DDP step <= {DDP_GOAL}x gloo: "
+               + ("met" if d["kungfu"] / d["gloo"] <= DDP_GOAL else "missed")
+               + f" ({d['kungfu'] / d['gloo']:.2f}x)")
+    e = res["deep"]["us"]
+    for label, k, g in DEEP_PAIRS:
+        r = e[k] / e[g]
+        out.append(f"{at}: {label} <= {DEEP_GOAL}x gloo: {'met' if r <= DEEP_GOAL else 'missed'} "
+                   f"({r:.2f}x)")
+    r = e["hvd kungfu"] / e["ddp kungfu"]
+    out.append(f"{at}: fused DistributedOptimizer within {FUSED_GOAL}x of kungfu DDP: "
+               f"{'met' if r <= FUSED_GOAL else 'missed'} ({r:.2f}x, "
+               f"{res['deep']['buckets']} buckets)")
     return "\n".join(out)
 
 
@@ -242,8 +344,9 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--budget", type=float, default=0.15, help="seconds per timed loop (about)")
     p.add_argument("--ddp-steps", type=int, default=20)
-    p.add_argument("--bind-to", default="auto", choices=["auto", "none", "core"],
-                   help="kungfu-run's CPU pinning of the workers")
+    p.add_argument("--bind-to", nargs="+", default=["auto"], choices=["auto", "none", "core"],
+                   help="kungfu-run's CPU pinning of the workers (one run per value)")
+    p.add_argument("--no-sweep", action="store_true", help="skip the all_reduce sizes")
     p.add_argument("--json", help="write the table, and every figure, here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -252,7 +355,9 @@ def main():
     results = []
     with tempfile.TemporaryDirectory(prefix="torch-compare-") as tmp:
         for np in args.np:
-            results.append({**launch(np, args, Path(tmp) / f"np{np}.json"), "bind_to": args.bind_to})
+            for bind in args.bind_to:
+                out = Path(tmp) / f"np{np}-{bind}.json"
+                results.append({**launch(np, args, out, bind), "bind_to": bind})
     print("\n\n".join(table(r) for r in results))
     print()
     print("\n".join(verdict(r) for r in results))

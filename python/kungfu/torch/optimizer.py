@@ -1,12 +1,25 @@
 """`DistributedOptimizer`, as horovod.torch's: wraps a torch optimizer so
-that each gradient's allreduce starts as soon as autograd has produced it
-(a post-accumulate-grad hook per parameter), overlapping the rest of the
+that gradients are allreduced as soon as autograd has produced them (a
+post-accumulate-grad hook per parameter), overlapping the rest of the
 backward pass, and `step()` waits for them first.
 
-Gradients are named by their parameter's name (`named_parameters`,
-default `allreduce.noname.<group>.<index>`), so ranks may produce them in
-any order; a parameter without a gradient on some rank is reduced with
-zeros there (in `synchronize`).
+Gradients are fused: the parameters are cut into buckets of at most
+KUNGFU_FUSION_BYTES bytes of gradients (else HOROVOD_FUSION_THRESHOLD;
+default FUSION_BYTES; 0 turns fusion off) of one type, in the reverse of
+their order in the parameter groups (about the order backward produces
+them), once, when the optimizer is made: so every rank has the same
+buckets without a negotiation. When the last gradient of a bucket is
+produced, the bucket's gradients are copied into one flat tensor, which
+is allreduced as one op named `allreduce.fused.<k>.<first parameter's
+name>`; `synchronize` copies the results back. Horovod cuts its fusion
+buffers by time instead (the gradients ready within a cycle), which needs
+its coordinator to agree on them; DDP cuts fixed buckets, as here.
+
+Without fusion (KUNGFU_FUSION_BYTES=0, or `groups=`), gradients are
+allreduced one by one, named by their parameter's name (`named_parameters`,
+default `allreduce.noname.<group>.<index>`), or by the given groups. A
+parameter without a gradient on some rank is reduced with zeros there (in
+`synchronize`).
 """
 
 import os
@@ -20,6 +33,50 @@ from . import _join
 from . import mpi_ops as M
 from ._common import DTYPE_CODE, Adasum, Average, check_process_set, kf_op
 from .compression import Compression
+
+
+# The default of KUNGFU_FUSION_BYTES. Measured with
+# benches/peers/torch_compare.py (docs/pytorch.md, "Speed").
+FUSION_BYTES = 4 << 20
+
+
+def fusion_bytes():
+    """The fusion buffers' size: KUNGFU_FUSION_BYTES, else Horovod's
+    HOROVOD_FUSION_THRESHOLD, else FUSION_BYTES."""
+    for var in ("KUNGFU_FUSION_BYTES", "HOROVOD_FUSION_THRESHOLD"):
+        v = os.environ.get(var)
+        if v is not None and v.strip():
+            try:
+                n = int(v)
+            except ValueError:
+                raise ValueError(f"kungfu.torch: {var}={v!r} is not a number of bytes") from None
+            if n < 0:
+                raise ValueError(f"kungfu.torch: {var}={v!r} is negative")
+            return n
+    return FUSION_BYTES
+
+
+class _Bucket:
+    """Parameters whose gradients are allreduced as one flat tensor."""
+
+    def __init__(self, index, params, name):
+        self.index, self.params, self.name = index, params, name
+        self.ready = 0  # gradients produced in this step so far
+
+
+def _buckets(params, names, limit):
+    """`params` (in backward order) cut into buckets of one type and at
+    most `limit` bytes (a larger parameter is a bucket of its own)."""
+    out, open_ = [], {}
+    for p in params:
+        size = p.numel() * p.element_size()
+        cur = open_.get(p.dtype)
+        if cur is None or (cur[1] + size > limit and cur[0]):
+            cur = open_[p.dtype] = ([], 0)
+            out.append(cur[0])
+        cur[0].append(p)
+        open_[p.dtype] = (cur[0], cur[1] + size)
+    return [_Bucket(k, ps, f"fused.{k}.{names[ps[0]]}") for k, ps in enumerate(out)]
 
 
 def _split_list(items, n):
@@ -90,6 +147,9 @@ class _DistributedOptimizer:
         self._groups = groups
         self._p_to_group = {}
         self._group_counts = {}
+        self._fusion = fusion_bytes() if groups is None else 0
+        self._buckets = []
+        self._p_to_bucket = {}
         if M.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1":
             self._register_hooks()
 
@@ -98,6 +158,10 @@ class _DistributedOptimizer:
     def _register_hooks(self):
         if self._groups is not None:
             self._make_groups()
+        elif self._fusion:
+            ps = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+            self._buckets = _buckets(ps[::-1], self._parameter_names, self._fusion)
+            self._p_to_bucket = {p: b for b in self._buckets for p in b.params}
         me = weakref.ref(self)
         for group in self.param_groups:
             for p in group["params"]:
@@ -112,6 +176,7 @@ class _DistributedOptimizer:
         self._join_index = {p: i for i, p in enumerate(self._join_params)}
         self._join_groups = list(self._group_counts)
         self._join_index.update({g: i for i, g in enumerate(self._join_groups)})
+        self._join_index.update({b: b.index for b in self._buckets})
 
     def _make_groups(self):
         from .functions import broadcast_object
@@ -135,14 +200,22 @@ class _DistributedOptimizer:
             self._group_counts[g] = 0
 
     def _on_grad(self, p):
-        if p in self._handles and self._handles[p][0] is not None and \
-                self._allreduce_delay[p] <= 0:
+        if self._allreduce_delay[p] <= 0 and (p in self._p_to_bucket or (
+                p in self._handles and self._handles[p][0] is not None)):
             raise AssertionError(
                 "Gradients were computed more than backward_passes_per_step times before call "
                 "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
         self._allreduce_delay[p] -= 1
         handle, ctx = None, None
         if self._allreduce_delay[p] == 0:
+            bucket = self._p_to_bucket.get(p)
+            if bucket is not None:
+                if p.grad is not None and p.grad.is_sparse:  # on its own, as unfused
+                    self._handles[p] = self._allreduce_grad_async(p)
+                bucket.ready += 1
+                if bucket.ready == len(bucket.params):
+                    self._handles[bucket] = self._bucket_allreduce_async(bucket)
+                return
             if self._groups is not None:
                 group = self._p_to_group[p]
                 self._group_counts[group] += 1
@@ -174,6 +247,23 @@ class _DistributedOptimizer:
         pre, post = self._factors()
         return M._grad_allreduce_async_(compressed, name, self.op, pre, post), ctx
 
+    def _bucket_allreduce_async(self, bucket):
+        """Starts the allreduce of `bucket`'s dense gradients as one flat
+        tensor (missing gradients as zeros); returns (handle, (ctx,
+        the parameters in it))."""
+        bucket.ready = 0
+        dense = []
+        for p in bucket.params:
+            if p.grad is None:  # another rank may have a gradient for it
+                p.grad = p.data.new(p.size()).zero_()
+            if not p.grad.is_sparse:
+                dense.append(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in dense])
+        compressed, ctx = self._compression.compress(flat)
+        pre, post = self._factors()
+        handle = M._grad_allreduce_async_(compressed, bucket.name, self.op, pre, post)
+        return handle, (ctx, dense)
+
     def _grouped_allreduce_grad_async(self, group):
         name = self._parameter_names.get(group[0])
         pairs = [self._compression.compress(p.grad) for p in group]
@@ -185,7 +275,17 @@ class _DistributedOptimizer:
 
     def _join_desc(self, code, index):
         """The allreduce that entry (code, index) of an announced step stands
-        for, as hvd.join serves it (see _join._serve)."""
+        for, as hvd.join serves it (see _join._serve): code 0 a parameter,
+        1 a group, 2 a bucket (its dense gradients: a sparse one is
+        announced on its own)."""
+        if code == 2:
+            b = self._buckets[index]
+            dense = [p for p in b.params if p.grad is None or not p.grad.is_sparse]
+            dtype = self._compression.compress(torch.empty(0, dtype=dense[0].dtype))[0].dtype
+            full = f"allreduce.{b.name}"
+            member = (full, sum(p.numel() for p in dense), DTYPE_CODE[dtype],
+                      kf_op(self.op, dtype, "allreduce"))
+            return ("allreduce", full, [member], 0, False)
         ps = [self._join_params[index]] if code == 0 else list(self._join_groups[index])
         members = []
         for p in ps:
@@ -207,7 +307,7 @@ class _DistributedOptimizer:
             h = None if callable(handle) else M._handles.get(handle)
             if h is None:  # sparse: its allgathers were announced
                 continue
-            code = 1 if isinstance(key, tuple) else 0
+            code = 2 if isinstance(key, _Bucket) else 1 if isinstance(key, tuple) else 0
             entries.append((code, self._join_index[key], None if h.inst == inst else h.inst))
         entries.sort(key=lambda e: (e[0], e[1]))
         _join.announce(("optimizer", self._join_name, inst, entries, self._join_number))
@@ -220,7 +320,14 @@ class _DistributedOptimizer:
         in the gradients."""
         done = set()
         for key in self._handles:
-            done.update(key) if isinstance(key, tuple) else done.add(key)
+            if isinstance(key, _Bucket):
+                done.update(key.params)
+            else:
+                done.update(key) if isinstance(key, tuple) else done.add(key)
+        for b in self._buckets:  # some gradients never came: zeros
+            if b not in self._handles:
+                self._handles[b] = self._bucket_allreduce_async(b)
+                done.update(b.params)
         for p in self._requires_update - done:
             self._handles[p] = self._allreduce_grad_async(p)
         for p, (handle, _) in list(self._handles.items()):
@@ -229,6 +336,14 @@ class _DistributedOptimizer:
         self._announce_step()
         try:
             for p, (handle, ctx) in self._handles.items():
+                if isinstance(p, _Bucket):
+                    flat = self._compression.decompress(M.synchronize(handle), ctx[0])
+                    grads = [gp.grad for gp in ctx[1]]
+                    parts = flat.split([g.numel() for g in grads])
+                    torch._foreach_copy_(grads, [x.view_as(g) for x, g in zip(parts, grads)])
+                    for gp in p.params:
+                        self._allreduce_delay[gp] = self.backward_passes_per_step
+                    continue
                 if isinstance(p, tuple):
                     for gp, out, gctx in zip(p, M.synchronize(handle), ctx):
                         self._allreduce_delay[gp] = self.backward_passes_per_step
@@ -286,6 +401,8 @@ class _DistributedOptimizer:
 
     def load_state_dict(self, *args, **kwargs):
         self._handles = {}
+        for b in self._buckets:
+            b.ready = 0
         self._synchronized = False
         self._should_synchronize = True
         for p in self._allreduce_delay:

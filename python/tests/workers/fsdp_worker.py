@@ -18,43 +18,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
 import kungfu.torch  # noqa: F401  registers "kungfu"
-from model import save_result
-
-VOCAB, DIM, HEADS, LAYERS, SEQ = 64, 32, 4, 2, 12
-
-
-class TinyTransformer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(DIM, HEADS, dim_feedforward=64, dropout=0.0,
-                                       batch_first=True)
-            for _ in range(LAYERS))
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, x):
-        h = self.embed(x)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(h)
-
-
-def batches(rank: int, steps: int, batch: int = 8):
-    """Next-token batches of `rank`: a sequence shifted by one."""
-    g = torch.Generator().manual_seed(1000 + rank)
-    out = []
-    for _ in range(steps):
-        start = torch.randint(0, VOCAB, (batch, 1), generator=g)
-        seq = (start + torch.arange(SEQ + 1) * 3) % VOCAB
-        out.append((seq[:, :-1], seq[:, 1:]))
-    return out
-
+from model import TinyTransformer, save_result, token_batches, token_loss
 
 def main():
     backend, outdir, steps = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
@@ -62,7 +29,7 @@ def main():
     dist.init_process_group(backend)
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = TinyTransformer()
+    model = TinyTransformer(layers=2)
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -73,9 +40,9 @@ def main():
     # be compared
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
-    for x, y in batches(rank, steps):
+    for x, y in token_batches(rank, steps):
         opt.zero_grad()
-        loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+        loss = token_loss(model, x, y)
         loss.backward()
         opt.step()
         losses.append(loss.item())

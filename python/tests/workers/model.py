@@ -1,8 +1,16 @@
-"""The small CNN and the data of the DDP test (test_ddp.py) and of the
-benchmark (benches/peers/torch_compare.py): 2 conv + 1 linear layer on
-generated 1x16x16 "images", labelled by a fixed random linear teacher on
-their 4x4-pooled pixels, so that the loss falls within a few steps. Everything is seeded: the same (seed, rank, step)
-gives the same batch on any machine."""
+"""The models and data of the tests and of the benchmark
+(benches/peers/torch_compare.py):
+
+- SmallCNN (test_ddp.py): 2 conv + 1 linear layer on generated 1x16x16
+  "images", labelled by a fixed random linear teacher on their 4x4-pooled
+  pixels, so that the loss falls within a few steps;
+- TinyTransformer (FSDP, the fused DistributedOptimizer): a token
+  embedding, encoder layers (12 parameter tensors each) and a head, on
+  next-token batches of a sequence that steps by 3; with DEEP_LAYERS
+  layers it has 207 parameter tensors.
+
+Everything is seeded: the same (seed, rank, step) gives the same batch on
+any machine."""
 
 import hashlib
 import json
@@ -45,6 +53,49 @@ def batches(rank: int, steps: int, batch: int = 16, seed: int = 0):
         y = (F.avg_pool2d(x, 4).flatten(1) @ teacher.t()).argmax(1)
         out.append((x, y))
     return out
+
+
+VOCAB, DIM, HEADS, SEQ = 64, 32, 4, 12
+DEEP_LAYERS = 17  # 17 * 12 + 3 = 207 parameter tensors
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(DIM, HEADS, dim_feedforward=64, dropout=0.0,
+                                       batch_first=True)
+            for _ in range(layers))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def make_transformer(layers: int = 2, seed: int = 0) -> TinyTransformer:
+    """A TinyTransformer initialised from `seed` alone."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return TinyTransformer(layers)
+
+
+def token_batches(rank: int, steps: int, batch: int = 8):
+    """Next-token batches of `rank`: a sequence shifted by one."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    out = []
+    for _ in range(steps):
+        start = torch.randint(0, VOCAB, (batch, 1), generator=g)
+        seq = (start + torch.arange(SEQ + 1) * 3) % VOCAB
+        out.append((seq[:, :-1], seq[:, 1:]))
+    return out
+
+
+def token_loss(model, x, y):
+    return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:
