@@ -441,9 +441,9 @@ c10::intrusive_ptr<c10d::Work> allgather(const Ranks& on, const at::Tensor& in, 
 c10::intrusive_ptr<c10d::Work> gather(const Ranks& on, const at::Tensor& in, const at::Tensor& out, int root,
                                       const std::string& name,
                                       std::vector<at::Tensor> parts = {});
-// c10d's coalesced ops: one Work for the pairs (ins[i], outs[i]), each an
-// op of `kind` named NAME/i, issued one after another (allreduce in place
-// if ins are outs).
+// c10d's coalesced ops: one Work for the pairs (ins[i], outs[i]): of one
+// type, one library op NAME over the tensors packed together; else an op
+// of `kind` per pair, named NAME/i, issued one after another.
 enum class Coalesced { Allreduce, Allgather, ReduceScatter };
 c10::intrusive_ptr<c10d::Work> coalesced(const Ranks& on, Coalesced kind, const std::vector<at::Tensor>& ins,
                                          const std::vector<at::Tensor>& outs, kf_op kop,

@@ -232,6 +232,62 @@ c10::intrusive_ptr<c10d::Work> reduce_scatter(const Ranks& on, const at::Tensor&
   return start(op);
 }
 
+// The coalesced op of tensors of one type as one library op: the inputs
+// are laid out in one buffer as the op's blocks need (for a reduce-scatter,
+// block r holds block r of every input in turn), and the output is cut
+// back into the outputs when the op finishes (for an all-gather, rank r's
+// block of the output holds rank r's block of every output in turn).
+void packed(const Ranks& on, Op* op, Coalesced kind, const std::vector<at::Tensor>& ins,
+            const std::vector<at::Tensor>& outs, kf_op kop, kf_dtype dt,
+            const std::string& name) {
+  const int64_t n = on.size;
+  // per rank's block: each input's share of it, and where it starts
+  std::vector<int64_t> len, at;
+  int64_t block = 0;
+  for (auto& t : (kind == Coalesced::ReduceScatter ? outs : ins)) {
+    at.push_back(block);
+    len.push_back(t.numel());
+    block += t.numel();
+  }
+  const int64_t blocks = kind == Coalesced::Allgather ? n : 1;  // of the output
+  at::Tensor src = at::empty({kind == Coalesced::ReduceScatter ? block * n : block},
+                             ins[0].options());
+  for (size_t i = 0; i < ins.size(); i++) {
+    if (kind == Coalesced::ReduceScatter) {
+      src.view({n, block}).narrow(1, at[i], len[i]).copy_(ins[i].reshape({n, len[i]}));
+    } else {
+      src.narrow(0, at[i], len[i]).copy_(ins[i].reshape({-1}));
+    }
+  }
+  at::Tensor dst = at::empty({kind == Coalesced::Allgather ? block * n : block}, ins[0].options());
+  op->keep = {src, dst};
+  op->steps.push_back([=](Op* o, kf_handle* h) {
+    switch (kind) {
+      case Coalesced::Allreduce:
+        return kf_group_allreduce(on.group, ptr(src), ptr(dst), block, dt, kop, name.c_str(),
+                                  on_done, o, h);
+      case Coalesced::Allgather:
+        return kf_group_allgather(on.group, ptr(src), ptr(dst), block, dt, name.c_str(), on_done,
+                                  o, h);
+      default:
+        return kf_group_reduce_scatter(on.group, ptr(src), ptr(dst), block, dt, kop,
+                                       name.c_str(), on_done, o, h);
+    }
+  });
+  std::vector<at::Tensor> targets = outs;
+  op->finish = [=]() {
+    at::Tensor all = dst.view({blocks, block});
+    for (size_t i = 0; i < targets.size(); i++) {
+      at::Tensor piece = all.narrow(1, at[i], len[i]);
+      if (targets[i].is_contiguous()) {
+        targets[i].view({blocks, len[i]}).copy_(piece);
+      } else {
+        targets[i].copy_(piece.reshape(targets[i].sizes()));
+      }
+    }
+  };
+}
+
 c10::intrusive_ptr<c10d::Work> coalesced(const Ranks& on, Coalesced kind, const std::vector<at::Tensor>& ins,
                                          const std::vector<at::Tensor>& outs, kf_op kop,
                                          const std::string& name) {
@@ -264,6 +320,12 @@ c10::intrusive_ptr<c10d::Work> coalesced(const Ranks& on, Coalesced kind, const 
     return w;
   }
   Op* op = new_op(on.rank, type, "kungfu:coalesced", what, outs);
+  bool one_type = std::all_of(dts.begin(), dts.end(), [&](kf_dtype d) { return d == dts[0]; });
+  if (one_type) {
+    packed(on, op, kind, ins, outs, kop, dts[0], name);
+    return start(op);
+  }
+  // tensors of several types: one op each, one after another
   for (size_t i = 0; i < ins.size(); i++) {
     at::Tensor src = input_of(ins[i]);
     at::Tensor dst = output_of(op, outs[i]);
