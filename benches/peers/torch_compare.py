@@ -287,6 +287,9 @@ def table(res: dict) -> str:
         flag = "" if e[k] / e[g] <= DEEP_GOAL else " !"
         lines.append(f"| {label} | {e[g]:.1f} | {e[k]:.1f} | {e[k] / e[g]:.2f}{flag} |")
     lines.append(f"| (207-tensor step alone) | {e['local']:.1f} | {e['local']:.1f} | |")
+    for label, k, g in DEEP_PAIRS:
+        ck, cg = e[k] - e["local"], e[g] - e["local"]
+        lines.append(f"| {label}, less the step alone | {cg:.1f} | {ck:.1f} | {ck / cg:.2f} |")
     return "\n".join(lines)
 
 
@@ -294,7 +297,8 @@ def json_table(results: list, args) -> Table:
     """The printed tables of all runs side by side, without the steps
     without communication, as the docs show them."""
     cols = [f"{r['np']}p {r['bind_to']}" for r in results]
-    t = Table("allreduce-ddp", f"all_reduce (f32, SUM, in place) and training steps, time in us, "
+    t = Table("allreduce-ddp" if results[0]["allreduce"] else "steps",
+              f"all_reduce (f32, SUM, in place) and training steps, time in us, "
               f"median of {args.rounds} rounds; per run (processes, kungfu-run --bind-to): gloo, "
               "kungfu and ratio = kungfu/gloo",
               ["size"] + [c for col in cols for c in (f"{col} gloo", f"{col} kungfu", "ratio")],
@@ -309,6 +313,11 @@ def json_table(results: list, args) -> Table:
     t.add("DDP step (SmallCNN)", *[c for r in results for c in cells(r["ddp"]["us"])])
     for label, k, g in DEEP_PAIRS:
         t.add(label, *[c for r in results for c in cells(r["deep"]["us"], k, g)])
+    # what the communication adds: the step less the step alone
+    for label, k, g in DEEP_PAIRS:
+        extra = [{w: r["deep"]["us"][w] - r["deep"]["us"]["local"] for w in (k, g)}
+                 for r in results]
+        t.add(f"{label}, less the step alone", *[c for e in extra for c in cells(e, k, g)])
     return t
 
 

@@ -62,6 +62,20 @@ class _Bucket:
     def __init__(self, index, params, name):
         self.index, self.params, self.name = index, params, name
         self.ready = 0  # gradients produced in this step so far
+        self.fire = None  # starts the allreduce (set by the optimizer)
+
+    def tick(self, _p):
+        """A parameter's hook, when gradients are reduced at every backward
+        pass (backward_passes_per_step 1): the bucket goes when its last
+        gradient came. A second backward pass before step() raises, as
+        horovod does."""
+        self.ready += 1
+        if self.ready == len(self.params):
+            self.fire(self)
+        elif self.ready > len(self.params):
+            raise AssertionError(
+                "Gradients were computed more than backward_passes_per_step times before call "
+                "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
 
 
 def _buckets(params, names, limit):
@@ -163,11 +177,18 @@ class _DistributedOptimizer:
             self._buckets = _buckets(ps[::-1], self._parameter_names, self._fusion)
             self._p_to_bucket = {p: b for b in self._buckets for p in b.params}
         me = weakref.ref(self)
+        # the hook: the bucket's own, cheap one where it can be (autograd
+        # calls it for each of hundreds of parameters, on the backward
+        # pass's critical path)
+        fast = self._buckets and self.backward_passes_per_step == 1
+        for b in self._buckets:
+            b.fire = _fire(me)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad:
                     self._requires_update.add(p)
-                    self._hooks.append(p.register_post_accumulate_grad_hook(_hook(me)))
+                    hook = self._p_to_bucket[p].tick if fast else _hook(me)
+                    self._hooks.append(p.register_post_accumulate_grad_hook(hook))
         # for hvd.join: a step is announced as one op, naming its allreduces
         # by their index here (the same on every rank)
         self._join_name, self._join_number = _join.register_optimizer(self)
@@ -210,8 +231,6 @@ class _DistributedOptimizer:
         if self._allreduce_delay[p] == 0:
             bucket = self._p_to_bucket.get(p)
             if bucket is not None:
-                if p.grad is not None and p.grad.is_sparse:  # on its own, as unfused
-                    self._handles[p] = self._allreduce_grad_async(p)
                 bucket.ready += 1
                 if bucket.ready == len(bucket.params):
                     self._handles[bucket] = self._bucket_allreduce_async(bucket)
@@ -250,8 +269,10 @@ class _DistributedOptimizer:
     def _bucket_allreduce_async(self, bucket):
         """Starts the allreduce of `bucket`'s dense gradients as one flat
         tensor (missing gradients as zeros); returns (handle, (ctx,
-        the parameters in it))."""
-        bucket.ready = 0
+        the parameters in it)). A sparse gradient goes on its own."""
+        for p in bucket.params:
+            if p.grad is not None and p.grad.is_sparse and p not in self._handles:
+                self._handles[p] = self._allreduce_grad_async(p)
         dense = []
         for p in bucket.params:
             if p.grad is None:  # another rank may have a gradient for it
@@ -337,6 +358,7 @@ class _DistributedOptimizer:
         try:
             for p, (handle, ctx) in self._handles.items():
                 if isinstance(p, _Bucket):
+                    p.ready = 0
                     flat = self._compression.decompress(M.synchronize(handle), ctx[0])
                     grads = [gp.grad for gp in ctx[1]]
                     parts = flat.split([g.numel() for g in grads])
@@ -413,6 +435,14 @@ class _DistributedOptimizer:
         self.backward_passes_per_step = passes
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = passes
+
+
+def _fire(ref):
+    def fire(bucket):
+        opt = ref()
+        if opt is not None:
+            opt._handles[bucket] = opt._bucket_allreduce_async(bucket)
+    return fire
 
 
 def _hook(ref):
