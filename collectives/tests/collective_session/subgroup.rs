@@ -263,3 +263,47 @@ fn a_group_refuses_what_it_cannot_run() {
         }
     });
 }
+
+#[test]
+fn a_lost_member_fails_the_group_and_a_lost_outsider_does_not() {
+    rt().block_on(async {
+        let n = 4;
+        let ts = MemNetwork::new(n, MemConfig::default());
+        let ss: Vec<_> = ts
+            .iter()
+            .map(|t| {
+                let cfg = SessionConfig {
+                    op_timeout: Duration::from_secs(20),
+                    ..SessionConfig::default()
+                };
+                Session::new(t.clone(), PeerList::local(n), cfg).unwrap()
+            })
+            .collect();
+        let gs = make(&ss, &[0, 1, 2]).await;
+        // rank 3 is not a member: the group goes on without it
+        ts[3].kill();
+        let sums = together(gs.iter().map(|g| g.allreduce("x", &[1u32], ReduceOp::Sum))).await;
+        for s in sums {
+            assert_eq!(s.unwrap(), vec![3]);
+        }
+        // rank 2 is: ranks 0 and 1 start an op it never joins, then it dies
+        let pending: Vec<_> = gs[..2]
+            .iter()
+            .map(|g| g.allreduce("y", &[1u32; 16], ReduceOp::Sum))
+            .collect();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let started = std::time::Instant::now();
+        ts[2].kill();
+        for h in pending {
+            match h.await {
+                Err(CollectiveError::PeerLost { peer, name, .. }) => {
+                    // named by its rank in the session
+                    assert_eq!(peer, Rank(2));
+                    assert_eq!(&*name, "y");
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!(started.elapsed() < Duration::from_secs(5));
+    });
+}
