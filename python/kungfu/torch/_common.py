@@ -14,9 +14,19 @@ more library ops:
   shape, reduction, root, scale factors) named `meta:<kind>.<name>`, so a
   mismatch the library does not catch (the same element count in another
   shape, a different root) fails on every rank, in `synchronize`;
-* an announcement for `hvd.join` (see _join.py).
+* an announcement for `hvd.join` (see _join.py), for ops of the global
+  process set only.
+
+An op runs in a scope (`Scope`, from `check_process_set`): the global
+process set (every rank, library group 0) or a process set that every
+rank added (`hvd.add_process_set`) and whose members made a library group
+of their own. The library matches a group's ops only with the same group's
+ops on its other members, so names need only be unique within a set: a
+set keeps its own counters of unnamed ops, and the names in flight are
+told apart per set.
 """
 
+import numbers
 import struct
 import threading
 import warnings
@@ -75,17 +85,165 @@ def check_tensor(tensor, what):
         raise ValueError(f"{prefix()}{what}: tensors of type {tensor.dtype} are not supported")
 
 
+# ---- process sets ----
+
+class ProcessSet:
+    """Horovod's process set: ranks (sorted) that run ops among
+    themselves. It gets an id when every rank adds it, in the same order
+    (`hvd.add_process_set`, or `hvd.init(process_sets=[...])`): 1, 2, ...
+    (the ids of removed sets are given again first). Its members then make
+    one library group for it; other ranks make nothing."""
+
+    process_set_id = None
+    ranks = None
+    mpi_comm = None
+
+    def __init__(self, ranks_or_comm):
+        try:
+            ranks = list(ranks_or_comm)
+        except TypeError:
+            raise ValueError("ProcessSet should be initialized with a list of process ranks "
+                             "(kungfu.torch has no MPI communicators)") from None
+        if any(not isinstance(r, numbers.Integral) or isinstance(r, bool) for r in ranks):
+            raise ValueError("ProcessSet should be initialized with a list of process ranks "
+                             f"(integers), not {ranks_or_comm!r}")
+        self.ranks = sorted(int(r) for r in ranks)
+
+    def _invalidate(self):
+        self.process_set_id = None
+
+    def size(self):
+        """The number of its ranks, None until it is added."""
+        if self.process_set_id is None:
+            return None
+        return len(self.ranks)
+
+    def rank(self):
+        """This rank's index among its ranks (None until it is added;
+        ValueError where this rank is not one of them). Ops take global
+        ranks (roots) all the same."""
+        if self.process_set_id is None:
+            return None
+        me = _global_rank()
+        if me not in self.ranks:
+            raise ValueError("Process is not part of provided process set.")
+        return self.ranks.index(me)
+
+    def included(self):
+        """Whether this rank is one of its ranks."""
+        if self.ranks is None:
+            return None
+        return _global_rank() in self.ranks
+
+    def __str__(self):
+        return (f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, "
+                "mpi_comm=None)")
+
+    __repr__ = __str__
+
+
+class _GlobalProcessSet(ProcessSet):
+    """Every rank (id 0); its ranks follow the cluster (empty before
+    `hvd.init()`)."""
+
+    process_set_id = 0
+
+    def __init__(self):
+        pass
+
+    @property
+    def ranks(self):
+        return list(range(kungfu.size())) if state.initialized else []
+
+    def size(self):
+        check_initialized()
+        return kungfu.size()
+
+    def rank(self):
+        check_initialized()
+        return kungfu.rank()
+
+    def included(self):
+        return True
+
+
+global_process_set = _GlobalProcessSet()
+
+
+def _global_rank():
+    check_initialized()
+    return kungfu.rank()
+
+
+class Scope:
+    """Where an op runs: `group` (the library group; 0 for every rank),
+    `ranks` (the members' global ranks, in set order), `rank` (this rank's
+    index among them), `size`. A set's scope also holds its id, its
+    ProcessSet, its counters of unnamed ops and `key`, which tells its
+    names in flight from other sets' in this process."""
+
+    def __init__(self, group, ranks, rank, counters, pid=0, key="", process_set=None):
+        self.group, self.ranks, self.rank = group, ranks, rank
+        self.size = len(ranks)
+        self.pid, self.counters, self.key, self.process_set = pid, counters, key, process_set
+        self.is_global = group == 0
+
+    def where(self):
+        """" in process set <id>" for messages ("" for the global one)."""
+        return "" if self.is_global else f" in process set {self.pid}"
+
+    def set_rank(self, root, what):
+        """The set rank of global rank `root`; ValueError if it is not a
+        member."""
+        root = int(root)
+        if root not in self.ranks:
+            where = (f"one of the {self.size} ranks" if self.is_global else
+                     f"in process set {self.pid} (ranks {list(self.ranks)})")
+            raise ValueError(f"{prefix()}{what}: root rank {root} is not {where}")
+        return self.ranks.index(root)
+
+
+# process set id -> its Scope (group None where this rank is not a member)
+process_sets = {}
+_serial = [0]
+
+
+def new_set_scope(ps, pid, group):
+    """The scope of process set `ps`, just added as `pid` (`group`: its
+    library group here, None if this rank is not a member)."""
+    _serial[0] += 1
+    me = kungfu.rank()
+    return Scope(group, list(ps.ranks), ps.ranks.index(me) if group is not None else None, {},
+                 pid=pid, key=f"set{_serial[0]}/", process_set=ps)
+
+
 def check_process_set(process_set):
-    """Only the global process set: horovod's process sets are not
-    supported."""
-    from .mpi_ops import global_process_set
-    if process_set is None or process_set is global_process_set:
-        return
-    ranks = getattr(process_set, "ranks", None)
-    if ranks is not None and list(ranks) == list(range(kungfu.size())):
-        return
-    raise NotImplementedError("kungfu.torch: process sets are not supported: ops span every "
-                              "rank (use the global process set)")
+    """The Scope of an op on `process_set` (None or `global_process_set`:
+    every rank). ValueError for a set not added (or removed), or one this
+    rank is not a member of."""
+    if isinstance(process_set, Scope):
+        return process_set
+    check_initialized()
+    if process_set is None or process_set is global_process_set or (
+            isinstance(process_set, ProcessSet) and process_set.process_set_id == 0):
+        return Scope(0, range(kungfu.size()), kungfu.rank(), _counters)
+    if not isinstance(process_set, ProcessSet):
+        raise ValueError(f"{prefix()}process_set must be a ProcessSet, not "
+                         f"{type(process_set).__name__}")
+    pid = process_set.process_set_id
+    scope = process_sets.get(pid) if pid is not None else None
+    if scope is None:
+        raise ValueError(f"{prefix()}{process_set} has not been added (or was removed): every "
+                         "rank adds it with hvd.add_process_set first")
+    if scope.group is None:
+        raise ValueError(f"{prefix()}this rank is not in process set {pid} (ranks "
+                         f"{scope.ranks}): only its members run its ops")
+    return scope
+
+
+def world():
+    """The scope of the global process set."""
+    return check_process_set(None)
 
 
 def average_op(average, op):
@@ -156,32 +314,40 @@ def reset_names():
     worker, a new one too, does it at the same point)."""
     with lock:
         _counters.clear()
+        for scope in process_sets.values():
+            scope.counters.clear()
 
 
-def full_name(kind, name):
+def full_name(kind, name, scope=None):
+    """`<kind>.<name>`, or `<kind>.noname.<N>` counting the unnamed ops of
+    that kind in `scope` (default: the global set)."""
     if name is None:
+        counters = _counters if scope is None else scope.counters
         with lock:
-            n = _counters.get(kind, 0)
-            _counters[kind] = n + 1
+            n = counters.get(kind, 0)
+            counters[kind] = n + 1
         return f"{kind}.noname.{n}"
     return f"{kind}.{name}"
 
 
-def claim(names, handle):
-    """Registers `names` for `handle`; a name still in use raises ValueError
-    (here, when the op is issued, as horovod does). A name is in use from
-    its op's start until its handle is synchronized (not merely until the
-    op completes, which would make the error depend on timing)."""
+def claim(names, handle, scope=None):
+    """Registers `names` (of ops in `scope`, default the global set) for
+    `handle`; a name still in use raises ValueError (here, when the op is
+    issued, as horovod does). A name is in use from its op's start until
+    its handle is synchronized (not merely until the op completes, which
+    would make the error depend on timing)."""
+    key = "" if scope is None else scope.key
+    where = "" if scope is None else scope.where()
     with lock:
         for n in names:
-            h = _inflight.get(n)
+            h = _inflight.get(key + n)
             if h is not None and h is not handle:
-                raise ValueError(f"{prefix()}an op named {n!r} is already in flight: names must "
-                                 "be unique among ops not synchronized yet (synchronize the "
-                                 "first one, or use another name)")
+                raise ValueError(f"{prefix()}an op named {n!r}{where} is already in flight: "
+                                 "names must be unique among ops not synchronized yet "
+                                 "(synchronize the first one, or use another name)")
         for n in names:
-            _inflight[n] = handle
-        handle.names.extend(names)
+            _inflight[key + n] = handle
+        handle.names.extend(key + n for n in names)
 
 
 def release(handle):
@@ -262,18 +428,21 @@ def _key(row, kind):
     return tuple(row[:1] + row[2:])
 
 
-def meta_issue(name, rows):
-    """Starts the allgather of this rank's metadata rows (a list of ints);
-    returns (work, gathered)."""
+def meta_issue(name, rows, scope=None):
+    """Starts the allgather of this rank's metadata rows (a list of ints)
+    among the ranks of `scope` (default: every rank); returns (work,
+    gathered)."""
+    scope = scope or world()
     mine = torch.tensor(rows, dtype=torch.int64)
-    gathered = torch.empty(mine.numel() * kungfu.size(), dtype=torch.int64)
-    return _C.allgather(mine, gathered, "meta:" + name), gathered
+    gathered = torch.empty(mine.numel() * scope.size, dtype=torch.int64)
+    return _C.allgather(mine, gathered, "meta:" + name, group=scope.group), gathered
 
 
-def meta_check(name, gathered, members=1, extra=0):
-    """Raises HorovodInternalError on every rank if the ranks' rows
-    differ (ranks that joined are left out)."""
-    n = kungfu.size()
+def meta_check(name, gathered, members=1, extra=0, scope=None):
+    """Raises HorovodInternalError on every rank of `scope` if their rows
+    differ (ranks that joined are left out); names global ranks."""
+    scope = scope or world()
+    n = scope.size
     per = members * META_LEN + extra
     g = gathered.view(n, per).tolist()
     base = None
@@ -291,8 +460,9 @@ def meta_check(name, gathered, members=1, extra=0):
             if _key(x, kind) != _key(y, kind):
                 what = f" (tensor {m} of {members})" if members > 1 else ""
                 raise HorovodInternalError(
-                    f"{prefix()}{kind} \"{name}\"{what}: the ranks disagree: rank {base[0]} has "
-                    f"{_describe(x)}, rank {r} has {_describe(y)}")
+                    f"{prefix()}{kind} \"{name}\"{scope.where()}{what}: the ranks disagree: "
+                    f"rank {scope.ranks[base[0]]} has {_describe(x)}, rank {scope.ranks[r]} has "
+                    f"{_describe(y)}")
 
 
 # ---- handles ----

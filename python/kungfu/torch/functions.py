@@ -1,6 +1,8 @@
 """Model and optimizer state across ranks, as horovod.torch.functions:
 `broadcast_parameters`, `broadcast_optimizer_state`, `broadcast_object`,
-`allgather_object`."""
+`allgather_object`. Each takes `process_set=` (horovod's
+`broadcast_object` does; the others here too): it runs among the set's
+members, roots given as global ranks."""
 
 import collections
 import io
@@ -16,7 +18,7 @@ except ImportError:  # pragma: no cover (depends on the environment)
     _pickler = pickle
 
 
-def broadcast_parameters(params, root_rank):
+def broadcast_parameters(params, root_rank, process_set=M.global_process_set):
     """Overwrites the tensors of `params` (a dict such as
     `model.state_dict()`, or a list of tensors or of (name, tensor)) with
     root's, in place."""
@@ -26,12 +28,13 @@ def broadcast_parameters(params, root_rank):
         params = [p if isinstance(p, tuple) else (None, p) for p in params]
     else:
         raise ValueError(f"invalid params of type: {type(params)}")
-    handles = [M.broadcast_async_(p, root_rank, name) for name, p in params]
+    handles = [M.broadcast_async_(p, root_rank, name, process_set) for name, p in params]
     for h in handles:
         M.synchronize(h)
 
 
-def broadcast_optimizer_state(optimizer, root_rank, model=None):
+def broadcast_optimizer_state(optimizer, root_rank, model=None,
+                              process_set=M.global_process_set):
     """Overwrites the optimizer's state and hyperparameters with root's.
     An optimizer without state yet gets it first from a step with zero
     gradients (which does not move the parameters of most optimizers, as
@@ -96,8 +99,8 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None):
                     scalars[k] = p
                     callbacks[k] = state_callback(pid, name)
 
-    broadcast_parameters(params, root_rank)
-    scalars = broadcast_object(scalars, root_rank)
+    broadcast_parameters(params, root_rank, process_set)
+    scalars = broadcast_object(scalars, root_rank, process_set=process_set)
     for k, v in scalars.items():
         callbacks[k](v)
 
@@ -113,7 +116,7 @@ def _loads(t):
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=M.global_process_set):
-    """Root's `obj` (pickled), on every rank."""
+    """Root's `obj` (pickled), on every member of the set."""
     if name is None:
         name = type(obj).__name__
     if M.rank() == root_rank:
@@ -128,14 +131,14 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=M.global_process_s
     return obj if M.rank() == root_rank else _loads(t)
 
 
-def allgather_object(obj, name=None):
-    """Every rank's `obj` (pickled), in rank order."""
+def allgather_object(obj, name=None, process_set=M.global_process_set):
+    """Every member's `obj` (pickled), in set order."""
     if name is None:
         name = type(obj).__name__
     t = _dumps(obj)
     sizes = M.synchronize(M.allgather_async(torch.tensor([t.numel()], dtype=torch.int32),
-                                            name=name + ".sz")).tolist()
-    gathered = M.synchronize(M.allgather_async(t, name=name + ".t"))
+                                            name=name + ".sz", process_set=process_set)).tolist()
+    gathered = M.synchronize(M.allgather_async(t, name=name + ".t", process_set=process_set))
     out, at = [], 0
     for s in sizes:
         out.append(_loads(gathered[at:at + s]))

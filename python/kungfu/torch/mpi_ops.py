@@ -7,14 +7,24 @@ HorovodInternalError (a RuntimeError) on every rank if the op failed: a
 mismatch in type, shape, reduction, root or scale factors between the
 ranks, a lost peer, a timeout. Argument errors raise ValueError where the
 op is issued; so does the name of an op not synchronized yet (names are
-per kind: `allreduce.<name>`; without a name, `allreduce.noname.<N>`). Only CPU tensors; process
-sets and Adasum are not supported (NotImplementedError).
+per kind: `allreduce.<name>`; without a name, `allreduce.noname.<N>`). Only CPU tensors;
+Adasum is not supported (NotImplementedError).
+
+Process sets: every rank adds a set (`add_process_set`, or
+`init(process_sets=[...])`) in the same order, so that the ids agree; the
+set's members make a library group for it (`_C.group_create`, a collective
+of the members alone) and every op given `process_set=` runs in that group,
+among the members only: allgather and alltoall in set order, Average
+dividing by the set's size, roots given as global ranks. An op on a set
+this rank is not in, or one not added, raises ValueError. `join` stays
+global: ops of other sets are not announced to it.
 
 The differentiable ops (`allreduce`, `allgather`, `broadcast`, `alltoall`,
 `reducescatter` and the grouped ones) are in _autograd.py.
 """
 
 import atexit
+from collections import deque
 
 import torch
 
@@ -22,11 +32,11 @@ import kungfu
 
 from . import _C, _join
 from ._common import (DTYPE_CODE, META_LEN, Average, Adasum, Handle,  # noqa: F401
-                      HorovodInternalError, Max, Min, Product, Stage, Sum, average_op,
-                      check_initialized, check_process_set, check_tensor, claim, finish_reduction,
-                      full_name, kf_op, lock, meta_check, meta_issue, meta_row, prefix, release,
-                      release_all,
-                      scaled, state, then)
+                      HorovodInternalError, Max, Min, ProcessSet, Product, Stage, Sum,
+                      average_op, check_initialized, check_process_set, check_tensor, claim,
+                      finish_reduction, full_name, global_process_set, kf_op, lock, meta_check,
+                      meta_issue, meta_row, new_set_scope, prefix, process_sets, release,
+                      release_all, scaled, state, then)
 
 # ---- basics ----
 
@@ -35,16 +45,24 @@ _atexit = []
 
 def init(comm=None, process_sets=None):
     """Starts the library (idempotent; again after `shutdown`). The ranks
-    come from the launcher (kungfu-run, torchrun, srun, mpirun)."""
+    come from the launcher (kungfu-run, torchrun, srun, mpirun).
+    `process_sets`: ProcessSets to add now (every rank passes the same
+    sets in the same order; a duplicate raises ValueError and adds none),
+    or "dynamic" (none now: `add_process_set` works anyway)."""
     if comm is not None:
         raise NotImplementedError("kungfu.torch: init(comm=...) is not supported: the launcher "
                                   "says who the ranks are")
-    if process_sets:
-        raise NotImplementedError("kungfu.torch: process sets are not supported")
+    if isinstance(process_sets, str):
+        if process_sets.lower() != "dynamic":
+            raise ValueError(f"process_sets must be a list of ProcessSet or \"dynamic\", not "
+                             f"{process_sets!r}")
+        process_sets = None
     kungfu.init()
     state.initialized = True
     if not _atexit:
         _atexit.append(atexit.register(_at_exit))
+    if process_sets:
+        _init_process_sets(list(process_sets))
 
 
 def _at_exit():
@@ -57,7 +75,12 @@ def _at_exit():
 def shutdown():
     """Marks the API uninitialized. The library keeps running (it cannot
     start again once finalized; it is finalized at exit), so `init()`
-    works again. Handles not synchronized are forgotten (their ops go on)."""
+    works again. Handles not synchronized are forgotten (their ops go on).
+    Every process set is removed (its library group ended here), and ids
+    count from 1 again, as in horovod."""
+    for pid in list(process_sets):
+        _remove(pid)
+    _ids.reset()
     state.initialized = False
     with lock:
         _handles.clear()
@@ -155,39 +178,127 @@ def stop_timeline():
     pass
 
 
-class ProcessSet:
-    """Horovod's process sets are not supported: only the global one
-    (`global_process_set`, every rank) exists."""
+# ---- process sets ----
 
-    def __init__(self, ranks_or_comm=None):
-        self.ranks = sorted(ranks_or_comm) if ranks_or_comm is not None else None
-        self.process_set_id = 0 if ranks_or_comm is None else None
+class _Ids:
+    """Process set ids: 1, 2, ... in the order sets are added, the ids of
+    removed sets first again (in the order they were freed), as horovod's
+    ProcessSetTable. Every rank adds and removes the same sets in the same
+    order, so the ids agree."""
 
-    def size(self):
-        return len(self.ranks) if self.ranks is not None else size()
+    def __init__(self):
+        self.reset()
 
-    def rank(self):
-        if self.ranks is None:
-            return rank()
-        return self.ranks.index(rank()) if rank() in self.ranks else -1
+    def reset(self):
+        self.next, self.free = 1, deque()
 
-    def included(self):
-        return self.ranks is None or rank() in self.ranks
+    def take(self):
+        if self.free:
+            return self.free.popleft()
+        self.next += 1
+        return self.next - 1
 
-    def __repr__(self):
-        return "ProcessSet(global)" if self.ranks is None else f"ProcessSet({self.ranks})"
+    def give_back(self, pid):
+        self.free.append(pid)
 
 
-global_process_set = ProcessSet()
+_ids = _Ids()
+
+
+def _check_new(ps, taken=()):
+    """ValueError unless `ps` may be added: ranks of the cluster, none
+    twice, not the ranks of the global set or of a set added (or of
+    `taken`)."""
+    n = kungfu.size()
+    ranks = ps.ranks
+    if not ranks:
+        raise ValueError(f"{prefix()}a process set needs at least one rank: {ps}")
+    if any(not 0 <= r < n for r in ranks) or len(set(ranks)) != len(ranks):
+        raise ValueError(f"{prefix()}{ps}: its ranks must be distinct ranks, from 0 to "
+                         f"{n - 1}")
+    if (ranks == list(range(n)) or tuple(ranks) in taken
+            or any(list(s.ranks) == ranks for s in process_sets.values())):
+        raise ValueError(f"Attempted to add a duplicate process set: {ps}")
+
+
+def _add(ps):
+    """Gives `ps` the next id; its members make its library group (a
+    collective of them alone, blocking until all have called it)."""
+    group = None
+    if kungfu.rank() in ps.ranks:
+        try:
+            group = _C.group_create(list(ps.ranks))
+        except RuntimeError as e:
+            raise HorovodInternalError(f"{prefix()}making the library group of {ps} failed: "
+                                       f"{e}") from e
+    pid = _ids.take()
+    ps.process_set_id = pid
+    process_sets[pid] = new_set_scope(ps, pid, group)
+    return ps
+
+
+def _remove(pid):
+    scope = process_sets.pop(pid)
+    scope.process_set._invalidate()
+    if scope.group is not None:
+        try:
+            _C.group_destroy(scope.group)
+        except RuntimeError:  # already ended by the library (a resize, a recovery)
+            pass
+    _ids.give_back(pid)
+
+
+def _init_process_sets(sets):
+    """init's `process_sets`: each one gets the id of an added set of the
+    same ranks, or is added; checked first, so a duplicate adds none."""
+    taken = set()
+    for i, ps in enumerate(sets):
+        if not isinstance(ps, ProcessSet):
+            raise ValueError(f"process_sets entry number {i} is not a ProcessSet: {ps!r}")
+        try:
+            if tuple(ps.ranks) in taken:
+                raise ValueError(f"Attempted to add a duplicate process set: {ps}")
+            if not any(list(s.ranks) == ps.ranks for s in process_sets.values()):
+                _check_new(ps, taken)
+        except ValueError as e:
+            raise ValueError(f"Horovod could not be initialized because process_sets entry "
+                             f"number {i} is a duplicate or invalid: {e}") from None
+        taken.add(tuple(ps.ranks))
+    for ps in sets:
+        known = [pid for pid, s in process_sets.items() if list(s.ranks) == ps.ranks]
+        if known:
+            ps.process_set_id = known[0]
+        else:
+            _add(ps)
 
 
 def add_process_set(process_set):
-    raise NotImplementedError("kungfu.torch: process sets are not supported (every op spans "
-                              "all ranks)")
+    """Adds a process set (a ProcessSet or a list of ranks) and returns it
+    with its id; every rank calls it, with the same sets in the same
+    order. Its members make its library group here (blocking until all of
+    them have called it). A set of the ranks of the global set or of a set
+    added raises ValueError."""
+    check_initialized()
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if ps is global_process_set:
+        raise ValueError(f"Attempted to add a duplicate process set: {ps}")
+    _check_new(ps)
+    return _add(ps)
 
 
 def remove_process_set(process_set):
-    raise NotImplementedError("kungfu.torch: process sets are not supported")
+    """Removes an added process set (every rank calls it): its members end
+    its library group (ops in flight finish), the ProcessSet loses its id
+    (it may be added again). Returns False for the global set or a set not
+    added, else True."""
+    pid = getattr(process_set, "process_set_id", None)
+    if not pid:
+        return False
+    process_set._invalidate()
+    if pid not in process_sets:
+        return False
+    _remove(pid)
+    return True
 
 
 # ---- handles ----
@@ -220,9 +331,12 @@ def synchronize(handle):
     return h.wait()
 
 
-def _issued(h, desc, announce=True):
+def _issued(h, desc, announce=True, scope=None):
     """Counts and (unless the caller announces it otherwise) announces an
-    op that was issued, for hvd.join."""
+    op of the global set that was issued, for hvd.join; an op of another
+    set is only registered (join is global: its ranks need not know)."""
+    if scope is not None and not scope.is_global:
+        return _register(h)
     h.inst = _join.issued(desc[1])
     if announce:
         _join.announce((desc[0], desc[1], h.inst) + tuple(desc[2:]))
@@ -236,16 +350,18 @@ def _members(full, count):
 # ---- allreduce ----
 
 def _allreduce_start(tensors, outputs, name, op, pre, post, kind="allreduce",
-                     grouped=False, check=True, announce=True):
+                     grouped=False, check=True, announce=True, scope=None):
+    """Starts the allreduce of `tensors` into `outputs` among the ranks of
+    `scope` (a Scope or a ProcessSet; default every rank)."""
     check_initialized()
+    scope = check_process_set(scope)
     for t in tensors:
         check_tensor(t, kind)
     kops = [kf_op(op, t.dtype, kind) for t in tensors]
-    n = kungfu.size()
-    full = full_name(kind, name)
+    full = full_name(kind, name, scope)
     members = _members(full, len(tensors)) if grouped else [full]
-    h = Handle(f'{kind} "{full}"')
-    claim([full] + (members if grouped else []), h)
+    h = Handle(f'{kind} "{full}"{scope.where()}')
+    claim([full] + (members if grouped else []), h, scope)
     try:
         srcs = [scaled(t, pre) if pre != 1.0 else t for t in tensors]
         gathered = None
@@ -253,13 +369,13 @@ def _allreduce_start(tensors, outputs, name, op, pre, post, kind="allreduce",
             rows = []
             for t in tensors:
                 rows += meta_row("allreduce", t, op, -1, pre, post)
-            mw, gathered = meta_issue(full, rows)
+            mw, gathered = meta_issue(full, rows, scope)
             h.works.append(mw)
         if grouped:
             _C.group_start()
         try:
             for s, o, k, m in zip(srcs, outputs, kops, members):
-                h.works.append(_C.allreduce(s, o, k, m))
+                h.works.append(_C.allreduce(s, o, k, m, group=scope.group))
         finally:
             if grouped:
                 _C.group_end()
@@ -269,14 +385,15 @@ def _allreduce_start(tensors, outputs, name, op, pre, post, kind="allreduce",
 
     def finish():
         if gathered is not None:
-            meta_check(full, gathered, members=len(tensors))
+            meta_check(full, gathered, members=len(tensors), scope=scope)
         for o in outputs:
-            finish_reduction(o, op, n, post)
+            finish_reduction(o, op, scope.size, post)
         return list(outputs) if grouped else outputs[0]
 
     h.finish = finish
     desc = [(m, t.numel(), DTYPE_CODE[t.dtype], k) for m, t, k in zip(members, tensors, kops)]
-    return _issued(h, ("allreduce", full, desc, len(tensors) if check else 0, grouped), announce)
+    return _issued(h, ("allreduce", full, desc, len(tensors) if check else 0, grouped), announce,
+                   scope)
 
 
 def _new_like(tensor):
@@ -287,18 +404,19 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
                     postscale_factor=1.0, process_set=global_process_set):
     """Starts an allreduce into a new tensor; `synchronize` returns it."""
     op = average_op(average, op)
-    check_process_set(process_set)
+    scope = check_process_set(process_set)
     check_tensor(tensor, "allreduce")
     return _allreduce_start([tensor], [_new_like(tensor)], name, op, prescale_factor,
-                            postscale_factor)
+                            postscale_factor, scope=scope)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set):
     """Starts an allreduce in place."""
     op = average_op(average, op)
-    check_process_set(process_set)
-    return _allreduce_start([tensor], [tensor], name, op, prescale_factor, postscale_factor)
+    scope = check_process_set(process_set)
+    return _allreduce_start([tensor], [tensor], name, op, prescale_factor, postscale_factor,
+                            scope=scope)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -309,12 +427,13 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                                         postscale_factor, process_set))
 
 
-def _grad_allreduce_async_(tensor, name, op, prescale_factor=1.0, postscale_factor=1.0):
+def _grad_allreduce_async_(tensor, name, op, prescale_factor=1.0, postscale_factor=1.0,
+                           process_set=global_process_set):
     """DistributedOptimizer's: in place, without the metadata allgather
     (the library still checks counts, types and reductions), announced for
-    hvd.join by the optimizer, once per step."""
+    hvd.join by the optimizer, once per step (ops of the global set)."""
     return _allreduce_start([tensor], [tensor], name, op, prescale_factor, postscale_factor,
-                            check=False, announce=False)
+                            check=False, announce=False, scope=process_set)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -322,21 +441,22 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
     """Starts the allreduce of a list of tensors (fused by the library)
     into new tensors; `synchronize` returns their list."""
     op = average_op(average, op)
-    check_process_set(process_set)
+    scope = check_process_set(process_set)
     tensors = list(tensors)
     for t in tensors:
         check_tensor(t, "grouped_allreduce")
     return _allreduce_start(tensors, [_new_like(t) for t in tensors], name, op,
-                            prescale_factor, postscale_factor, "grouped_allreduce", True)
+                            prescale_factor, postscale_factor, "grouped_allreduce", True,
+                            scope=scope)
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set):
     op = average_op(average, op)
-    check_process_set(process_set)
+    scope = check_process_set(process_set)
     tensors = list(tensors)
     return _allreduce_start(tensors, tensors, name, op, prescale_factor, postscale_factor,
-                            "grouped_allreduce", True)
+                            "grouped_allreduce", True, scope=scope)
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -349,11 +469,12 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     """A sparse tensor's allreduce as allgathers of its indices and values;
     returns a function that waits and returns the (uncoalesced) result."""
-    check_process_set(process_set)
+    scope = check_process_set(process_set)
     if op not in (Sum, Average):
         raise NotImplementedError(f"{prefix()}sparse allreduce: only Sum and Average")
-    indices = allgather_async(tensor._indices().t().contiguous(), name=f"{name}.indices")
-    values = allgather_async(tensor._values(), name=f"{name}.values")
+    indices = allgather_async(tensor._indices().t().contiguous(), name=f"{name}.indices",
+                              process_set=scope)
+    values = allgather_async(tensor._values(), name=f"{name}.values", process_set=scope)
 
     def handle():
         v = synchronize(values)
@@ -361,23 +482,23 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
         if v.dim() == 0 or i.dim() == 0:
             return tensor.new().resize_as_(tensor)
         if op == Average:
-            v = v / kungfu.size()
+            v = v / scope.size
         return torch.sparse_coo_tensor(i.t(), v, tensor.size(), check_invariants=False)
     return handle
 
 
 # ---- allgather ----
 
-def _allgather_start(tensors, name, kind, grouped):
+def _allgather_start(tensors, name, kind, grouped, scope):
     check_initialized()
     for t in tensors:
         check_tensor(t, kind)
-    full = full_name(kind, name)
+    full = full_name(kind, name, scope)
     members = _members(full, len(tensors)) if grouped else [full]
-    h = Handle(f'{kind} "{full}"')
-    claim([full] + (members if grouped else []), h)
+    h = Handle(f'{kind} "{full}"{scope.where()}')
+    claim([full] + (members if grouped else []), h, scope)
     try:
-        h.works = [_C.allgather_v(t, m) for t, m in zip(tensors, members)]
+        h.works = [_C.allgather_v(t, m, group=scope.group) for t, m in zip(tensors, members)]
     except BaseException:
         release(h)
         raise
@@ -387,35 +508,34 @@ def _allgather_start(tensors, name, kind, grouped):
         outs = [w.get_future().wait()[0] for w in works]  # the Future completes after wait()
         return outs if grouped else outs[0]
     h.finish = finish
-    return _issued(h, ("allgather", full, members))
+    return _issued(h, ("allgather", full, members), scope=scope)
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set):
-    """Starts an allgather: every rank's tensor along the first dimension
-    (which may differ between ranks), in rank order."""
-    check_process_set(process_set)
-    return _allgather_start([tensor], name, "allgather", False)
+    """Starts an allgather: every member's tensor along the first
+    dimension (which may differ between ranks), in set order (rank order
+    for the global set)."""
+    scope = check_process_set(process_set)
+    return _allgather_start([tensor], name, "allgather", False, scope)
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
-    check_process_set(process_set)
-    return _allgather_start(list(tensors), name, "grouped_allgather", True)
+    scope = check_process_set(process_set)
+    return _allgather_start(list(tensors), name, "grouped_allgather", True, scope)
 
 
 # ---- broadcast ----
 
-def _broadcast_start(tensor, output, root_rank, name):
+def _broadcast_start(tensor, output, root_rank, name, scope):
     check_initialized()
     check_tensor(tensor, "broadcast")
-    n = kungfu.size()
     root = int(root_rank)
-    if not 0 <= root < n:
-        raise ValueError(f"{prefix()}broadcast: root rank {root_rank} is not one of the {n} ranks")
-    full = full_name("broadcast", name)
-    h = Handle(f'broadcast "{full}"')
-    claim([full], h)
+    set_root = scope.set_rank(root, "broadcast")
+    full = full_name("broadcast", name, scope)
+    h = Handle(f'broadcast "{full}"{scope.where()}')
+    claim([full], h, scope)
     try:
-        mw, gathered = meta_issue(full, meta_row("broadcast", tensor, root=root))
+        mw, gathered = meta_issue(full, meta_row("broadcast", tensor, root=root), scope)
     except BaseException:
         release(h)
         raise
@@ -423,23 +543,24 @@ def _broadcast_start(tensor, output, root_rank, name):
     h.stage = Stage()
 
     def second():  # once every rank's type, shape and root are known to agree
-        meta_check(full, gathered)
-        return _C.broadcast(tensor, output, root, full)
+        meta_check(full, gathered, scope=scope)
+        return _C.broadcast(tensor, output, set_root, full, group=scope.group)
     then(mw, h.stage, second)
     h.finish = lambda: output
-    return _issued(h, ("meta", full))
+    return _issued(h, ("meta", full), scope=scope)
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
-    """Starts a broadcast of root's tensor into a new tensor."""
-    check_process_set(process_set)
+    """Starts a broadcast of root's tensor (`root_rank`: a global rank, a
+    member of the set) into a new tensor."""
+    scope = check_process_set(process_set)
     check_tensor(tensor, "broadcast")
-    return _broadcast_start(tensor, _new_like(tensor), root_rank, name)
+    return _broadcast_start(tensor, _new_like(tensor), root_rank, name, scope)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
-    check_process_set(process_set)
-    return _broadcast_start(tensor, tensor, root_rank, name)
+    scope = check_process_set(process_set)
+    return _broadcast_start(tensor, tensor, root_rank, name, scope)
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
@@ -451,12 +572,13 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
     """Starts an alltoall: `splits[r]` rows (of the first dimension) go to
-    rank r (None: equal parts). `synchronize` returns (output, the rows
-    received from each rank as an int32 tensor)."""
-    check_process_set(process_set)
+    the set's r-th rank (None: equal parts). `synchronize` returns (output,
+    the rows received from each member as an int32 tensor)."""
+    scope = check_process_set(process_set)
     check_initialized()
     check_tensor(tensor, "alltoall")
-    n, me = kungfu.size(), kungfu.rank()
+    n, me = scope.size, scope.rank
+    ranks = "ranks" if scope.is_global else "ranks of the process set"
     if tensor.dim() == 0:
         raise ValueError(f"{prefix()}alltoall: a scalar cannot be split")
     d0 = tensor.size(0)
@@ -464,7 +586,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     if splits is None:
         if d0 % n:
             raise ValueError(f"{prefix()}alltoall: the first dimension ({d0}) does not split "
-                             f"evenly over {n} ranks: give splits")
+                             f"evenly over {n} {ranks}: give splits")
         send = [d0 // n] * n
     else:
         if isinstance(splits, (list, tuple)):
@@ -472,7 +594,8 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
         if not isinstance(splits, torch.Tensor) or splits.dtype != torch.int32:
             raise ValueError(f"{prefix()}alltoall: splits must be a list or an int32 tensor")
         if splits.dim() != 1 or splits.numel() != n:
-            raise ValueError(f"{prefix()}alltoall: splits must hold one entry per rank ({n})")
+            raise ValueError(f"{prefix()}alltoall: splits must hold one entry per rank ({n} "
+                             f"{ranks})")
         device = splits.device
         send = [int(x) for x in splits.tolist()]
         if any(x < 0 for x in send):
@@ -480,11 +603,11 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
         if sum(send) > d0:
             raise ValueError(f"{prefix()}alltoall: the splits add up to {sum(send)}, more than "
                              f"the first dimension ({d0})")
-    full = full_name("alltoall", name)
-    h = Handle(f'alltoall "{full}"')
-    claim([full], h)
+    full = full_name("alltoall", name, scope)
+    h = Handle(f'alltoall "{full}"{scope.where()}')
+    claim([full], h, scope)
     try:
-        mw, gathered = meta_issue(full, meta_row("alltoall", tensor) + send)
+        mw, gathered = meta_issue(full, meta_row("alltoall", tensor) + send, scope)
     except BaseException:
         release(h)
         raise
@@ -492,21 +615,21 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     h.stage = Stage()
     box = {}
 
-    def second():  # every rank's splits are known: allocate, send
-        meta_check(full, gathered, extra=n)
+    def second():  # every member's splits are known: allocate, send
+        meta_check(full, gathered, extra=n, scope=scope)
         recv = gathered.view(n, META_LEN + n)[:, META_LEN + me].tolist()
         out = tensor.new_empty((sum(recv),) + tuple(tensor.shape[1:]))
         src = tensor if sum(send) == d0 else tensor.narrow(0, 0, sum(send))
         box["out"], box["recv"] = out, recv
-        return _C.alltoall(src, out, send, recv, full)
+        return _C.alltoall(src, out, send, recv, full, group=scope.group)
     then(mw, h.stage, second)
     h.finish = lambda: (box["out"], torch.tensor(box["recv"], dtype=torch.int32, device=device))
-    return _issued(h, ("meta", full))
+    return _issued(h, ("meta", full), scope=scope)
 
 
 # ---- reducescatter ----
 
-def _reducescatter_start(tensors, name, op, pre, post, kind, grouped):
+def _reducescatter_start(tensors, name, op, pre, post, kind, grouped, scope):
     check_initialized()
     if op == Adasum:
         raise NotImplementedError(f"{prefix()}{kind}: Adasum is not supported by kungfu.torch")
@@ -517,21 +640,21 @@ def _reducescatter_start(tensors, name, op, pre, post, kind, grouped):
         if t.dim() == 0:
             raise ValueError(f"{prefix()}{kind}: a scalar cannot be scattered")
     kops = [kf_op(op, t.dtype, kind) for t in tensors]
-    n, me = kungfu.size(), kungfu.rank()
-    full = full_name(kind, name)
+    n, me = scope.size, scope.rank
+    full = full_name(kind, name, scope)
     members = _members(full, len(tensors)) if grouped else [full]
-    h = Handle(f'{kind} "{full}"')
-    claim([full] + (members if grouped else []), h)
+    h = Handle(f'{kind} "{full}"{scope.where()}')
+    claim([full] + (members if grouped else []), h, scope)
     outs = []
     try:
         rows = []
         for t in tensors:
             rows += meta_row("reducescatter", t, op, -1, pre, post)
-        mw, gathered = meta_issue(full, rows)
+        mw, gathered = meta_issue(full, rows, scope)
         h.works.append(mw)
         for t, k, m in zip(tensors, kops, members):
             d0, tail = t.size(0), tuple(t.shape[1:])
-            # horovod's split: the first d0 % n ranks get one row more
+            # horovod's split: the first d0 % n members get one row more
             split = [d0 // n + (1 if r < d0 % n else 0) for r in range(n)]
             most = split[0]
             src = scaled(t, pre) if pre != 1.0 else t
@@ -543,54 +666,55 @@ def _reducescatter_start(tensors, name, op, pre, post, kind, grouped):
                     at += split[r]
                 src = padded
             out = src.new_empty((most,) + tail)
-            h.works.append(_C.reduce_scatter(src, out, k, m))
+            h.works.append(_C.reduce_scatter(src, out, k, m, group=scope.group))
             outs.append((out, split[me]))
     except BaseException:
         release(h)
         raise
 
     def finish():
-        meta_check(full, gathered, members=len(tensors))
+        meta_check(full, gathered, members=len(tensors), scope=scope)
         res = [finish_reduction(o if mine == o.size(0) else o[:mine].clone(), op, n, post)
                for o, mine in outs]
         return res if grouped else res[0]
     h.finish = finish
-    return _issued(h, ("reducescatter", full, members))
+    return _issued(h, ("reducescatter", full, members), scope=scope)
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
                         prescale_factor=1.0, postscale_factor=1.0):
-    """Starts a reducescatter: the reduction of every rank's tensor, split
-    along the first dimension (rank r gets d0 // size rows, one more if
-    r < d0 % size)."""
-    check_process_set(process_set)
+    """Starts a reducescatter: the reduction of every member's tensor,
+    split along the first dimension (the set's r-th rank gets d0 // size
+    rows, one more if r < d0 % size; size: the set's)."""
+    scope = check_process_set(process_set)
     return _reducescatter_start([tensor], name, op, prescale_factor, postscale_factor,
-                                "reducescatter", False)
+                                "reducescatter", False, scope)
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0):
-    check_process_set(process_set)
+    scope = check_process_set(process_set)
     return _reducescatter_start(list(tensors), name, op, prescale_factor, postscale_factor,
-                                "grouped_reducescatter", True)
+                                "grouped_reducescatter", True, scope)
 
 
 # ---- join, barrier ----
 
 def join(device=-1):
     """Blocks until every rank joined, taking part meanwhile in the ops the
-    others issue (zeros for allreduces; allgather, broadcast, alltoall and
-    reducescatter fail while a rank has joined). Returns the rank that
-    joined last. `device` is accepted and ignored (CPU only)."""
+    others issue on the global set (zeros for allreduces; allgather,
+    broadcast, alltoall and reducescatter fail while a rank has joined).
+    Returns the rank that joined last. `device` is accepted and ignored
+    (CPU only)."""
     check_initialized()
     return _join.join()
 
 
 def barrier(process_set=global_process_set):
-    """Blocks until every rank called it (ops in flight go on)."""
-    check_process_set(process_set)
-    check_initialized()
+    """Blocks until every member of the set called it (ops in flight go
+    on)."""
+    scope = check_process_set(process_set)
     try:
-        _C.barrier().wait()
+        _C.barrier(group=scope.group).wait()
     except RuntimeError as e:
         raise HorovodInternalError(str(e)) from e

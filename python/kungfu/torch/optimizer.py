@@ -109,8 +109,11 @@ class _DistributedOptimizer:
     (`DistributedOptimizer`), so that `super()` is the wrapped optimizer."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step=1,
-                 op=Average, gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False):
+                 op=Average, gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
+                 process_set=M.global_process_set):
         super().__init__(params)
+        self.process_set = process_set
+        self._global = process_set is None or process_set is M.global_process_set
         self._compression = compression
         if named_parameters is not None:
             named_parameters = list(named_parameters)
@@ -164,7 +167,8 @@ class _DistributedOptimizer:
         self._fusion = fusion_bytes() if groups is None else 0
         self._buckets = []
         self._p_to_bucket = {}
-        if M.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1":
+        # as horovod: a rank outside the process set reduces nothing
+        if process_set.included() and (M.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"):
             self._register_hooks()
 
     # ---- hooks ----
@@ -189,6 +193,8 @@ class _DistributedOptimizer:
                     self._requires_update.add(p)
                     hook = self._p_to_bucket[p].tick if fast else _hook(me)
                     self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+        if not self._global:  # hvd.join is the global set's: nothing to announce
+            return
         # for hvd.join: a step is announced as one op, naming its allreduces
         # by their index here (the same on every rank)
         self._join_name, self._join_number = _join.register_optimizer(self)
@@ -203,7 +209,9 @@ class _DistributedOptimizer:
         from .functions import broadcast_object
         ps = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         # the same order (so the same groups) on every rank: rank 0's
-        order = broadcast_object([self._parameter_names.get(p) for p in ps], root_rank=0)
+        root = 0 if self._global else self.process_set.ranks[0]
+        order = broadcast_object([self._parameter_names.get(p) for p in ps], root_rank=root,
+                                 process_set=self.process_set)
         ps.sort(key=lambda p: order.index(self._parameter_names.get(p)))
         if isinstance(self._groups, list):
             known = {id(p) for p in ps}
@@ -260,11 +268,13 @@ class _DistributedOptimizer:
         tensor = p.grad
         if tensor.is_sparse:
             if not self.sparse_as_dense:
-                return M.sparse_allreduce_async(tensor, name=name, op=self.op), None
+                return M.sparse_allreduce_async(tensor, name=name, op=self.op,
+                                                process_set=self.process_set), None
             tensor = tensor.to_dense()
         compressed, ctx = self._compression.compress(tensor)
         pre, post = self._factors()
-        return M._grad_allreduce_async_(compressed, name, self.op, pre, post), ctx
+        return M._grad_allreduce_async_(compressed, name, self.op, pre, post,
+                                        self.process_set), ctx
 
     def _bucket_allreduce_async(self, bucket):
         """Starts the allreduce of `bucket`'s dense gradients as one flat
@@ -279,10 +289,13 @@ class _DistributedOptimizer:
                 p.grad = p.data.new(p.size()).zero_()
             if not p.grad.is_sparse:
                 dense.append(p)
+        if not dense:  # every gradient of it is sparse: each went on its own
+            return None, (None, dense)
         flat = torch.cat([p.grad.reshape(-1) for p in dense])
         compressed, ctx = self._compression.compress(flat)
         pre, post = self._factors()
-        handle = M._grad_allreduce_async_(compressed, bucket.name, self.op, pre, post)
+        handle = M._grad_allreduce_async_(compressed, bucket.name, self.op, pre, post,
+                                          self.process_set)
         return handle, (ctx, dense)
 
     def _grouped_allreduce_grad_async(self, group):
@@ -291,7 +304,7 @@ class _DistributedOptimizer:
         pre, post = self._factors()
         handle = M._allreduce_start([c for c, _ in pairs], [c for c, _ in pairs], name, self.op,
                                     pre, post, "grouped_allreduce", True, check=False,
-                                    announce=False)
+                                    announce=False, scope=self.process_set)
         return handle, [ctx for _, ctx in pairs]
 
     def _join_desc(self, code, index):
@@ -338,7 +351,10 @@ class _DistributedOptimizer:
     def synchronize(self):
         """Waits for every gradient's allreduce (starting those not started:
         parameters whose hook did not run get zeros) and puts the results
-        in the gradients."""
+        in the gradients. Nothing, on a rank outside the process set."""
+        if not self.process_set.included():
+            self._synchronized = True
+            return
         done = set()
         for key in self._handles:
             if isinstance(key, _Bucket):
@@ -352,17 +368,19 @@ class _DistributedOptimizer:
         for p in self._requires_update - done:
             self._handles[p] = self._allreduce_grad_async(p)
         for p, (handle, _) in list(self._handles.items()):
-            if handle is None:
+            if handle is None and not isinstance(p, _Bucket):
                 self._handles[p] = self._allreduce_grad_async(p)
         self._announce_step()
         try:
             for p, (handle, ctx) in self._handles.items():
                 if isinstance(p, _Bucket):
                     p.ready = 0
-                    flat = self._compression.decompress(M.synchronize(handle), ctx[0])
-                    grads = [gp.grad for gp in ctx[1]]
-                    parts = flat.split([g.numel() for g in grads])
-                    torch._foreach_copy_(grads, [x.view_as(g) for x, g in zip(parts, grads)])
+                    if handle is not None:
+                        flat = self._compression.decompress(M.synchronize(handle), ctx[0])
+                        grads = [gp.grad for gp in ctx[1]]
+                        parts = flat.split([g.numel() for g in grads])
+                        torch._foreach_copy_(grads,
+                                             [x.view_as(g) for x, g in zip(parts, grads)])
                     for gp in p.params:
                         self._allreduce_delay[gp] = self.backward_passes_per_step
                     continue
@@ -467,7 +485,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     size / it after. `groups` (or the deprecated `num_groups`): an int
     (that many groups) or lists of parameters reduced together as one
     fused op. `sparse_as_dense`: sparse gradients are reduced as dense.
-    Adasum and process sets are not supported."""
+    `process_set`: the gradients are reduced among its ranks only; on a
+    rank outside it, `step()` is the wrapped optimizer's alone (every rank
+    makes the optimizer, as with horovod). Adasum is not supported."""
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if num_groups != 0:
@@ -479,7 +499,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise ValueError("backward_passes_per_step must be > 0")
     if op == Adasum:
         raise NotImplementedError("kungfu.torch: Adasum is not supported")
-    check_process_set(process_set)
+    if process_set is None:
+        process_set = M.global_process_set
+    if process_set.included():
+        check_process_set(process_set)  # added (not removed), or ValueError
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
-               op, gradient_predivide_factor, groups, sparse_as_dense)
+               op, gradient_predivide_factor, groups, sparse_as_dense, process_set)
