@@ -301,7 +301,8 @@ def json_table(results: list, args) -> Table:
               f"all_reduce (f32, SUM, in place) and training steps, time in us, "
               f"median of {args.rounds} rounds; per run (processes, kungfu-run --bind-to): gloo, "
               "kungfu and ratio = kungfu/gloo",
-              ["size"] + [c for col in cols for c in (f"{col} gloo", f"{col} kungfu", "ratio")],
+              ["size" if results[0]["allreduce"] else "step"]
+              + [c for col in cols for c in (f"{col} gloo", f"{col} kungfu", "ratio")],
               ["{}"] + ["{:.1f}", "{:.1f}", "{:.2f}"] * len(results))
 
     def cells(us, k="kungfu", g="gloo"):
@@ -313,11 +314,6 @@ def json_table(results: list, args) -> Table:
     t.add("DDP step (SmallCNN)", *[c for r in results for c in cells(r["ddp"]["us"])])
     for label, k, g in DEEP_PAIRS:
         t.add(label, *[c for r in results for c in cells(r["deep"]["us"], k, g)])
-    # what the communication adds: the step less the step alone
-    for label, k, g in DEEP_PAIRS:
-        extra = [{w: r["deep"]["us"][w] - r["deep"]["us"]["local"] for w in (k, g)}
-                 for r in results]
-        t.add(f"{label}, less the step alone", *[c for e in extra for c in cells(e, k, g)])
     return t
 
 
