@@ -16,6 +16,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "kungfu.h"
 
@@ -107,11 +108,73 @@ class handle {
     kf_handle h_ = 0;
 };
 
-/// The library for the scope of this object: kf_init on construction,
-/// kf_finalize on destruction.
-class session {
+/// The collectives of a group of ranks (`kf_group_t`): roots, counts per
+/// rank and results in the group's ranks. `session` is the world's, `comm`
+/// a group made from a rank list.
+class ranks {
   public:
-    session() { check(kf_init()); }
+    explicit ranks(kf_group_t g) noexcept : g_(g) {}
+
+    int rank() const {
+        int r = -1;
+        check(kf_group_rank(g_, &r));
+        return r;
+    }
+    int size() const {
+        int n = -1;
+        check(kf_group_size(g_, &n));
+        return n;
+    }
+
+    template <class T>
+    handle allreduce(span<const T> in, span<T> out, kf_op op, const std::string &name) const {
+        same_size(in.size(), out.size(), "allreduce");
+        kf_handle h = 0;
+        check(kf_group_allreduce(g_, in.data(), out.data(), in.size(), dtype_of<T>::value, op,
+                                 name.c_str(), nullptr, nullptr, &h));
+        return handle(h);
+    }
+
+    template <class T> handle broadcast(span<T> buf, int root, const std::string &name) const {
+        kf_handle h = 0;
+        check(kf_group_broadcast(g_, buf.data(), buf.data(), buf.size(), dtype_of<T>::value, root,
+                                 name.c_str(), nullptr, nullptr, &h));
+        return handle(h);
+    }
+
+    template <class T> handle allgather(span<const T> in, span<T> out, const std::string &name) const {
+        same_size(in.size() * static_cast<std::size_t>(size()), out.size(), "allgather");
+        kf_handle h = 0;
+        check(kf_group_allgather(g_, in.data(), out.data(), in.size(), dtype_of<T>::value,
+                                 name.c_str(), nullptr, nullptr, &h));
+        return handle(h);
+    }
+
+    handle barrier() const {
+        kf_handle h = 0;
+        check(kf_group_barrier(g_, nullptr, nullptr, &h));
+        return handle(h);
+    }
+
+    kf_group_t id() const noexcept { return g_; }
+
+  protected:
+    kf_group_t g_;
+
+  private:
+    static void same_size(std::size_t want, std::size_t got, const char *op) {
+        if (want != got) {
+            throw error(KF_ERR_INVALID_ARGUMENT, std::string(op) + ": output of " + std::to_string(got) +
+                                                     " elements, expected " + std::to_string(want));
+        }
+    }
+};
+
+/// The library for the scope of this object: kf_init on construction,
+/// kf_finalize on destruction; its collectives span every rank.
+class session : public ranks {
+  public:
+    session() : ranks(KF_GROUP_WORLD) { check(kf_init()); }
     ~session() { kf_finalize(); }
     session(const session &) = delete;
     session &operator=(const session &) = delete;
@@ -121,45 +184,20 @@ class session {
     int local_rank() const noexcept { return kf_local_rank(); }
     int local_size() const noexcept { return kf_local_size(); }
 
-    template <class T>
-    handle allreduce(span<const T> in, span<T> out, kf_op op, const std::string &name) const {
-        same_size(in.size(), out.size(), "allreduce");
-        kf_handle h = 0;
-        check(kf_allreduce(in.data(), out.data(), in.size(), dtype_of<T>::value, op, name.c_str(),
-                           nullptr, nullptr, &h));
-        return handle(h);
-    }
-
-    template <class T> handle broadcast(span<T> buf, int root, const std::string &name) const {
-        kf_handle h = 0;
-        check(kf_broadcast(buf.data(), buf.data(), buf.size(), dtype_of<T>::value, root, name.c_str(),
-                           nullptr, nullptr, &h));
-        return handle(h);
-    }
-
-    template <class T> handle allgather(span<const T> in, span<T> out, const std::string &name) const {
-        same_size(in.size() * static_cast<std::size_t>(size()), out.size(), "allgather");
-        kf_handle h = 0;
-        check(kf_allgather(in.data(), out.data(), in.size(), dtype_of<T>::value, name.c_str(), nullptr,
-                           nullptr, &h));
-        return handle(h);
-    }
-
-    handle barrier() const {
-        kf_handle h = 0;
-        check(kf_barrier(nullptr, nullptr, &h));
-        return handle(h);
-    }
-
     void set_strategy(kf_strategy s) const { check(kf_set_strategy(s)); }
+};
 
-  private:
-    static void same_size(std::size_t want, std::size_t got, const char *op) {
-        if (want != got) {
-            throw error(KF_ERR_INVALID_ARGUMENT, std::string(op) + ": output of " + std::to_string(got) +
-                                                     " elements, expected " + std::to_string(want));
-        }
+/// A group of the ranks listed (this one among them: group rank i is
+/// members[i]) for the scope of this object: kf_group_create, a collective
+/// of the members alone, on construction; kf_group_destroy on destruction.
+class comm : public ranks {
+  public:
+    explicit comm(const std::vector<int> &members) : ranks(KF_GROUP_WORLD) {
+        check(kf_group_create(members.data(), static_cast<int>(members.size()), &g_));
     }
+    ~comm() { kf_group_destroy(g_); }
+    comm(const comm &) = delete;
+    comm &operator=(const comm &) = delete;
 };
 
 /// Fuses the allreduces issued between its construction and end() (or its

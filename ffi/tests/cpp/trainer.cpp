@@ -1,6 +1,6 @@
 // The C++ wrapper against the installed libkungfu, under kungfu-run: RAII
-// session and handles, containers as spans, a fused group, exceptions
-// carrying the status. Exits non-zero on the first failure.
+// session and handles, containers as spans, a fused group, a group of
+// ranks (kungfu::comm), exceptions carrying the status. Exits non-zero on the first failure.
 #include <kungfu.hpp>
 
 #include <cstdio>
@@ -61,6 +61,30 @@ int main() {
         kf.allgather<std::int32_t>(mine, all, "cpp/allgather").wait();
         for (int r = 0; r < size; r++) REQUIRE(all[2 * r] == r && all[2 * r + 1] == -r);
         kf.barrier().wait();
+
+        // a group of the ranks of this one's parity, in reverse order:
+        // group rank i is parity[i]
+        {
+            std::vector<int> parity;
+            for (int r = size - 1; r >= 0; r--)
+                if (r % 2 == rank % 2) parity.push_back(r);
+            kungfu::comm c(parity);
+            const int n = int(parity.size());
+            REQUIRE(c.size() == n);
+            REQUIRE(parity[std::size_t(c.rank())] == rank);
+            std::vector<std::int64_t> one{rank}, sum(1), who(static_cast<std::size_t>(n)), root{rank};
+            auto h1 = c.allreduce<std::int64_t>(one, sum, KF_SUM, "cpp/comm/sum");
+            auto h2 = c.allgather<std::int64_t>(one, who, "cpp/comm/who");
+            h1.wait(60000);
+            h2.wait(60000);
+            std::int64_t want = 0;
+            for (int r : parity) want += r;
+            REQUIRE(sum[0] == want);
+            for (int i = 0; i < n; i++) REQUIRE(who[std::size_t(i)] == parity[std::size_t(i)]);
+            c.broadcast<std::int64_t>(root, 0, "cpp/comm/root").wait(60000);
+            REQUIRE(root[0] == parity[0]);
+            c.barrier().wait(60000);
+        }
 
         // errors arrive as exceptions with the status
         bool threw = false;
