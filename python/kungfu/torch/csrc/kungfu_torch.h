@@ -165,7 +165,7 @@ class KfWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     return future_;
   }
-  // Completes ops itself while it waits (see Completions::pump).
+  // c10d's wait(), except on the completion thread (see Completions::pump)
   bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override;
 
   // The Work first (wait() returns), then the Future (its callbacks run).
@@ -209,14 +209,12 @@ class Completions {
     return *c;
   }
 
-  // A library thread's callback: the completion thread, or a thread
-  // waiting for a Work in pump(), takes it.
   void push(kf_handle h, kf_status s, Op* op) {
     {
       std::lock_guard<std::mutex> g(mu_);
       q_.push_back({h, s, op});
     }
-    cv_.notify_all();
+    cv_.notify_one();
   }
 
  private:
@@ -231,6 +229,7 @@ class Completions {
   }
 
   void run() {
+    on_thread_ = true;
     for (;;) {
       Item it;
       {
@@ -240,43 +239,42 @@ class Completions {
         q_.pop_front();
       }
       process(it);
-      cv_.notify_all();  // a waiter whose op this completed
     }
   }
 
  public:
-  // Runs completions on the calling thread until `done()` or `deadline`;
-  // false if the deadline came first. A Work's wait() does this: the
-  // library's callback then wakes the waiter itself, which completes the
-  // op (one thread hand-off, not two: the library thread to the
-  // completion thread, then to the waiter), and a wait() on the
-  // completion thread (a Future's callback that runs a blocking
-  // collective, which gloo allows) cannot wait for that very thread. Any
-  // number of threads pump at once; each completion is taken by one, and
-  // every thread waiting here is woken when an op completes elsewhere.
+  // Whether the caller is the completion thread: a Future's callback
+  // (torch runs them where the Future completes, here).
+  static bool on_thread() { return on_thread_; }
+
+  // Runs completions here until `done()` or `deadline`; false if the
+  // deadline came first. For a Work's wait() on the completion thread (a
+  // callback that runs a blocking collective, which gloo allows): blocking
+  // there would wait for this very thread, forever. Every Work completes on
+  // this thread, so `done()` changes only by what this loop runs.
   bool pump(const std::function<bool()>& done,
             std::chrono::steady_clock::time_point deadline) {
-    for (;;) {
+    while (!done()) {
       Item it;
       {
         std::unique_lock<std::mutex> g(mu_);
-        auto ready = [&] { return !q_.empty() || done(); };
+        auto ready = [this] { return !q_.empty(); };
         if (deadline == std::chrono::steady_clock::time_point::max()) {
           cv_.wait(g, ready);
         } else if (!cv_.wait_until(g, deadline, ready)) {
           return done();
         }
-        if (q_.empty()) return true;  // done() holds
         it = q_.front();
         q_.pop_front();
       }
       process(it);
-      cv_.notify_all();  // a waiter whose op this completed
-      if (done()) return true;
     }
+    return true;
   }
 
  private:
+  static inline thread_local bool on_thread_ = false;
+
   void process(const Item& it) {
     std::string detail;
     if (it.s != KF_OK) {
@@ -363,7 +361,7 @@ class Completions {
 
 
 inline bool KfWork::wait(std::chrono::milliseconds timeout) {
-  if (!isCompleted()) {
+  if (Completions::on_thread() && !isCompleted()) {
     auto deadline = timeout == ::kNoTimeout
                         ? std::chrono::steady_clock::time_point::max()
                         : std::chrono::steady_clock::now() + timeout;

@@ -3,15 +3,13 @@
 // and nothing else of the library.
 //
 // An op is a short list of steps, each one kf_* call. Its callback runs on
-// a library thread and only queues the completed handle; a thread of the
-// caller's waiting for a Work (Work.wait()) takes it, or else one
-// completion thread per process: that thread takes the op's error text
-// (kf_wait, kf_last_error), releases the handle, issues the next step or
-// runs the op's finishing copies, and then completes the Work and its
-// Future. So callbacks of the Future (DDP's comm hooks) never run on a
-// library thread, a step that needs the result of the one before (the
-// padding of an uneven alltoall) is issued from there, and a waiter is
-// woken by the library's thread itself (Completions::pump).
+// a library thread and only queues the completed handle; one completion
+// thread per process takes the op's error text (kf_wait, kf_last_error),
+// releases the handle, issues the next step or runs the op's finishing
+// copies, and then completes the Work and its Future. So callbacks of the
+// Future (DDP's comm hooks) never run on a library thread, and a step that
+// needs the result of the one before (the padding of an uneven alltoall)
+// is issued from there.
 
 #include "kungfu_torch.h"
 
