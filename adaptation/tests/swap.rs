@@ -158,6 +158,7 @@ fn a_resize_after_three_swaps_starts_a_later_generation_at_epoch_0() {
                             kind: OpKind::Allreduce(ReduceOp::Sum),
                             dtype: DType::F32,
                             count: 4,
+                            check: 0,
                         },
                         bytemuck::cast_slice(&[1.0f32; 4]),
                     )

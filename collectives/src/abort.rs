@@ -177,6 +177,7 @@ mod tests {
             },
             dtype: DType::BF16,
             count: 1 << 40,
+            check: 0,
         };
         let a = Abort::new(AbortReason::Mismatch, Rank(1), Rank(2), &spec);
         let b = Abort::decode(&a.encode()).unwrap();

@@ -276,6 +276,7 @@ mod tests {
             kind: crate::OpKind::Allreduce(crate::ReduceOp::Sum),
             dtype: crate::DType::F32,
             count: 4,
+            check: 0,
         };
         let e = abort_error(id, Rank(0), &spec, Rank(1), b"junk").unwrap_err();
         assert!(

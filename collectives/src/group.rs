@@ -43,7 +43,8 @@
 //! The C ABI's `kf_group_start`/`kf_group_end` fuse through this
 //! module, so C and Rust ranks, and ranks of older builds whose C ABI fused
 //! by the same rule, fuse alike. Ranks must form their groups from the same
-//! members (names, types, operators, counts): otherwise the fused ops do
+//! members (names, types, operators, counts, and the checks of
+//! [`Group::allreduce_checked_with_callback`]): otherwise the fused ops do
 //! not meet, or fail with a mismatch.
 //!
 //! Only allreduces are fused: other ops have no elementwise result to cut
@@ -101,6 +102,7 @@ struct Member<'a> {
     name: String,
     dtype: DType,
     op: ReduceOp,
+    check: u64,
     input: &'a [u8],
     done: MemberCallback,
 }
@@ -146,11 +148,28 @@ impl<'a, T: Transport> Group<'a, T> {
         input: &'a [u8],
         done: MemberCallback,
     ) {
+        self.allreduce_checked_with_callback(name, dtype, op, 0, input, done)
+    }
+
+    /// [`Group::allreduce_with_callback`] with a [check](OpSpec::check)
+    /// that every rank must give this member alike: the fused op's check
+    /// is the FNV-1a 64 hash of its members' checks (as little-endian
+    /// bytes, in member order), 0 if they are all 0.
+    pub fn allreduce_checked_with_callback(
+        &mut self,
+        name: &str,
+        dtype: DType,
+        op: ReduceOp,
+        check: u64,
+        input: &'a [u8],
+        done: MemberCallback,
+    ) {
         let count = input.len() / dtype.size();
         let spec = OpSpec {
             kind: OpKind::Allreduce(op),
             dtype,
             count,
+            check,
         };
         let checked = check_name(name).and_then(|()| {
             if count * dtype.size() != input.len() {
@@ -171,6 +190,7 @@ impl<'a, T: Transport> Group<'a, T> {
             name: name.into(),
             dtype,
             op,
+            check,
             input,
             done,
         });
@@ -223,10 +243,16 @@ fn fused_name(names: &[u8], members: usize) -> String {
 fn fuse<T: Transport>(session: &Session<T>, batch: Vec<Member<'_>>) {
     let (dtype, op) = (batch[0].dtype, batch[0].op);
     let mut names = Vec::new();
+    let mut checks = Vec::new();
     for m in &batch {
         names.extend_from_slice(m.name.as_bytes());
         names.push(0);
+        checks.extend_from_slice(&m.check.to_le_bytes());
     }
+    let check = match batch.iter().all(|m| m.check == 0) {
+        true => 0,
+        false => fnv1a64(Digest::EMPTY.0, &checks),
+    };
     let name = fused_name(&names, batch.len());
     let total = batch
         .iter()
@@ -235,6 +261,7 @@ fn fuse<T: Transport>(session: &Session<T>, batch: Vec<Member<'_>>) {
         kind: OpKind::Allreduce(op),
         dtype,
         count: total.unwrap_or(0) / dtype.size(),
+        check,
     };
     let checked = match total {
         Some(_) => spec.validate(session.size()),

@@ -208,7 +208,15 @@ pub fn op_shape(
     if !n.is_multiple_of(per) {
         hosts.push(n % per);
     }
-    (hosts, OpSpec { kind, dtype, count })
+    (
+        hosts,
+        OpSpec {
+            kind,
+            dtype,
+            count,
+            check: 0,
+        },
+    )
 }
 
 #[cfg(test)]
@@ -289,6 +297,7 @@ mod tests {
             kind: OpKind::Allreduce(ReduceOp::Avg),
             dtype: DType::F32,
             count: 2,
+            check: 0,
         };
         let inputs: Vec<Vec<u8>> = [[1f32, 2.0], [3.0, 4.0], [5.0, 9.0]]
             .iter()
@@ -302,6 +311,7 @@ mod tests {
             kind: OpKind::ReduceScatter(ReduceOp::Max),
             dtype: DType::F32,
             count: 1,
+            check: 0,
         };
         assert_eq!(expected(&rs, 1, &inputs), Some(9f32.to_le_bytes().to_vec()));
     }

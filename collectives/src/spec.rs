@@ -115,6 +115,16 @@ impl OpKind {
     }
 }
 
+/// `digest`, the short digest of a spec without its check, with `check`
+/// mixed in: what the op's frames carry. `digest` itself for check 0, so
+/// unchecked ops keep the digests they always had.
+pub(crate) fn with_check(digest: u32, check: u64) -> u32 {
+    if check == 0 {
+        return digest;
+    }
+    Digest(u64::from(digest)).u64(check).short()
+}
+
 /// One op as every rank must agree on it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct OpSpec {
@@ -122,6 +132,12 @@ pub struct OpSpec {
     pub dtype: DType,
     /// Elements per rank (per block for the block-wise ops).
     pub count: usize,
+    /// A value every rank must give alike, 0 for none: what the caller
+    /// wants checked beyond the kind, type and count, such as a tensor's
+    /// shape or its scale factors. It goes into the digest every frame
+    /// carries, so ranks that differ fail the op with a mismatch on every
+    /// rank, where otherwise ops of equal counts would meet and mix.
+    pub check: u64,
 }
 
 impl OpSpec {
@@ -244,7 +260,8 @@ impl OpSpec {
     }
 
     /// A digest of everything ranks must agree on, including the topology
-    /// the op runs on.
+    /// the op runs on, but not the [check](OpSpec::check): the short form
+    /// of this goes through `with_check` into the frames.
     pub fn digest(&self, topology: &Topology) -> Digest {
         let (op, root) = (
             self.kind.reduce_op().map_or(0, |o| o as u64),
@@ -262,6 +279,12 @@ impl OpSpec {
             .u64(topology.digest().0)
     }
 
+    /// The spec without its [check](OpSpec::check): what its plan
+    /// depends on.
+    pub fn unchecked(&self) -> OpSpec {
+        OpSpec { check: 0, ..*self }
+    }
+
     /// A one-line description for error messages.
     pub fn describe(&self) -> String {
         let mut s = format!("{} {} count={}", self.kind.name(), self.dtype, self.count);
@@ -270,6 +293,9 @@ impl OpSpec {
         }
         if let Root::At(r) = self.kind.root() {
             s.push_str(&format!(" root={}", r.0));
+        }
+        if self.check != 0 {
+            s.push_str(&format!(" check={:016x}", self.check));
         }
         s
     }
@@ -286,6 +312,7 @@ mod tests {
             kind: OpKind::Alltoall,
             dtype: DType::U16,
             count: 2,
+            check: 0,
         };
         assert_eq!(s.input_len(Rank(1), n), Some(12));
         let input: Vec<u8> = (0..12).collect();
@@ -298,6 +325,7 @@ mod tests {
             kind: OpKind::Gather { root: Rank(2) },
             dtype: DType::F32,
             count: 1,
+            check: 0,
         };
         assert_eq!(g.output_range(Rank(0), n), None);
         assert_eq!(g.output_range(Rank(2), n), Some(0..12));
@@ -306,6 +334,7 @@ mod tests {
             kind: OpKind::Scatter { root: Rank(1) },
             dtype: DType::F32,
             count: 2,
+            check: 0,
         };
         assert_eq!(sc.input_len(Rank(1), n), Some(24));
         assert_eq!(sc.input_len(Rank(0), n), Some(0));
@@ -335,18 +364,21 @@ mod tests {
             kind: OpKind::Allreduce(ReduceOp::Avg),
             dtype: DType::I32,
             count: 1,
+            check: 0,
         };
         assert!(bad.validate(2).is_err());
         let root = OpSpec {
             kind: OpKind::Broadcast { root: Rank(4) },
             dtype: DType::I32,
             count: 1,
+            check: 0,
         };
         assert!(root.validate(4).is_err());
         let huge = OpSpec {
             kind: OpKind::Allgather,
             dtype: DType::F64,
             count: usize::MAX / 4,
+            check: 0,
         };
         assert!(huge.validate(2).is_err());
     }

@@ -244,6 +244,7 @@ fn matrix(kind_of: impl Fn(usize, usize) -> OpKind) {
                         kind,
                         dtype: DType::F32,
                         count: per_rank(kind, n, count),
+                        check: 0,
                     };
                     check(&peers, strategy, spec, 16 * 1024, seed);
                 }
@@ -401,6 +402,7 @@ fn dtype_matrix() {
                                 kind,
                                 dtype,
                                 count: 77,
+                                check: 0,
                             };
                             check(&peers, strategy, spec, 40, seed);
                         }
@@ -425,6 +427,7 @@ fn many_seeds_one_result() {
                 kind: OpKind::Allreduce(ReduceOp::Sum),
                 dtype: DType::I32,
                 count: 333,
+                check: 0,
             };
             check(&peers, strategy, spec, 64, seed);
         }
@@ -447,6 +450,7 @@ fn same_seed_same_run_other_seeds_other_orders() {
                 kind,
                 dtype: DType::I32,
                 count: 333,
+                check: 0,
             };
             let inputs = reference::inputs(&spec, peers.len());
             let mut orders: HashMap<Vec<Delivery>, u64> = HashMap::new();
@@ -487,6 +491,7 @@ fn plans_beyond_four_gib() {
             kind,
             dtype: DType::U8,
             count,
+            check: 0,
         };
         let topo = |root: Root| Arc::new(Strategy::Ring.resolve(&peers, root, count));
         let mut plan = build(&PlanInput {
@@ -550,6 +555,7 @@ fn random_frames_never_panic_a_plan() {
                 kind,
                 dtype: DType::F32,
                 count: 50,
+                check: 0,
             };
             let inputs = reference::inputs(&spec, n);
             let honest = simulate_traced(&peers, strategy, &spec, &inputs, 64, 5, Some(me));
@@ -717,6 +723,7 @@ fn every_rank_gets_the_same_bits() {
                 kind: OpKind::Allreduce(op),
                 dtype: DType::F32,
                 count: 36,
+                check: 0,
             };
             let inputs: Vec<Vec<u8>> = (0..n)
                 .map(|r| {

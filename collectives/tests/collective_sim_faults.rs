@@ -22,6 +22,7 @@ fn f32s(kind: OpKind, count: usize) -> OpSpec {
         kind,
         dtype: DType::F32,
         count,
+        check: 0,
     }
 }
 

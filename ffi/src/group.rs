@@ -109,10 +109,11 @@ fn fuse(ctx: &Ctx, session: &Session<AnyTransport>, held: Vec<Held>) {
     let mut group = session.group();
     for ((req, op), done) in reqs.iter().zip(dones) {
         let (out, rt) = (req.out, ctx.rt.clone());
-        group.allreduce_with_callback(
+        group.allreduce_checked_with_callback(
             &req.name,
             req.spec.dtype,
             *op,
+            req.spec.check,
             &req.input,
             Box::new(move |r| {
                 let r = match r {

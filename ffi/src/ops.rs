@@ -339,6 +339,24 @@ pub extern "C" fn kf_group_end() -> kf_status {
     guard(group::end)
 }
 
+/// Sets the check of the next data collective this thread starts
+/// (`kf_allreduce` .. `kf_alltoall` and their `kf_group_*` forms; not
+/// `kf_consensus`, `kf_barrier` or point-to-point), which takes it
+/// whether it starts or fails. Every rank of the op must give the same
+/// value, else the op fails on every rank with `KF_ERR_MISMATCH`, rather
+/// than reducing buffers that only agree in length (a tensor of shape
+/// [17, 1311] against one of [17, 23, 57]). 0 (the default) checks
+/// nothing beyond the type, count, operator and root. A value can stand
+/// for anything the caller wants checked: a hash of the shape, the scale
+/// factors. A fused allreduce (`kf_group_start`) checks its members'.
+/// Costs nothing on the wire: the value goes into the op's digest, which
+/// every frame carries.
+#[no_mangle]
+pub extern "C" fn kf_set_check(check: u64) -> kf_status {
+    crate::request::set_check(check);
+    crate::KF_OK
+}
+
 /// Switches the transport of later ops on every rank, at a consistency
 /// barrier that advances the epoch, without tearing the job down: ops in
 /// flight finish on the old transport, the ranks agree on the new one and

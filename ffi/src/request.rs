@@ -49,6 +49,15 @@ pub(crate) struct Request {
     pub(crate) out: Option<(OutPtr, usize)>,
 }
 
+thread_local! {
+    /// The check of the next data op this thread starts (`kf_set_check`).
+    static CHECK: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+pub(crate) fn set_check(check: u64) {
+    CHECK.set(check);
+}
+
 /// Checks the buffers of `spec` for this rank (of `session`, group `g`)
 /// and copies the input.
 fn request(
@@ -134,13 +143,19 @@ pub(crate) fn start_op(
     user: *mut c_void,
     out: *mut kf_handle,
 ) -> kf_status {
+    let check = CHECK.replace(0);
     guard(|| {
         let name = name_of(name)?;
         let dtype = dtype_of(dtype)?;
         let ctx = ctx()?;
         let session = session_of(&ctx, g)?;
         let kind = kind(session.size())?;
-        let spec = OpSpec { kind, dtype, count };
+        let spec = OpSpec {
+            kind,
+            dtype,
+            count,
+            check,
+        };
         // A call that fails makes no handle and runs no callback: what can
         // fail is checked before the handle exists, or the handle is
         // withdrawn (a caller that frees its callback's context on an

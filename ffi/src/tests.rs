@@ -202,6 +202,7 @@ fn allreduce_request(name: &str, out: *mut u8) -> Request {
             kind: OpKind::Allreduce(ReduceOp::Sum),
             dtype: DType::F32,
             count: 1,
+            check: 0,
         },
         input: vec![0; 4],
         out: Some((OutPtr(out), 4)),

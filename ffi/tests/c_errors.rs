@@ -60,6 +60,25 @@ fn ranks_that_disagree_see_mismatch() {
                 "kf_set_strategy to another strategy on each rank",
                 "KF_ERR_MISMATCH",
             ),
+            saw(
+                r,
+                "mismatch",
+                "allreduce with another check on each rank",
+                "KF_ERR_MISMATCH",
+            ),
+            saw(r, "mismatch", "allreduce with the same check", "KF_OK"),
+            saw(
+                r,
+                "mismatch",
+                "allreduce after a refused call took the check",
+                "KF_OK",
+            ),
+            saw(
+                r,
+                "mismatch",
+                "fused allreduce whose member has another check on each rank",
+                "KF_ERR_MISMATCH",
+            ),
             saw(r, "mismatch", "allreduce after the mismatches", "KF_OK"),
             done(r, "mismatch"),
         ]);

@@ -14,6 +14,7 @@ fn spec() -> OpSpec {
         kind: OpKind::Allreduce(ReduceOp::Sum),
         dtype: DType::F32,
         count: 4,
+        check: 0,
     }
 }
 

@@ -224,6 +224,7 @@ fn plans_fit_together_on_a_fixed_grid() {
                             kind,
                             dtype: DType::F32,
                             count,
+                            check: 0,
                         },
                         chunk_bytes,
                     };
@@ -246,6 +247,7 @@ fn large_rings_send_frames_of_at_least_the_ring_minimum() {
             kind: OpKind::Allreduce(ReduceOp::Sum),
             dtype: DType::F32,
             count: bytes / 4,
+            check: 0,
         };
         let topo = |root: Root| Arc::new(Strategy::Ring.resolve(&peers, root, bytes));
         let plan = build(&PlanInput {

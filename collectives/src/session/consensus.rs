@@ -45,6 +45,7 @@ impl<T: Transport> Session<T> {
                     kind: OpKind::Allreduce(ReduceOp::Max),
                     dtype: DType::U64,
                     count,
+                    check: 0,
                 };
                 let lens = [len, !len];
                 let out = session
@@ -65,6 +66,7 @@ impl<T: Transport> Session<T> {
                     kind: OpKind::Allreduce(ReduceOp::Max),
                     dtype: DType::U8,
                     count: both.len(),
+                    check: 0,
                 };
                 let out = session
                     .start_internal(gated, &format!("{name}\0data"), spec, &both)

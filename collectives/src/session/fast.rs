@@ -192,7 +192,7 @@ fn digest(spec: &OpSpec) -> u32 {
     for w in words {
         h = fnv1a64(h, &w.to_le_bytes());
     }
-    (h ^ (h >> 32)) as u32
+    crate::spec::with_check((h ^ (h >> 32)) as u32, spec.check)
 }
 
 impl<T: Transport> Fast<T> {

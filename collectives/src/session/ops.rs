@@ -76,6 +76,7 @@ impl<T: Transport> Session<T> {
             kind,
             dtype: E::DTYPE,
             count,
+            check: 0,
         };
         let cb: Callback = Box::new(move |r| drop(tx.send(r.map(|o| o.to_vec::<E>()))));
         let input = Memory::Input(bytemuck::cast_slice(input));
@@ -122,6 +123,7 @@ impl<T: Transport> Session<T> {
             kind,
             dtype: E::DTYPE,
             count: buf.len(),
+            check: 0,
         };
         let out = self.submit(name, spec, bytemuck::cast_slice(buf)).await?;
         if let Some(o) = out.bytes() {
@@ -209,6 +211,7 @@ impl<T: Transport> Session<T> {
             kind: OpKind::Allreduce(ReduceOp::Max),
             dtype: DType::U8,
             count: 0,
+            check: 0,
         };
         let done = Box::new(move |r: Result<OpOutput, _>| drop(tx.send(r.map(|_| ()))));
         let d = self.start(Start::new(name, spec, Memory::Input(&[]), done));

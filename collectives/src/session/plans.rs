@@ -97,7 +97,9 @@ impl<T: Transport> Session<T> {
         self.check(&name, &spec, &mem, internal, scope)?;
         let configured = self.strategy();
         let plans = scope.map_or(&self.inner.plans, |s| &s.plans);
-        let cached = lock(plans).get(&spec, configured);
+        // One plan serves every check of a spec; the digest differs.
+        let key = spec.unchecked();
+        let cached = lock(plans).get(&key, configured);
         let Cached {
             plan,
             digest,
@@ -120,10 +122,10 @@ impl<T: Transport> Session<T> {
                         Some(s) => plan.relabelled(&s.members),
                         None => plan,
                     },
-                    digest: spec.digest(&topo).short(),
+                    digest: key.digest(&topo).short(),
                     strategy: topo.strategy(),
                 };
-                lock(plans).insert(spec, configured, c.clone());
+                lock(plans).insert(key, configured, c.clone());
                 c
             }
         };
@@ -140,7 +142,7 @@ impl<T: Transport> Session<T> {
                 op,
                 seq,
             },
-            digest,
+            digest: crate::spec::with_check(digest, spec.check),
             strategy,
         };
         let cfg = MachineConfig {

@@ -16,6 +16,7 @@ fn disagreeing_specs_fail_everywhere_with_names() {
             kind: OpKind::Allreduce(ReduceOp::Sum),
             dtype: DType::F32,
             count: 8,
+            check: 0,
         };
         let bcast = |root| OpSpec {
             kind: OpKind::Broadcast { root: Rank(root) },
@@ -33,8 +34,18 @@ fn disagreeing_specs_fail_everywhere_with_names() {
             ..base
         };
         // (name, spec of the others, spec of rank 2)
-        let variants: [(&str, OpSpec, OpSpec); 9] = [
+        let checked = |spec: OpSpec, check| OpSpec { check, ..spec };
+        let variants: [(&str, OpSpec, OpSpec); 13] = [
             ("count", base, OpSpec { count: 9, ..base }),
+            // same spec, other checks (tensors of one count, other shapes)
+            ("check", checked(base, 5), checked(base, 6)),
+            ("check-unset", checked(base, 5), base),
+            ("bcast-check", checked(bcast(1), 5), checked(bcast(1), 6)),
+            (
+                "gather-check",
+                checked(gather, 1 << 40),
+                checked(gather, 1 << 41),
+            ),
             (
                 "op",
                 base,
@@ -118,6 +129,34 @@ fn disagreeing_specs_fail_everywhere_with_names() {
     });
 }
 
+/// Ranks that give the same check run the op as without one, plan
+/// cached or not; the same spec under another check after it too.
+#[test]
+fn equal_checks_complete() {
+    rt().block_on(async {
+        let n = 3;
+        let ss = sessions(n, Strategy::Ring, 3, Duration::from_secs(20));
+        for (i, check) in [7u64, 7, u64::MAX, 0].into_iter().enumerate() {
+            let spec = OpSpec {
+                kind: OpKind::Allreduce(ReduceOp::Sum),
+                dtype: DType::U8,
+                count: 5,
+                check,
+            };
+            let name = format!("checked/{i}");
+            let handles: Vec<_> = ss
+                .iter()
+                .enumerate()
+                .map(|(r, s)| s.submit(&name, spec, &[r as u8 + 1; 5]))
+                .collect();
+            for h in handles {
+                let out = h.await.unwrap();
+                assert_eq!(out.bytes().unwrap(), &[6u8; 5], "check {check}");
+            }
+        }
+    });
+}
+
 /// Every rank names itself the root of a broadcast (the torch backend's
 /// hole: each completed with its own data): every rank refuses it.
 #[test]
@@ -136,6 +175,7 @@ fn a_broadcast_where_every_rank_is_the_root_fails_everywhere() {
                             },
                             dtype: DType::U8,
                             count: 16,
+                            check: 0,
                         };
                         s.submit("roots", spec, &[r as u8 + 1; 16])
                     })
@@ -305,6 +345,7 @@ fn stale_and_hostile_frames() {
             kind: OpKind::Allreduce(ReduceOp::Sum),
             dtype: DType::F32,
             count: 4,
+            check: 0,
         };
         let topo = ss[0].topology(kungfu_topology::Root::Any, 16);
         let bad = Header {
@@ -355,6 +396,7 @@ fn invalid_arguments_fail_at_once() {
             kind: OpKind::Allreduce(ReduceOp::Sum),
             dtype: DType::F64,
             count: 3,
+            check: 0,
         };
         let e = s.submit("raw", spec, &[0u8; 23]).await.unwrap_err();
         assert!(e.to_string().contains("24 input bytes"), "{e}");

@@ -155,6 +155,7 @@ fn group_fuses_by_type_and_op_in_name_order() {
                             kind: OpKind::Allreduce(op),
                             dtype,
                             count: bytes.len() / dtype.size(),
+                            check: 0,
                         };
                         let got = s.submit(&fused_name(names), spec, &bytes).await.unwrap();
                         assert_eq!(got.bytes().unwrap(), &want[..], "{names:?} {op}");
@@ -325,6 +326,75 @@ fn refused_members_fail_alone_and_a_failed_fused_op_fails_its_members() {
         }
         for t in tasks {
             t.await.unwrap();
+        }
+    });
+}
+
+/// Members' checks: equal ones fuse and complete; one member whose check
+/// differs on one rank fails the fused op, so all its members, on every
+/// rank, while the other batch (another type) completes.
+#[test]
+fn members_checks_go_into_the_fused_op() {
+    rt().block_on(async {
+        let n = 3;
+        let ss = sessions(n, Strategy::Ring, 3, Duration::from_secs(20));
+        for odd in [false, true] {
+            let tasks: Vec<_> = ss
+                .iter()
+                .enumerate()
+                .map(|(r, s)| {
+                    let s = s.clone();
+                    tokio::spawn(async move {
+                        let got = |tx: tokio::sync::oneshot::Sender<_>| {
+                            Box::new(move |res: Result<&[u8], CollectiveError>| {
+                                drop(tx.send(res.map(<[u8]>::to_vec)))
+                            })
+                        };
+                        let (ta, a) = tokio::sync::oneshot::channel();
+                        let (tb, b) = tokio::sync::oneshot::channel();
+                        let (tc, c) = tokio::sync::oneshot::channel();
+                        let input = [1u8; 4];
+                        let mut g = s.group();
+                        let b_check = if odd && r == 1 { 3 } else { 2 };
+                        g.allreduce_checked_with_callback(
+                            "a",
+                            DType::U8,
+                            ReduceOp::Sum,
+                            1,
+                            &input,
+                            got(ta),
+                        );
+                        g.allreduce_checked_with_callback(
+                            "b",
+                            DType::U8,
+                            ReduceOp::Sum,
+                            b_check,
+                            &input,
+                            got(tb),
+                        );
+                        g.allreduce_with_callback("c", DType::U16, ReduceOp::Sum, &input, got(tc));
+                        g.submit();
+                        let (a, b, c) = (a.await.unwrap(), b.await.unwrap(), c.await.unwrap());
+                        assert_eq!(c.unwrap(), [3; 4]); // 0x0101 * 3, twice
+                        if !odd {
+                            assert_eq!(a.unwrap(), [3; 4]);
+                            assert_eq!(b.unwrap(), [3; 4]);
+                            return;
+                        }
+                        for res in [a, b] {
+                            match res {
+                                Err(e @ CollectiveError::Mismatch { .. }) => {
+                                    assert_eq!(e.op_name().unwrap(), fused_name(&["a", "b"]));
+                                }
+                                other => panic!("rank {r}: {other:?}"),
+                            }
+                        }
+                    })
+                })
+                .collect();
+            for t in tasks {
+                t.await.unwrap();
+            }
         }
     });
 }

@@ -14,6 +14,7 @@ fn spec(kind: OpKind, count: usize) -> OpSpec {
         kind,
         dtype: DType::I32,
         count,
+        check: 0,
     }
 }
 

@@ -189,6 +189,7 @@ fn avg_consensus_barrier_and_callbacks() {
                     kind: OpKind::Allgather,
                     dtype: DType::U8,
                     count: 1,
+                    check: 0,
                 };
                 s.submit_with_callback(
                     "cb",
@@ -277,6 +278,7 @@ fn allreduce_of_more_than_four_gib() {
                 kind: OpKind::Allreduce(ReduceOp::Sum),
                 dtype: DType::U8,
                 count,
+                check: 0,
             };
             let input = vec![s.rank().0 as u8 + 1; count];
             handles.push(s.submit("huge", spec, &input));

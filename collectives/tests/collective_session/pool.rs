@@ -25,6 +25,7 @@ fn working_buffers_come_from_the_transports_pool() {
             kind: OpKind::Allreduce(ReduceOp::Sum),
             dtype: DType::F32,
             count: 10_000,
+            check: 0,
         };
         let input = vec![0u8; 40_000];
         let out = s.submit("w", spec, &input).await.unwrap();

@@ -35,6 +35,7 @@ fn swap_drains_defers_agrees_and_advances_the_epoch() {
             kind: OpKind::Allreduce(ReduceOp::Sum),
             dtype: DType::F32,
             count,
+            check: 0,
         };
         let input = |v: f32, count: usize| bytemuck::cast_slice(&vec![v; count]).to_vec();
         let mut tasks = Vec::new();
@@ -154,6 +155,7 @@ fn a_cancelled_swap_does_not_hold_later_ops() {
             kind: OpKind::Allreduce(ReduceOp::Sum),
             dtype: DType::U32,
             count: 8,
+            check: 0,
         };
         let held = ss[0].submit("after", spec, bytemuck::cast_slice(&[1u32; 8]));
         drop(swap);

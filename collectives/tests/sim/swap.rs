@@ -107,6 +107,7 @@ impl Sim {
             kind: OpKind::Allreduce(ReduceOp::Max),
             dtype,
             count: input.len() / dtype.size(),
+            check: 0,
         };
         // One op per (name, seq): the k-th swap of every rank meets the
         // k-th of the others.

@@ -171,6 +171,29 @@ static void mismatch(void) {
            finish(start_sum(v, (size_t)rank_ + 1, "mismatch/count")));
     report("kf_set_strategy to another strategy on each rank",
            kf_set_strategy(rank_ == 0 ? KF_STRATEGY_RING : KF_STRATEGY_STAR));
+    /* one count, another check (a shape [2] against [1, 2]) */
+    CHECK(kf_set_check(0x5a5a0000u + (uint64_t)rank_));
+    report("allreduce with another check on each rank", finish(start_sum(v, 2, "mismatch/check")));
+    CHECK(kf_set_check(77));
+    sum_ok("mismatch/same-check");
+    report("allreduce with the same check", KF_OK);
+    /* a call that fails takes the check too: the next op has none */
+    CHECK(kf_set_check(0xbad0 + (uint64_t)rank_));
+    if (kf_allreduce(v, v, 2, KF_FLOAT32, KF_SUM, NULL, NULL, NULL, NULL) != KF_ERR_INVALID_ARGUMENT)
+        FAIL("an allreduce without a name was not refused");
+    sum_ok("mismatch/check-taken");
+    report("allreduce after a refused call took the check", KF_OK);
+    /* a fused member's check */
+    float a[2] = {1, 1}, b[2] = {1, 1};
+    kf_handle ha = 0, hb = 0;
+    CHECK(kf_group_start());
+    CHECK(kf_allreduce(a, a, 2, KF_FLOAT32, KF_SUM, "mismatch/member-a", NULL, NULL, &ha));
+    CHECK(kf_set_check(0x77 + (uint64_t)rank_));
+    CHECK(kf_allreduce(b, b, 2, KF_FLOAT32, KF_SUM, "mismatch/member-b", NULL, NULL, &hb));
+    CHECK(kf_group_end());
+    kf_status sa = finish(ha);
+    report("fused allreduce whose member has another check on each rank", finish(hb));
+    if (sa != KF_ERR_MISMATCH) FAIL("the other member of the fused op: %s", status_name(sa));
     /* neither failure poisons the session */
     sum_ok("mismatch/after");
     report("allreduce after the mismatches", KF_OK);

@@ -362,7 +362,32 @@ def release_all():
         _inflight.clear()
 
 
-# ---- metadata ----
+# ---- what the ranks of an op must agree on ----
+
+_MASK = (1 << 64) - 1
+# appended to a library mismatch of an op with a check
+CHECK_HINT = ("every rank must give a tensor of the same type and shape, and the same "
+              "reduction, root and scale factors")
+
+
+def describe_checked(kind, tensors, op=-1, root=-1, pre=1.0, post=1.0):
+    """What op_check covers of `tensors`, in words (for Handle.checked)."""
+    return "; ".join(_describe(meta_row(kind, t, op, root, pre, post)) for t in tensors)
+
+
+def op_check(kind, tensor, op=-1, root=-1, pre=1.0, post=1.0):
+    """The check (kf_set_check) of an op on `tensor`: what its ranks must
+    agree on beyond the type, count, reduction and root, which the library
+    checks itself: the shape and the scale factors. It travels in the
+    digest of the op's frames, so it costs no message. Python's hash of a
+    tuple of ints is the same in every process (PYTHONHASHSEED only
+    changes those of str and bytes)."""
+    key = (META_KINDS[kind], DTYPE_CODE[tensor.dtype], tuple(tensor.shape), op, root,
+           _bits(pre), _bits(post))
+    return hash(key) & _MASK
+
+
+# ---- metadata (alltoall: the splits) ----
 
 META_LEN = 24
 META_KINDS = {"allreduce": 1, "broadcast": 2, "alltoall": 3, "reducescatter": 4}
@@ -395,15 +420,6 @@ def meta_row(kind, tensor, op=-1, root=-1, pre=1.0, post=1.0, joined=False):
         row[12] = tensor.numel()
     row[13], row[14], row[15], row[16] = op, root, _bits(pre), _bits(post)
     return row
-
-
-def joined_rows(count):
-    rows = []
-    for _ in range(count):
-        row = [0] * META_LEN
-        row[1] = 1
-        rows.extend(row)
-    return rows
 
 
 def _describe(row):
@@ -505,6 +521,9 @@ class Handle:
         self.finish = None
         self.names = []
         self.inst = 0
+        # its ops carry checks (op_check): what this rank gave, as said
+        # when they fail with a mismatch
+        self.checked = None
 
     def done(self):
         return all(w.is_completed() for w in self.works) and (
@@ -522,7 +541,10 @@ class Handle:
         except HorovodInternalError:
             raise
         except RuntimeError as e:
-            raise HorovodInternalError(str(e)) from e
+            msg = str(e)
+            if self.checked and "mismatch" in msg.lower():
+                msg = f"{msg}; {self.what}: this rank has {self.checked} ({CHECK_HINT})"
+            raise HorovodInternalError(msg) from e
         finally:
             release(self)
         return self.finish() if self.finish is not None else None

@@ -41,7 +41,7 @@ import kungfu
 
 from . import _C
 from ._common import (DTYPES, KF_AVG, KF_MIN, KF_PROD, KF_SUM, Bounded,
-                      HorovodInternalError, joined_rows, lock, prefix)
+                      HorovodInternalError, lock, prefix)
 
 SLOT = 1024
 _HEAD = 8
@@ -199,10 +199,12 @@ def _spoil_allgather(name):
 def _serve(desc):
     """Issues this joined rank's part of an op another rank announced;
     returns the Works. Descriptions:
-    ("allreduce", name, inst, members [(name, numel, dtype code, kop)], meta rows, grouped)
+    ("allreduce", name, inst, members [(name, numel, dtype code, kop, check)], grouped)
     ("allgather", name, inst, member names)      the others fail (AG while a rank joined)
-    ("meta", name, inst)                         broadcast, alltoall: the others fail
-    ("reducescatter", name, inst, member names)  the others fail
+    ("broadcast", name, inst, root, numel, dtype code, check)
+                                                 the others fail (another check)
+    ("meta", name, inst)                         alltoall: the others fail
+    ("reducescatter", name, inst, member names)  the others fail (another count)
     ("optimizer", name, inst, entries, number)   a DistributedOptimizer's step: its
         allreduces, as entries (0: a parameter, 1: a group; its index; its
         instance if not `inst`), see DistributedOptimizer._join_desc
@@ -211,17 +213,13 @@ def _serve(desc):
     n = kungfu.size()
     works = []
     if kind == "allreduce":
-        members, meta, grouped = desc[3], desc[4], desc[5]
-        if meta:
-            mine = torch.tensor(joined_rows(meta), dtype=torch.int64)
-            works.append(_C.allgather(mine, torch.empty(mine.numel() * n, dtype=torch.int64),
-                                      "meta:" + name))
+        members, grouped = desc[3], desc[4]
         if grouped:
             _C.group_start()
         try:
-            for mname, numel, code, kop in members:
+            for mname, numel, code, kop, check in members:
                 t = _identity(numel, DTYPES[code], kop)
-                works.append(_C.allreduce(t, t, kop, mname))
+                works.append(_C.allreduce(t, t, kop, mname, check=check))
         finally:
             if grouped:
                 _C.group_end()
@@ -238,13 +236,17 @@ def _serve(desc):
             if book.issued.get(op_desc[1], 0) < inst:
                 book.issued[op_desc[1]] = inst
                 works.extend(_serve((op_desc[0], op_desc[1], inst) + tuple(op_desc[2:])))
-    elif kind in ("meta", "reducescatter"):
+    elif kind == "broadcast":
+        root, numel, code, check = desc[3:7]
+        t = torch.zeros(numel, dtype=DTYPES[code])
+        # the same op but for the check: a mismatch on every rank
+        works.append(_C.broadcast(t, t, root, name, check=check ^ 1))
+    elif kind == "meta":
         works.append(_spoil_allgather("meta:" + name))
-        if kind == "reducescatter":
-            for mname in desc[3]:
-                t = torch.zeros(n, dtype=torch.uint8)
-                works.append(_C.reduce_scatter(t, torch.empty(1, dtype=torch.uint8), KF_SUM,
-                                               mname))
+    elif kind == "reducescatter":
+        for mname in desc[3]:
+            t = torch.zeros(n, dtype=torch.uint8)
+            works.append(_C.reduce_scatter(t, torch.empty(1, dtype=torch.uint8), KF_SUM, mname))
     return works
 
 

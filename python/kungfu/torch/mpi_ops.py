@@ -34,9 +34,10 @@ from . import _C, _join
 from ._common import (DTYPE_CODE, META_LEN, Average, Adasum, Handle,  # noqa: F401
                       HorovodInternalError, Max, Min, ProcessSet, Product, Stage, Sum,
                       average_op, check_initialized, check_process_set, check_tensor, claim,
-                      finish_reduction, full_name, global_process_set, kf_op, lock, meta_check,
-                      meta_issue, meta_row, new_set_scope, prefix, process_sets, release,
-                      release_all, scaled, state, then)
+                      describe_checked, finish_reduction, full_name, global_process_set, kf_op,
+                      lock, meta_check,
+                      meta_issue, meta_row, new_set_scope, op_check, prefix, process_sets,
+                      release, release_all, scaled, state, then)
 
 # ---- basics ----
 
@@ -352,7 +353,10 @@ def _members(full, count):
 def _allreduce_start(tensors, outputs, name, op, pre, post, kind="allreduce",
                      grouped=False, check=True, announce=True, scope=None):
     """Starts the allreduce of `tensors` into `outputs` among the ranks of
-    `scope` (a Scope or a ProcessSet; default every rank)."""
+    `scope` (a Scope or a ProcessSet; default every rank). With `check`,
+    each op carries the check of its tensor's shape and the scale factors
+    (op_check): ranks that differ fail it, rather than reducing tensors of
+    one count and other shapes."""
     check_initialized()
     scope = check_process_set(scope)
     for t in tensors:
@@ -362,20 +366,16 @@ def _allreduce_start(tensors, outputs, name, op, pre, post, kind="allreduce",
     members = _members(full, len(tensors)) if grouped else [full]
     h = Handle(f'{kind} "{full}"{scope.where()}')
     claim([full] + (members if grouped else []), h, scope)
+    checks = [op_check("allreduce", t, op, -1, pre, post) if check else 0 for t in tensors]
+    if check:
+        h.checked = describe_checked("allreduce", tensors, op, -1, pre, post)
     try:
         srcs = [scaled(t, pre) if pre != 1.0 else t for t in tensors]
-        gathered = None
-        if check:
-            rows = []
-            for t in tensors:
-                rows += meta_row("allreduce", t, op, -1, pre, post)
-            mw, gathered = meta_issue(full, rows, scope)
-            h.works.append(mw)
         if grouped:
             _C.group_start()
         try:
-            for s, o, k, m in zip(srcs, outputs, kops, members):
-                h.works.append(_C.allreduce(s, o, k, m, group=scope.group))
+            for s, o, k, m, c in zip(srcs, outputs, kops, members, checks):
+                h.works.append(_C.allreduce(s, o, k, m, group=scope.group, check=c))
         finally:
             if grouped:
                 _C.group_end()
@@ -384,16 +384,14 @@ def _allreduce_start(tensors, outputs, name, op, pre, post, kind="allreduce",
         raise
 
     def finish():
-        if gathered is not None:
-            meta_check(full, gathered, members=len(tensors), scope=scope)
         for o in outputs:
             finish_reduction(o, op, scope.size, post)
         return list(outputs) if grouped else outputs[0]
 
     h.finish = finish
-    desc = [(m, t.numel(), DTYPE_CODE[t.dtype], k) for m, t, k in zip(members, tensors, kops)]
-    return _issued(h, ("allreduce", full, desc, len(tensors) if check else 0, grouped), announce,
-                   scope)
+    desc = [(m, t.numel(), DTYPE_CODE[t.dtype], k, c)
+            for m, t, k, c in zip(members, tensors, kops, checks)]
+    return _issued(h, ("allreduce", full, desc, grouped), announce, scope)
 
 
 def _new_like(tensor):
@@ -429,8 +427,8 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 
 def _grad_allreduce_async_(tensor, name, op, prescale_factor=1.0, postscale_factor=1.0,
                            process_set=global_process_set):
-    """DistributedOptimizer's: in place, without the metadata allgather
-    (the library still checks counts, types and reductions), announced for
+    """DistributedOptimizer's: in place, with no check of shapes (the
+    library still checks counts, types and reductions), announced for
     hvd.join by the optimizer, once per step (ops of the global set)."""
     return _allreduce_start([tensor], [tensor], name, op, prescale_factor, postscale_factor,
                             check=False, announce=False, scope=process_set)
@@ -533,21 +531,18 @@ def _broadcast_start(tensor, output, root_rank, name, scope):
     set_root = scope.set_rank(root, "broadcast")
     full = full_name("broadcast", name, scope)
     h = Handle(f'broadcast "{full}"{scope.where()}')
+    h.checked = describe_checked("broadcast", [tensor], root=root)
     claim([full], h, scope)
+    check = op_check("broadcast", tensor, root=root)
     try:
-        mw, gathered = meta_issue(full, meta_row("broadcast", tensor, root=root), scope)
+        h.works.append(_C.broadcast(tensor, output, set_root, full, group=scope.group,
+                                    check=check))
     except BaseException:
         release(h)
         raise
-    h.works.append(mw)
-    h.stage = Stage()
-
-    def second():  # once every rank's type, shape and root are known to agree
-        meta_check(full, gathered, scope=scope)
-        return _C.broadcast(tensor, output, set_root, full, group=scope.group)
-    then(mw, h.stage, second)
     h.finish = lambda: output
-    return _issued(h, ("meta", full), scope=scope)
+    return _issued(h, ("broadcast", full, set_root, tensor.numel(), DTYPE_CODE[tensor.dtype],
+                       check), scope=scope)
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
@@ -644,14 +639,10 @@ def _reducescatter_start(tensors, name, op, pre, post, kind, grouped, scope):
     full = full_name(kind, name, scope)
     members = _members(full, len(tensors)) if grouped else [full]
     h = Handle(f'{kind} "{full}"{scope.where()}')
+    h.checked = describe_checked("reducescatter", tensors, op, -1, pre, post)
     claim([full] + (members if grouped else []), h, scope)
     outs = []
     try:
-        rows = []
-        for t in tensors:
-            rows += meta_row("reducescatter", t, op, -1, pre, post)
-        mw, gathered = meta_issue(full, rows, scope)
-        h.works.append(mw)
         for t, k, m in zip(tensors, kops, members):
             d0, tail = t.size(0), tuple(t.shape[1:])
             # horovod's split: the first d0 % n members get one row more
@@ -666,14 +657,14 @@ def _reducescatter_start(tensors, name, op, pre, post, kind, grouped, scope):
                     at += split[r]
                 src = padded
             out = src.new_empty((most,) + tail)
-            h.works.append(_C.reduce_scatter(src, out, k, m, group=scope.group))
+            check = op_check("reducescatter", t, op, -1, pre, post)
+            h.works.append(_C.reduce_scatter(src, out, k, m, group=scope.group, check=check))
             outs.append((out, split[me]))
     except BaseException:
         release(h)
         raise
 
     def finish():
-        meta_check(full, gathered, members=len(tensors), scope=scope)
         res = [finish_reduction(o if mine == o.size(0) else o[:mine].clone(), op, n, post)
                for o, mine in outs]
         return res if grouped else res[0]

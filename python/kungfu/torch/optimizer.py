@@ -318,19 +318,19 @@ class _DistributedOptimizer:
             dtype = self._compression.compress(torch.empty(0, dtype=dense[0].dtype))[0].dtype
             full = f"allreduce.{b.name}"
             member = (full, sum(p.numel() for p in dense), DTYPE_CODE[dtype],
-                      kf_op(self.op, dtype, "allreduce"))
-            return ("allreduce", full, [member], 0, False)
+                      kf_op(self.op, dtype, "allreduce"), 0)
+            return ("allreduce", full, [member], False)
         ps = [self._join_params[index]] if code == 0 else list(self._join_groups[index])
         members = []
         for p in ps:
             dtype = self._compression.compress(torch.empty(0, dtype=p.dtype))[0].dtype
-            members.append((p.numel(), DTYPE_CODE[dtype], kf_op(self.op, dtype, "allreduce")))
+            members.append((p.numel(), DTYPE_CODE[dtype], kf_op(self.op, dtype, "allreduce"), 0))
         if code == 0:
             full = f"allreduce.{self._parameter_names[ps[0]]}"
-            return ("allreduce", full, [(full,) + members[0]], 0, False)
+            return ("allreduce", full, [(full,) + members[0]], False)
         full = f"grouped_allreduce.{self._parameter_names[ps[0]]}"
         names = M._members(full, len(ps))
-        return ("allreduce", full, [(m,) + x for m, x in zip(names, members)], 0, True)
+        return ("allreduce", full, [(m,) + x for m, x in zip(names, members)], True)
 
     def _announce_step(self):
         if not hasattr(self, "_join_name") or not _join.enabled:

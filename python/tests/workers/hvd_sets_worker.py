@@ -165,8 +165,24 @@ def main():
     shape = (2, 3) if ranks.index(me) == 0 else (3, 2)
     raises(rec, "mismatch in a set", lambda: hvd.allreduce(torch.ones(shape), name="mm",
                                                            process_set=mine),
-           hvd.HorovodInternalError, [f"rank {ranks[0]} has", f"rank {ranks[1]} has",
+           hvd.HorovodInternalError, [f"rank {ranks[0]}", f"rank {ranks[1]}",
+                                      f"this rank has float32 {list(shape)}",
                                       f"process set {mine.process_set_id}"])
+    # as many elements, another shape: no metadata is gathered, the check
+    # of each op (kf_set_check) tells them apart
+    first = ranks.index(me) == 0
+    raises(rec, "broadcast of another shape in a set",
+           lambda: hvd.broadcast(torch.ones((2, 3) if first else (3, 2)), ranks[0], name="mb",
+                                 process_set=mine),
+           hvd.HorovodInternalError, ["KF_ERR_MISMATCH", "this rank has float32 ["])
+    raises(rec, "reducescatter of another shape in a set",
+           lambda: hvd.reducescatter(torch.ones((4, 3) if first else (2, 6)), name="mr",
+                                     process_set=mine),
+           hvd.HorovodInternalError, ["KF_ERR_MISMATCH", "this rank has float32 ["])
+    raises(rec, "grouped allreduce, one member of another shape",
+           lambda: hvd.grouped_allreduce([torch.ones(3), torch.ones((2, 2) if first else (4,))],
+                                         name="mg", process_set=mine),
+           hvd.HorovodInternalError, ["KF_ERR_MISMATCH", "float32 [3] op=Average; float32 ["])
 
     # refused
     raises(rec, "an op of a set this rank is not in",

@@ -59,6 +59,7 @@ async fn small_ops_are_exact_and_take_the_fast_path() {
                 kind: *kind,
                 dtype,
                 count,
+                check: 0,
             };
             let name = format!("k{k}/{dtype}/{count}");
             for out in run_exact(&ss, &name, spec).await {
@@ -104,6 +105,7 @@ async fn mid_size_allreduce_splits_and_is_exact() {
                 kind: OpKind::Allreduce(op),
                 dtype,
                 count,
+                check: 0,
             };
             (spec, reference::inputs(&spec, n), fast)
         });
@@ -174,6 +176,7 @@ async fn callbacks_complete_without_a_waiter_beside_large_ops() {
                 kind: OpKind::Allreduce(ReduceOp::Sum),
                 dtype: DType::U32,
                 count: 1,
+                check: 0,
             };
             let input = (r as u32 + round).to_le_bytes();
             s.submit_with_callback(
@@ -215,6 +218,26 @@ async fn mismatched_missing_and_lost_ranks_are_clear_errors() {
     assert!(matches!(b, Err(CollectiveError::Mismatch { .. })), "{b:?}");
     for r in [a, c] {
         assert!(matches!(r, Err(CollectiveError::Mismatch { .. })), "{r:?}");
+    }
+    // the same spec under another check (a shape [2, 2] against [4])
+    let spec = |check| OpSpec {
+        kind: OpKind::Allreduce(ReduceOp::Sum),
+        dtype: DType::U8,
+        count: 4,
+        check,
+    };
+    let hs: Vec<_> = (0..3)
+        .map(|r| ss[r].submit("checked", spec(if r == 1 { 9 } else { 8 }), &[1; 4]))
+        .collect();
+    for h in hs {
+        let r = h.await;
+        assert!(matches!(r, Err(CollectiveError::Mismatch { .. })), "{r:?}");
+    }
+    let hs: Vec<_> = (0..3)
+        .map(|r| ss[r].submit("agreed", spec(8), &[1; 4]))
+        .collect();
+    for h in hs {
+        assert_eq!(h.await.unwrap().bytes().unwrap(), &[3; 4]);
     }
     // a rank that never joins: a timeout naming it, or the abort of the
     // rank that timed out first, saying why
@@ -282,6 +305,7 @@ async fn disagreeing_broadcast_roots_fail_on_every_rank() {
                         },
                         dtype: DType::U8,
                         count,
+                        check: 0,
                     };
                     s.submit(&name, spec, &vec![r as u8 + 1; count])
                 })
@@ -318,6 +342,7 @@ async fn the_fast_path_can_be_turned_off() {
         kind: OpKind::Allreduce(ReduceOp::Sum),
         dtype: DType::F32,
         count: 1,
+        check: 0,
     };
     let h = ss[0].submit("y", spec, &[0; 4]);
     let h1 = ss[1].submit("y", spec, &[0; 4]);
@@ -397,6 +422,7 @@ async fn by_default_large_ops_take_cross_memory_attach_and_mid_allreduce_the_rin
             kind,
             dtype: DType::F32,
             count,
+            check: 0,
         };
         for out in run_exact(&ss, &format!("d{k}"), spec).await {
             assert_eq!(out.strategy(), want, "{}", spec.describe());
@@ -425,6 +451,7 @@ async fn large_ops_by_cross_memory_attach_are_exact() {
                 kind: *kind,
                 dtype: DType::F32,
                 count,
+                check: 0,
             };
             let inputs = reference::inputs(&spec, n);
             // two ops in flight, issued in opposite orders on odd ranks

@@ -38,6 +38,7 @@ async fn every_op_every_strategy_over_shm() {
                     kind: *kind,
                     dtype: DType::F32,
                     count,
+                    check: 0,
                 };
                 run_exact(&ss, &format!("{strategy}/op{k}/{count}"), spec).await;
             }
@@ -74,6 +75,7 @@ async fn frames_applied_from_wrapping_rings_stay_exact() {
                 kind: OpKind::Allreduce(ReduceOp::Sum),
                 dtype,
                 count,
+                check: 0,
             };
             run_exact(&ss, &format!("w{i}/{dtype}"), spec).await;
         }
@@ -109,6 +111,7 @@ async fn frames_larger_than_the_ring_are_streamed() {
             kind,
             dtype: DType::F32,
             count: 100_000,
+            check: 0,
         };
         run_exact(&ss, &format!("big{k}"), spec).await;
     }

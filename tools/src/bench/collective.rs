@@ -320,6 +320,7 @@ pub(crate) async fn bench(args: Args) -> anyhow::Result<bool> {
             kind,
             dtype: args.dtype,
             count,
+            check: 0,
         };
         let bytes = shown * es;
         let oop = measure(s, &args, spec, false).await?;
@@ -448,6 +449,7 @@ mod tests {
             kind,
             dtype: DType::F32,
             count: 4,
+            check: 0,
         }
     }
 

@@ -373,17 +373,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Every named op runs in `group` (0: KF_GROUP_WORLD, every rank).
   auto group = py::arg("group") = static_cast<uint64_t>(KF_GROUP_WORLD);
   // op: 0 SUM, 1 MIN, 2 MAX, 3 PRODUCT, 4 AVG (kungfu.h's numbers)
+  // check: kf_set_check's value for the op (0: none)
+  auto check = py::arg("check") = static_cast<uint64_t>(0);
   m.def("allreduce",
-        [](Tensor in, Tensor out, int64_t op, const std::string& name, uint64_t g) {
+        [](Tensor in, Tensor out, int64_t op, const std::string& name, uint64_t g,
+           uint64_t check) {
           return kt::allreduce(kt::ranks_of(g), in, out,
-                               kt::op_from_int(op, in, kt::quoted("allreduce", name)), name);
+                               kt::op_from_int(op, in, kt::quoted("allreduce", name)), name,
+                               check);
         },
-        py::arg("input"), py::arg("output"), py::arg("op"), py::arg("name"), group);
+        py::arg("input"), py::arg("output"), py::arg("op"), py::arg("name"), group, check);
   m.def("broadcast",
-        [](Tensor in, Tensor out, int root, const std::string& name, uint64_t g) {
-          return kt::broadcast(kt::ranks_of(g), in, out, root, name);
+        [](Tensor in, Tensor out, int root, const std::string& name, uint64_t g,
+           uint64_t check) {
+          return kt::broadcast(kt::ranks_of(g), in, out, root, name, check);
         },
-        py::arg("input"), py::arg("output"), py::arg("root"), py::arg("name"), group);
+        py::arg("input"), py::arg("output"), py::arg("root"), py::arg("name"), group, check);
   m.def("allgather",
         [](Tensor in, Tensor out, const std::string& name, uint64_t g) {
           return kt::allgather(kt::ranks_of(g), in, out, name);
@@ -402,12 +407,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("input"), py::arg("output"), py::arg("in_splits"), py::arg("out_splits"),
         py::arg("name"), group);
   m.def("reduce_scatter",
-        [](Tensor in, Tensor out, int64_t op, const std::string& name, uint64_t g) {
+        [](Tensor in, Tensor out, int64_t op, const std::string& name, uint64_t g,
+           uint64_t check) {
           return kt::reduce_scatter(kt::ranks_of(g), in, out,
                                     kt::op_from_int(op, in, kt::quoted("reduce_scatter", name)),
-                                    name);
+                                    name, check);
         },
-        py::arg("input"), py::arg("output"), py::arg("op"), py::arg("name"), group);
+        py::arg("input"), py::arg("output"), py::arg("op"), py::arg("name"), group, check);
   m.def("barrier", [](uint64_t g) { return kt::barrier(kt::ranks_of(g)); }, group);
   // Library groups (Horovod's process sets): made by their members alone.
   m.def("group_create",

@@ -423,12 +423,13 @@ inline std::string quoted(const char* kind, const std::string& name) {
 
 
 // ---- the ops (ops.cpp), by name: shared by the backend and the Python API ----
-// Each runs on the ranks `on`.
+// Each runs on the ranks `on`. A `check` (kf_set_check) is a value every
+// rank must give alike (0: none), else the op fails on every rank.
 
 c10::intrusive_ptr<c10d::Work> allreduce(const Ranks& on, const at::Tensor& in, const at::Tensor& out, kf_op kop,
-                                         const std::string& name);
+                                         const std::string& name, uint64_t check = 0);
 c10::intrusive_ptr<c10d::Work> broadcast(const Ranks& on, const at::Tensor& in, const at::Tensor& out, int root,
-                                         const std::string& name);
+                                         const std::string& name, uint64_t check = 0);
 c10::intrusive_ptr<c10d::Work> reduce(const Ranks& on, const at::Tensor& t, kf_op kop, int root,
                                       const std::string& name);
 // `out` holds size * numel(in) elements, rank by rank; `parts` (a list
@@ -458,7 +459,7 @@ c10::intrusive_ptr<c10d::Work> recv(const Ranks& on, const at::Tensor& t, int sr
 c10::intrusive_ptr<c10d::Work> scatter(const Ranks& on, const at::Tensor& in, const at::Tensor& out, int root,
                                        const std::string& name);
 c10::intrusive_ptr<c10d::Work> reduce_scatter(const Ranks& on, const at::Tensor& in, const at::Tensor& out,
-                                              kf_op kop, const std::string& name);
+                                              kf_op kop, const std::string& name, uint64_t check = 0);
 // `parts` (the list form): the Work's result, filled from `out` (1-D) in
 // order, each with its own number of elements.
 c10::intrusive_ptr<c10d::Work> alltoall(const Ranks& on, const at::Tensor& in, const at::Tensor& out,

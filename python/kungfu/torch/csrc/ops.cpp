@@ -21,7 +21,7 @@ extern "C" void on_done(kf_handle h, kf_status s, void* user) {
 
 c10::intrusive_ptr<c10d::Work> allreduce(const Ranks& on, const at::Tensor& in,
                                          const at::Tensor& out, kf_op kop,
-                                         const std::string& name) {
+                                         const std::string& name, uint64_t check) {
   auto what = quoted("allreduce", name);
   check_tensor(in, what);
   check_tensor(out, what);
@@ -33,6 +33,7 @@ c10::intrusive_ptr<c10d::Work> allreduce(const Ranks& on, const at::Tensor& in,
   at::Tensor dst = output_of(op, out);
   op->keep = {src, dst};
   op->steps.push_back([=](Op* o, kf_handle* h) {
+    kf_set_check(check);
     return kf_group_allreduce(on.group, ptr(src), ptr(dst), src.numel(), dt, kop, name.c_str(),
                         on_done, o, h);
   });
@@ -41,7 +42,7 @@ c10::intrusive_ptr<c10d::Work> allreduce(const Ranks& on, const at::Tensor& in,
 
 c10::intrusive_ptr<c10d::Work> broadcast(const Ranks& on, const at::Tensor& in,
                                          const at::Tensor& out, int root,
-                                         const std::string& name) {
+                                         const std::string& name, uint64_t check) {
   auto what = quoted("broadcast", name);
   check_tensor(in, what);
   check_tensor(out, what);
@@ -53,6 +54,7 @@ c10::intrusive_ptr<c10d::Work> broadcast(const Ranks& on, const at::Tensor& in,
   at::Tensor dst = output_of(op, out);
   op->keep = {src, dst};
   op->steps.push_back([=](Op* o, kf_handle* h) {
+    kf_set_check(check);
     return kf_group_broadcast(on.group, ptr(src), ptr(dst), src.numel(), dt, root, name.c_str(),
                         on_done, o, h);
   });
@@ -209,7 +211,7 @@ c10::intrusive_ptr<c10d::Work> scatter(const Ranks& on, const at::Tensor& in,
 // block r.
 c10::intrusive_ptr<c10d::Work> reduce_scatter(const Ranks& on, const at::Tensor& in,
                                               const at::Tensor& out, kf_op kop,
-                                              const std::string& name) {
+                                              const std::string& name, uint64_t check) {
   auto what = quoted("reduce_scatter", name);
   check_tensor(in, what);
   check_tensor(out, what);
@@ -224,6 +226,7 @@ c10::intrusive_ptr<c10d::Work> reduce_scatter(const Ranks& on, const at::Tensor&
   at::Tensor dst = output_of(op, out);
   op->keep = {src, dst};
   op->steps.push_back([=](Op* o, kf_handle* h) {
+    kf_set_check(check);
     return kf_group_reduce_scatter(on.group, ptr(src), ptr(dst), dst.numel(), dt, kop,
                              name.c_str(), on_done, o, h);
   });
