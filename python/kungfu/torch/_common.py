@@ -485,7 +485,8 @@ def meta_check(name, gathered, members=1, extra=0, scope=None):
 
 class Stage:
     """The second part of a two-step op, issued by a callback once the
-    first completed (on the extension's completion thread)."""
+    first completed (on the thread that completed it: the extension's
+    completion thread, or one in its Work's wait())."""
 
     def __init__(self):
         self.event = threading.Event()

@@ -149,6 +149,8 @@ inline void check_tensor(const at::Tensor& t, const std::string& what) {
               ": only dense tensors are supported, not ", t.layout());
 }
 
+struct Op;
+
 class KfWork : public c10d::Work {
  public:
   KfWork(int rank, c10d::OpType type, const char* title,
@@ -165,27 +167,30 @@ class KfWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     return future_;
   }
-  // c10d's wait(), except on the completion thread (see Completions::pump)
+  // Completes the op on the waiting thread (Completions::await_work), or
+  // on the completion thread, all of them (Completions::pump).
   bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override;
 
-  // The Work first (wait() returns), then the Future (its callbacks run).
-  void complete(std::exception_ptr e) {
-    finish(e);
-    if (e) {
-      future_->setError(e);
-    } else {
-      future_->markCompleted(c10::IValue(outputs_));
-    }
-  }
+  // The Work first (wait() returns), then the Future (its callbacks run),
+  // on the thread that completes the op.
+  void complete(std::exception_ptr e);
 
   std::vector<at::Tensor> outputs_;
   int source_ = -1;
+
+  // Guarded by the Completions' mutex. The op until it is completed
+  // (then NULL: it may be deleted); the threads in wait(); the step's
+  // completion kept for them (ready_), rather than queued.
+  Op* op_ = nullptr;
+  int waiters_ = 0;
+  bool ready_ = false;
+  kf_handle ready_h_ = 0;
+  kf_status ready_s_ = KF_OK;
 
  private:
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
-struct Op;
 // One kf_* call of an op, with `on_done` and the op as its callback.
 using Step = std::function<kf_status(Op*, kf_handle*)>;
 
@@ -209,12 +214,24 @@ class Completions {
     return *c;
   }
 
-  void push(kf_handle h, kf_status s, Op* op) {
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      q_.push_back({h, s, op});
-    }
-    cv_.notify_one();
+  // A step's completion (on a library thread): to the thread waiting for
+  // its op if there is one (one hand-off), else to the completion thread.
+  void push(kf_handle h, kf_status s, Op* op);
+
+  // Waits in w.wait() (not on the completion thread) until w completes or
+  // `deadline`; false if the deadline came first. A step's completion
+  // that arrives meanwhile, or is still queued, is run here: the finishing
+  // copies, the next step, the Work and its Future (whose callbacks so run
+  // on this thread, as they would on any thread that completes the
+  // Future). Other ops' completions are left to the completion thread.
+  bool await_work(KfWork* w, std::chrono::steady_clock::time_point deadline);
+
+  // After w's Work completed (any thread): wakes its waiters. They check
+  // under mu_, so none misses it.
+  void completed(KfWork* w) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (w->waiters_ > 0) waiters_cv_.notify_all();
+    if (pumping_) cv_.notify_all();
   }
 
  private:
@@ -258,12 +275,17 @@ class Completions {
       Item it;
       {
         std::unique_lock<std::mutex> g(mu_);
-        auto ready = [this] { return !q_.empty(); };
+        // the op may be completed by a thread in its wait() instead
+        auto ready = [&] { return !q_.empty() || done(); };
+        pumping_ = true;
+        bool woke = true;
         if (deadline == std::chrono::steady_clock::time_point::max()) {
           cv_.wait(g, ready);
-        } else if (!cv_.wait_until(g, deadline, ready)) {
-          return done();
+        } else {
+          woke = cv_.wait_until(g, deadline, ready);
         }
+        pumping_ = false;
+        if (!woke || q_.empty()) return done();
         it = q_.front();
         q_.pop_front();
       }
@@ -301,14 +323,24 @@ class Completions {
     } catch (const std::exception& x) {
       e = error_ptr(prefix() + op->what + " failed: " + x.what());
     }
-    op->work->complete(e);
+    end(op, e);
+  }
+
+  // The op's last step is done: no completion can come for it any more,
+  // so its Work forgets it (it may be deleted), then completes.
+  static void end(Op* op, std::exception_ptr e) {
+    auto work = op->work;
+    {
+      std::lock_guard<std::mutex> g(get().mu_);
+      work->op_ = nullptr;
+    }
     bury(op);
+    work->complete(e);
   }
 
  public:
   static void fail(Op* op, const std::string& msg) {
-    op->work->complete(error_ptr(msg));
-    bury(op);
+    end(op, error_ptr(msg));
   }
 
   // A completed op's references (its Work, the caller's tensors) are
@@ -352,7 +384,9 @@ class Completions {
 
  private:
   std::mutex mu_;
-  std::condition_variable cv_;
+  std::condition_variable cv_;          // the completion thread's
+  std::condition_variable waiters_cv_;  // threads in KfWork::wait
+  bool pumping_ = false;                // the completion thread is in pump()
   std::deque<Item> q_;
   std::mutex dead_mu_;
   std::vector<Op*> dead_;
@@ -360,12 +394,89 @@ class Completions {
 
 
 
+inline void KfWork::complete(std::exception_ptr e) {
+  finish(e);
+  Completions::get().completed(this);
+  if (e) {
+    future_->setError(e);
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+}
+
+inline void Completions::push(kf_handle h, kf_status s, Op* op) {
+  KfWork* w = op->work.get();  // alive: the op is not completed yet
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (w->waiters_ > 0) {
+      w->ready_ = true;
+      w->ready_h_ = h;
+      w->ready_s_ = s;
+      waiters_cv_.notify_all();
+      return;
+    }
+    q_.push_back({h, s, op});
+  }
+  cv_.notify_one();
+}
+
+inline bool Completions::await_work(KfWork* w,
+                                    std::chrono::steady_clock::time_point deadline) {
+  std::unique_lock<std::mutex> g(mu_);
+  for (;;) {
+    if (w->isCompleted()) return true;
+    Op* op = w->op_;  // not NULL: the Work is not completed yet
+    Item it{0, KF_OK, nullptr};
+    if (w->ready_) {
+      w->ready_ = false;
+      it = {w->ready_h_, w->ready_s_, op};
+    } else {
+      for (auto i = q_.begin(); i != q_.end(); ++i) {
+        if (i->op == op) {
+          it = *i;
+          q_.erase(i);
+          break;
+        }
+      }
+    }
+    if (it.op != nullptr) {  // this step's completion is ours to run
+      g.unlock();
+      process(it);
+      g.lock();
+      continue;
+    }
+    // Its step runs, or the completion thread is running its completion:
+    // wait for the one or the other to say so.
+    w->waiters_++;
+    auto woken = [w] { return w->ready_ || w->isCompleted(); };
+    bool in_time = true;
+    if (deadline == std::chrono::steady_clock::time_point::max()) {
+      waiters_cv_.wait(g, woken);
+    } else {
+      in_time = waiters_cv_.wait_until(g, deadline, woken);
+    }
+    w->waiters_--;
+    if (!in_time) {
+      if (w->ready_ && w->waiters_ == 0) {  // kept for us: queue it after all
+        w->ready_ = false;
+        q_.push_back({w->ready_h_, w->ready_s_, w->op_});
+        cv_.notify_one();
+      }
+      return w->isCompleted();
+    }
+  }
+}
+
 inline bool KfWork::wait(std::chrono::milliseconds timeout) {
-  if (Completions::on_thread() && !isCompleted()) {
+  if (!isCompleted()) {
     auto deadline = timeout == ::kNoTimeout
                         ? std::chrono::steady_clock::time_point::max()
                         : std::chrono::steady_clock::now() + timeout;
-    Completions::get().pump([this] { return isCompleted(); }, deadline);
+    if (Completions::on_thread()) {
+      Completions::get().pump([this] { return isCompleted(); }, deadline);
+    } else {
+      Completions::get().await_work(this, deadline);
+    }
     // done (the base returns or raises the op's error at once), or
     // timed out (the base raises that)
     return c10d::Work::wait(isCompleted() ? ::kNoTimeout : std::chrono::milliseconds(1));
@@ -413,6 +524,7 @@ inline Op* new_op(int rank, c10d::OpType type, const char* title, std::string wh
            std::vector<at::Tensor> outputs) {
   Op* op = new Op();
   op->work = c10::make_intrusive<KfWork>(rank, type, title, std::move(outputs));
+  op->work->op_ = op;  // no other thread knows the Work yet
   op->what = std::move(what);
   return op;
 }

@@ -3,13 +3,15 @@
 // and nothing else of the library.
 //
 // An op is a short list of steps, each one kf_* call. Its callback runs on
-// a library thread and only queues the completed handle; one completion
-// thread per process takes the op's error text (kf_wait, kf_last_error),
-// releases the handle, issues the next step or runs the op's finishing
-// copies, and then completes the Work and its Future. So callbacks of the
-// Future (DDP's comm hooks) never run on a library thread, and a step that
-// needs the result of the one before (the padding of an uneven alltoall)
-// is issued from there.
+// a library thread and only hands the completed handle on: to a thread in
+// the op's Work::wait() if there is one, else to the one completion thread
+// of the process (Completions). That thread takes the op's error text
+// (kf_wait, kf_last_error), releases the handle, issues the next step or
+// runs the op's finishing copies, and then completes the Work and its
+// Future. So callbacks of the Future (DDP's comm hooks) never run on a
+// library thread, a waited op costs one hand-off, and a step that needs
+// the result of the one before (the padding of an uneven alltoall) is
+// issued from there.
 
 #include "kungfu_torch.h"
 
