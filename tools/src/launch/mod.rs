@@ -53,7 +53,7 @@ mod worker;
 
 use elastic::{replace_lost, Elastic, Survived};
 use rings::JobRings;
-use worker::{free_port, JobKeys, Starter, WorkerSpec};
+use worker::{free_port, one_omp_thread, JobKeys, Starter, WorkerSpec};
 pub use worker::{job_id, job_secret};
 
 /// Whether `host` is one this launcher starts workers on: the host of
@@ -134,6 +134,17 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
         url: url.as_deref(),
         tls: opts.quic.as_ref(),
     };
+    let most_here = slots
+        .iter()
+        .filter(|s| mine(&s.host))
+        .map(|s| s.local_size)
+        .max();
+    if let Some(n) = most_here.filter(|&n| one_omp_thread(&opts, n)) {
+        say!(
+            "kungfu-run: OMP_NUM_THREADS=1 for every worker ({n} share a host, and it was \
+             unset); set OMP_NUM_THREADS, or -x OMP_NUM_THREADS=N, to choose"
+        );
+    }
     for s in slots.iter().filter(|s| mine(&s.host) && late.is_none()) {
         let w = WorkerSpec {
             rank: s.rank,

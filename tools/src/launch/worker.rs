@@ -105,7 +105,24 @@ fn worker_cmd(
     for (k, v) in &opts.env {
         cmd.env(k, v);
     }
+    if one_omp_thread(opts, w.local_size) {
+        cmd.env(OMP_THREADS_VAR, "1");
+    }
     Ok(cmd)
+}
+
+/// The number of threads of an OpenMP runtime (torch's intra-op pool).
+const OMP_THREADS_VAR: &str = "OMP_NUM_THREADS";
+
+/// Whether workers get `OMP_NUM_THREADS=1`: when `local_size` of them
+/// share a host and nobody chose a value (in this launcher's environment
+/// or with `-x`). As torchrun does: each worker's torch would otherwise
+/// start a thread per core, and the workers' pools then fight over the
+/// same cores, and with the library's threads.
+pub(super) fn one_omp_thread(opts: &LaunchOptions, local_size: usize) -> bool {
+    local_size > 1
+        && std::env::var_os(OMP_THREADS_VAR).is_none()
+        && !opts.env.iter().any(|(k, _)| k == OMP_THREADS_VAR)
 }
 
 /// What identifies a job to its workers.

@@ -672,3 +672,44 @@ fn transport_swap_in_a_training_loop() {
         "{t}"
     );
 }
+
+/// Workers that share a host get OMP_NUM_THREADS=1 when nobody chose a
+/// value, and the launcher says so; a value given (in its environment or
+/// with -x) is kept, and a lone worker is left alone.
+#[test]
+fn workers_that_share_a_host_get_one_omp_thread_unless_told() {
+    let show = "echo omp=${OMP_NUM_THREADS:-unset}";
+    // (-np, OMP_NUM_THREADS of the launcher, more options, what each
+    // worker prints, whether the launcher says it set it)
+    type Case<'a> = (&'a str, Option<&'a str>, &'a [&'a str], &'a str, bool);
+    let cases: [Case; 4] = [
+        ("2", None, &[], "omp=1", true),
+        ("1", None, &[], "omp=unset", false),
+        ("2", Some("3"), &[], "omp=3", false),
+        ("2", None, &["-x", "OMP_NUM_THREADS=2"], "omp=2", false),
+    ];
+    for (np, inherited, extra, want, notice) in cases {
+        let mut args = vec!["-np", np];
+        args.extend_from_slice(extra);
+        args.extend(["sh", "-c", show]);
+        let mut cmd = kungfu_run(&args);
+        match inherited {
+            Some(v) => cmd.env("OMP_NUM_THREADS", v),
+            None => cmd.env_remove("OMP_NUM_THREADS"),
+        };
+        let out = run_bounded(cmd, Duration::from_secs(60));
+        let t = text(&out);
+        assert!(out.status.success(), "{t}");
+        let got = t.lines().filter(|l| l.ends_with(want)).count();
+        assert_eq!(
+            got,
+            np.parse::<usize>().unwrap(),
+            "np {np}, want {want}:\n{t}"
+        );
+        assert_eq!(
+            t.contains("OMP_NUM_THREADS=1 for every worker"),
+            notice,
+            "{t}"
+        );
+    }
+}
