@@ -4,7 +4,7 @@
     PY=~/.cache/kungfu-torch-venv/bin/python
     PYTHONPATH=python $PY benches/peers/torch_compare.py [--np 2 4] [--min 4] [--max 64M]
         [--rounds 5] [--budget 0.15] [--ddp-steps 20] [--bind-to auto|none|core ...]
-        [--no-sweep] [--json FILE]
+        [--no-sweep] [--no-deep] [--torch-threads N] [--hogs N] [--json FILE]
 
 For each process count it launches itself under `kungfu-run -np N`
 ($KUNGFU_RUN, default target/release/kungfu-run; build it with
@@ -32,11 +32,16 @@ group over the same ranks, and times:
   the library's world; FSDP2 (`fully_shard` of each layer and the root,
   over a DeviceMesh of each backend's group); and the step alone.
 
---no-sweep skips the all_reduce sizes. With several --bind-to values the
-whole run is made once per value, alternating within each.
+--no-sweep skips the all_reduce sizes, --no-deep the 207-tensor steps.
+With several --bind-to values the whole run is made once per value,
+alternating within each.
 
 torch runs one thread per process (torch.set_num_threads(1)) under both
-backends. Rank 0's results go to FILE; the driver prints a markdown table
+backends, unless --torch-threads says otherwise: N threads, or 0 for
+torch's default of a thread per core (the workers get OMP_NUM_THREADS set
+to this machine's CPU count, which kungfu-run would otherwise set to 1).
+--hogs N runs N processes that spin on a CPU each beside the job, for
+the whole run: a machine whose cores the job does not have to itself. Rank 0's results go to FILE; the driver prints a markdown table
 per N (size, gloo us, kungfu us, kungfu/gloo) and how the numbers stand
 against the goals: all_reduce at most half of gloo's time at every size, a
 DDP step at least as fast as gloo's. On a shared machine read the ratios
@@ -92,7 +97,8 @@ def worker(args):
     import kungfu.torch  # noqa: F401  registers "kungfu"
     from model import batches, make_model
 
-    torch.set_num_threads(1)
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
     dist.init_process_group("gloo")
     kg = dist.new_group(backend="kungfu")
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -163,8 +169,8 @@ def worker(args):
     if rank == 0:
         print("ddp step: " + ", ".join(f"{b} {v:.1f} us" for b, v in result["ddp"]["us"].items()),
               flush=True)
-    result["deep"] = deep_steps(args, groups, kg, timed_loop)
-    if rank == 0:
+    result["deep"] = None if args.no_deep else deep_steps(args, groups, kg, timed_loop)
+    if rank == 0 and result["deep"]:
         print("deep step: " + ", ".join(f"{b} {v:.1f} us"
                                         for b, v in result["deep"]["us"].items()), flush=True)
         Path(args.worker).write_text(json.dumps(result, indent=1))
@@ -245,14 +251,17 @@ def launch(np: int, args, out: Path, bind: str) -> dict:
         path.append(str(ROOT / "python"))
     path += [str(Path(p).resolve()) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
-    env.setdefault("OMP_NUM_THREADS", "1")
+    threads = args.torch_threads or os.cpu_count() or 1
+    env["OMP_NUM_THREADS"] = str(threads)
     cmd = [str(launcher), "-np", str(np), "--timeout", "30m", "--bind-to", bind,
            "--", sys.executable,
            str(Path(__file__).resolve()), "--worker", str(out),
            "--min", str(args.min), "--max", str(args.max), "--rounds", str(args.rounds),
-           "--budget", str(args.budget), "--ddp-steps", str(args.ddp_steps)]
-    if args.no_sweep:
-        cmd.append("--no-sweep")
+           "--budget", str(args.budget), "--ddp-steps", str(args.ddp_steps),
+           "--torch-threads", str(args.torch_threads)]
+    for flag in ("no_sweep", "no_deep"):
+        if getattr(args, flag):
+            cmd.append("--" + flag.replace("_", "-"))
     print(f"$ {' '.join(cmd)}", file=sys.stderr, flush=True)
     r = subprocess.run(cmd, env=env, stdout=sys.stderr, stderr=subprocess.STDOUT,
                        timeout=35 * 60, start_new_session=True)
@@ -282,6 +291,8 @@ def table(res: dict) -> str:
     flag = "" if d["kungfu"] / d["gloo"] <= DDP_GOAL else " !"
     lines.append(f"| DDP step | {d['gloo']:.1f} | {d['kungfu']:.1f} | {d['kungfu'] / d['gloo']:.2f}{flag} |")
     lines.append(f"| (step without DDP) | {d['local']:.1f} | {d['local']:.1f} | |")
+    if not res["deep"]:
+        return "\n".join(lines)
     e = res["deep"]["us"]
     for label, k, g in DEEP_PAIRS:
         flag = "" if e[k] / e[g] <= DEEP_GOAL else " !"
@@ -312,7 +323,7 @@ def json_table(results: list, args) -> Table:
     for i, row in enumerate(results[0]["allreduce"]):
         t.add(human(row["bytes"]), *[c for r in results for c in cells(r["allreduce"][i]["us"])])
     t.add("DDP step (SmallCNN)", *[c for r in results for c in cells(r["ddp"]["us"])])
-    for label, k, g in DEEP_PAIRS:
+    for label, k, g in DEEP_PAIRS if all(r["deep"] for r in results) else []:
         t.add(label, *[c for r in results for c in cells(r["deep"]["us"], k, g)])
     return t
 
@@ -329,6 +340,8 @@ def verdict(res: dict) -> str:
     out.append(f"{at}: DDP step <= {DDP_GOAL}x gloo: "
                + ("met" if d["kungfu"] / d["gloo"] <= DDP_GOAL else "missed")
                + f" ({d['kungfu'] / d['gloo']:.2f}x)")
+    if not res["deep"]:
+        return "\n".join(out)
     e = res["deep"]["us"]
     for label, k, g in DEEP_PAIRS:
         r = e[k] / e[g]
@@ -352,23 +365,39 @@ def main():
     p.add_argument("--bind-to", nargs="+", default=["auto"], choices=["auto", "none", "core"],
                    help="kungfu-run's CPU pinning of the workers (one run per value)")
     p.add_argument("--no-sweep", action="store_true", help="skip the all_reduce sizes")
+    p.add_argument("--no-deep", action="store_true", help="skip the 207-tensor steps")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="torch's intra-op threads per process (0: torch's default, one per core)")
+    p.add_argument("--hogs", type=int, default=0,
+                   help="processes spinning on a CPU each beside the job")
     p.add_argument("--json", help="write the table, and every figure, here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
     results = []
-    with tempfile.TemporaryDirectory(prefix="torch-compare-") as tmp:
-        for np in args.np:
-            for bind in args.bind_to:
-                out = Path(tmp) / f"np{np}-{bind}.json"
-                results.append({**launch(np, args, out, bind), "bind_to": bind})
+    setting = "".join([f", torch threads {args.torch_threads or 'default'}"
+                       if args.torch_threads != 1 else "",
+                       f", {args.hogs} CPU hogs" if args.hogs else ""])
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                             start_new_session=True) for _ in range(args.hogs)]
+    try:
+        with tempfile.TemporaryDirectory(prefix="torch-compare-") as tmp:
+            for np in args.np:
+                for bind in args.bind_to:
+                    out = Path(tmp) / f"np{np}-{bind}.json"
+                    results.append({**launch(np, args, out, bind), "bind_to": bind + setting})
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
     print("\n\n".join(table(r) for r in results))
     print()
     print("\n".join(verdict(r) for r in results))
     if args.json:
         write_json(args.json, [json_table(results, args)], results=results, rounds=args.rounds,
-                   budget=args.budget, ddp_steps=args.ddp_steps, bind_to=args.bind_to)
+                   budget=args.budget, ddp_steps=args.ddp_steps, bind_to=args.bind_to,
+                   torch_threads=args.torch_threads, hogs=args.hogs)
 
 
 if __name__ == "__main__":
