@@ -170,9 +170,10 @@ def worker(args):
         print("ddp step: " + ", ".join(f"{b} {v:.1f} us" for b, v in result["ddp"]["us"].items()),
               flush=True)
     result["deep"] = None if args.no_deep else deep_steps(args, groups, kg, timed_loop)
-    if rank == 0 and result["deep"]:
-        print("deep step: " + ", ".join(f"{b} {v:.1f} us"
-                                        for b, v in result["deep"]["us"].items()), flush=True)
+    if rank == 0:
+        if result["deep"]:
+            print("deep step: " + ", ".join(f"{b} {v:.1f} us"
+                                            for b, v in result["deep"]["us"].items()), flush=True)
         Path(args.worker).write_text(json.dumps(result, indent=1))
     dist.barrier()
     dist.destroy_process_group()
