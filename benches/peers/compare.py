@@ -24,7 +24,10 @@ and the spread between rounds, not single numbers.
 At the end it prints a summary, table `busbw-ratios`: per op and np the
 busbw ratio of the second series (the first build of KungFu-rs, or with
 --no-mpi the second build) to the first at 4 KiB, 64 KiB, 1 MiB, 16 MiB and
-64 MiB ("-" for a size the sweep left out).
+64 MiB ("-" for a size the sweep left out). Then table `peak-rss`: per op
+and np, the peak resident set of the largest rank of each series over its
+whole sweep (so at its largest size; the median of the rounds, MiB), and
+the ratio of the second series to the first.
 
 --json FILE writes every table printed, one per op and np (`OP-npN`) and
 the summary (benches/peers/tables.py: the format the docs' tables are
@@ -87,15 +90,26 @@ def build_mpi(workdir):
     return exe
 
 
+def peak_rss(text):
+    """The '# Peak RSS (largest rank): X MiB' line of either bench (MiB)."""
+    for line in text.splitlines():
+        if "# Peak RSS (largest rank):" in line:
+            return float(line.split(":")[-1].split()[0])
+    return float("nan")
+
+
 def kungfu(np_, op, a, workdir, rel):
+    """{size: (busbw, us)} and the peak RSS (MiB) of one run."""
     out = os.path.join(workdir, "kf.json")
     transport = "tcp" if a.transport == "tcp" else "auto"
-    run([os.path.join(rel, "kungfu-run"), "-np", str(np_), "--timeout", "20m", "--transport", transport,
-         os.path.join(rel, "kungfu-bench"), op, "-b", str(a.min), "-e", str(a.max), "-f", "4",
-         "-n", str(a.iters), "-w", str(a.warmup), "-c", "1", "--in-place", "0", "--json", out])
+    text = run([os.path.join(rel, "kungfu-run"), "-np", str(np_), "--timeout", "20m", "--transport",
+                transport, os.path.join(rel, "kungfu-bench"), op, "-b", str(a.min), "-e",
+                str(a.max), "-f", "4", "-n", str(a.iters), "-w", str(a.warmup), "-c", "1",
+                "--in-place", "0", "--json", out])
     with open(out) as f:
         rows = json.load(f)["rows"]
-    return {r["size"]: (r["out_of_place"]["busbw_gbps"], r["out_of_place"]["time_us"]) for r in rows}
+    return ({r["size"]: (r["out_of_place"]["busbw_gbps"], r["out_of_place"]["time_us"])
+             for r in rows}, peak_rss(text))
 
 
 def mpi(np_, op, a, exe):
@@ -107,11 +121,12 @@ def mpi(np_, op, a, exe):
     cmd += [exe, op, "-b", str(a.min), "-e", str(a.max), "-f", "4", "-n", str(a.iters),
             "-w", str(a.warmup), "-c", "1"]
     res = {}
-    for line in run(cmd).splitlines():
+    text = run(cmd)
+    for line in text.splitlines():
         f = line.split()
         if f and not line.startswith("#"):
             res[int(f[0])] = (float(f[7]), float(f[5]))
-    return res
+    return res, peak_rss(text)
 
 
 def svg(title, series):
@@ -182,18 +197,26 @@ def main():
         labels = ([] if a.no_mpi else ["Open MPI"]) + [l for l, _ in builds]
         # (op, np) -> busbw of labels[1] / labels[0] per size of SUMMARY_SIZES
         summary = {}
+        # (op, np) -> the median peak RSS (MiB) of each series
+        rss = {}
         for np_ in a.np:
             for op in a.ops:
                 series = [(l, {}) for l in labels]
+                peaks = [[] for _ in labels]
                 for _ in range(a.rounds):
                     k = 0
                     if not a.no_mpi:
-                        for s, v in mpi(np_, op, a, exe).items():
+                        got, peak = mpi(np_, op, a, exe)
+                        for s, v in got.items():
                             series[0][1].setdefault(s, []).append(v)
+                        peaks[0].append(peak)
                         k = 1
                     for j, (_, d) in enumerate(builds):
-                        for s, v in kungfu(np_, op, a, workdir, d).items():
+                        got, peak = kungfu(np_, op, a, workdir, d)
+                        for s, v in got.items():
                             series[k + j][1].setdefault(s, []).append(v)
+                        peaks[k + j].append(peak)
+                rss[(op, np_)] = [statistics.median(p) for p in peaks]
                 print(f"\n## {op}, np={np_}, transport {a.transport}, median of {a.rounds} rounds; "
                       f"ratios against {series[0][0]}")
                 med = lambda d, i: {s: statistics.median(x[i] for x in v) for s, v in d.items()}
@@ -245,6 +268,16 @@ def main():
                 ratios.add(op, np_, *summary[(op, np_)])
         tables.append(ratios)
         print(f"\n## {ratios.title}\n{render(ratios.to_json())}")
+        peak = Table("peak-rss", f"peak resident set of the largest rank over the sweep (to "
+                     f"{human(a.max)}), MiB, median of {a.rounds} rounds; ratio {labels[1]} / "
+                     f"{labels[0]}", ["op", "np"] + labels + ["ratio"],
+                     ["{}", "{}"] + ["{:.1f}"] * len(labels) + ["{:.2f}"])
+        for op in a.ops:
+            for np_ in a.np:
+                m = rss[(op, np_)]
+                peak.add(op, np_, *m, ratio(m[1], m[0]))
+        tables.append(peak)
+        print(f"\n## {peak.title}\n{render(peak.to_json())}")
         out = a.json or (a.plot and os.path.join(a.plot, f"compare-{a.transport}.json"))
         if out:
             write_json(out, tables, rounds=a.rounds, transport=a.transport,

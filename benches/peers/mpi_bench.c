@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 enum op { ALLREDUCE, BROADCAST, ALLGATHER };
 
@@ -126,6 +127,12 @@ int main(int argc, char **argv) {
         if (size > max / factor) break;
     }
     if (rank == 0) printf("# Out of bounds values : %lld %s\n", total_wrong, total_wrong ? "FAILED" : "OK");
+    /* every rank's peak resident set (KiB on Linux), as kungfu-bench prints it */
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    long mine = ru.ru_maxrss, most = 0;
+    MPI_Reduce(&mine, &most, 1, MPI_LONG, MPI_MAX, 0, MPI_COMM_WORLD);
+    if (rank == 0) printf("# Peak RSS (largest rank): %.1f MiB\n", most / 1024.0);
     MPI_Finalize();
     return total_wrong ? 1 : 0;
 }

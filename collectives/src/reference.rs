@@ -33,8 +33,20 @@ pub fn push_small(dtype: DType, v: u8, out: &mut Vec<u8>) {
 
 /// The input of `rank`: `len` elements, different per rank and position.
 pub fn input(dtype: DType, op: Option<ReduceOp>, rank: usize, len: usize) -> Vec<u8> {
+    input_part(dtype, op, rank, 0, len)
+}
+
+/// Elements `start..start + len` of `rank`'s [`input`] (of any length
+/// past them), made without the rest.
+pub fn input_part(
+    dtype: DType,
+    op: Option<ReduceOp>,
+    rank: usize,
+    start: usize,
+    len: usize,
+) -> Vec<u8> {
     let mut out = Vec::with_capacity(len * dtype.size());
-    for i in 0..len {
+    for i in start..start + len {
         let v = if op == Some(ReduceOp::Prod) {
             1 + u8::from((rank + i).is_multiple_of(4))
         } else {
@@ -84,6 +96,55 @@ pub fn expected(spec: &OpSpec, me: usize, inputs: &[Vec<u8>]) -> Option<Vec<u8>>
                 .collect(),
         ),
         OpKind::Scatter { root } => Some(inputs[root.idx()][me * b..(me + 1) * b].to_vec()),
+    }
+}
+
+/// Bytes `range` of what rank `me` of `n` must get for `spec` with every
+/// rank's [`input`]: `expected(spec, me, &inputs(spec, n))`, cut to
+/// `range` (element-aligned, within the output), but made from the input
+/// elements that range depends on alone. So a checker holds memory in
+/// proportion to the range, not to `n` ops' inputs. None where the rank
+/// gets no output.
+pub fn expected_part(
+    spec: &OpSpec,
+    me: usize,
+    n: usize,
+    range: std::ops::Range<usize>,
+) -> Option<Vec<u8>> {
+    let (w, count, op) = (spec.dtype.size(), spec.count, spec.kind.reduce_op());
+    let (first, len) = (range.start / w, range.len() / w);
+    let part = |rank: usize, start: usize, len: usize| input_part(spec.dtype, op, rank, start, len);
+    let reduce_at = |op: ReduceOp, start: usize| {
+        let mut acc = part(0, start, len);
+        for r in 1..n {
+            acc = combine(spec.dtype, op, &acc, &part(r, start, len));
+        }
+        if op == ReduceOp::Avg {
+            acc = divide(spec.dtype, &acc, n);
+        }
+        acc
+    };
+    // output element j comes from rank j / count, at element `at(j % count)`
+    let blocks = |at: &dyn Fn(usize) -> usize| {
+        let mut out = Vec::with_capacity(range.len());
+        let mut j = first;
+        while j < first + len {
+            let (r, k) = (j / count, j % count);
+            let take = (count - k).min(first + len - j);
+            out.extend(part(r, at(k), take));
+            j += take;
+        }
+        out
+    };
+    match spec.kind {
+        OpKind::Allreduce(op) => Some(reduce_at(op, first)),
+        OpKind::Reduce { op, root } => (root.idx() == me).then(|| reduce_at(op, first)),
+        OpKind::Broadcast { root } => Some(part(root.idx(), first, len)),
+        OpKind::ReduceScatter(op) => Some(reduce_at(op, me * count + first)),
+        OpKind::Scatter { root } => Some(part(root.idx(), me * count + first, len)),
+        OpKind::Allgather => Some(blocks(&|k| k)),
+        OpKind::Gather { root } => (root.idx() == me).then(|| blocks(&|k| k)),
+        OpKind::Alltoall => Some(blocks(&|k| me * count + k)),
     }
 }
 
@@ -314,5 +375,59 @@ mod tests {
             check: 0,
         };
         assert_eq!(expected(&rs, 1, &inputs), Some(9f32.to_le_bytes().to_vec()));
+    }
+
+    /// `expected_part` over any range is that range of `expected`, for
+    /// every kind, rank and cluster size, whole or in pieces.
+    #[test]
+    fn expected_part_is_expected_in_pieces() {
+        use kungfu_topology::Rank;
+        let r = |x| Rank(x);
+        for n in 1..=4usize {
+            for count in [0usize, 1, 5] {
+                for dtype in [DType::F32, DType::I16] {
+                    let root = r(n as u32 - 1);
+                    let kinds = [
+                        OpKind::Allreduce(ReduceOp::Sum),
+                        OpKind::Allreduce(ReduceOp::Max),
+                        OpKind::Reduce {
+                            op: ReduceOp::Sum,
+                            root,
+                        },
+                        OpKind::Broadcast { root },
+                        OpKind::Allgather,
+                        OpKind::Gather { root },
+                        OpKind::ReduceScatter(ReduceOp::Sum),
+                        OpKind::Alltoall,
+                        OpKind::Scatter { root },
+                    ];
+                    for kind in kinds {
+                        let spec = OpSpec {
+                            kind,
+                            dtype,
+                            count,
+                            check: 0,
+                        };
+                        let all = inputs(&spec, n);
+                        for me in 0..n {
+                            let want = expected(&spec, me, &all);
+                            let len = want.as_ref().map_or(0, Vec::len);
+                            let whole = expected_part(&spec, me, n, 0..len);
+                            assert_eq!(whole, want, "{kind:?} n={n} count={count} rank {me}");
+                            let Some(want) = want else { continue };
+                            let w = dtype.size();
+                            for step in [1, 2, 3] {
+                                let mut got = Vec::new();
+                                for a in (0..len).step_by(step * w) {
+                                    let b = (a + step * w).min(len);
+                                    got.extend(expected_part(&spec, me, n, a..b).unwrap());
+                                }
+                                assert_eq!(got, want, "{kind:?} n={n} count={count} step {step}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 }

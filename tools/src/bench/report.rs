@@ -2,8 +2,8 @@
 
 use std::fmt::Write as _;
 
-use kungfu_collectives::DType;
-use kungfu_topology::Strategy;
+use kungfu_collectives::{reference, DType, OpSpec};
+use kungfu_topology::{Rank, Strategy};
 
 use super::monitor::MonitorCost;
 use super::{Args, Op};
@@ -22,6 +22,40 @@ pub(super) fn nccl_type(d: DType) -> &'static str {
         DType::BF16 => "bfloat16",
         DType::F32 => "float",
         DType::F64 => "double",
+    }
+}
+
+/// Bytes of expected output made at a time by [`count_wrong_of`].
+const CHECK_CHUNK: usize = 1 << 20;
+
+/// How many elements of `got`, rank `me`'s output of `spec` among `n`
+/// ranks, differ from what it must be ([`reference::expected`]). The
+/// expected values are made a chunk at a time from the inputs they depend
+/// on ([`reference::expected_part`]), so the check holds about a chunk
+/// more, not every rank's input: what a run's peak RSS shows is the
+/// library's.
+pub(super) fn count_wrong_of(spec: &OpSpec, me: usize, n: usize, got: Option<&[u8]>) -> u64 {
+    let w = spec.dtype.size();
+    let len = spec
+        .output_range(Rank(me as u32), n)
+        .filter(|_| reference::expected_part(spec, me, n, 0..0).is_some())
+        .map(|r| r.len());
+    match (got, len) {
+        (Some(got), Some(len)) if got.len() == len => {
+            let chunk = (CHECK_CHUNK / w).max(1) * w;
+            (0..len)
+                .step_by(chunk)
+                .map(|a| {
+                    let b = (a + chunk).min(len);
+                    let want = reference::expected_part(spec, me, n, a..b);
+                    count_wrong(w, Some(&got[a..b]), &want)
+                })
+                .sum()
+        }
+        (None, None) => 0,
+        // a missing or mis-sized output: every expected value is wrong
+        (_, Some(len)) => (len / w).max(1) as u64,
+        (Some(got), None) => (got.len() / w).max(1) as u64,
     }
 }
 

@@ -38,6 +38,13 @@ fn every_strategy_and_size_is_correct() {
                 t.contains("# Out of bounds values : 0 OK"),
                 "np={np} {s} {transport}:\n{t}"
             );
+            // every rank's peak resident set, the largest: a few MiB at least
+            let rss: f64 = t
+                .lines()
+                .find_map(|l| l.split("# Peak RSS (largest rank): ").nth(1))
+                .and_then(|v| v.trim_end_matches(" MiB").parse().ok())
+                .unwrap_or_else(|| panic!("no peak RSS line:\n{t}"));
+            assert!(rss > 1.0, "peak RSS {rss} MiB:\n{t}");
             // sizes 0 B .. 4 MiB all printed
             assert!(
                 t.contains(&format!("{:>10} ", 4 << 20)),
