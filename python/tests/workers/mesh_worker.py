@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import kungfu.torch  # noqa: F401  registers "kungfu"
+from model import fit
 
 BATCH, DIM, HIDDEN, OUT = 16, 12, 32, 6
 
@@ -70,14 +71,7 @@ def main():
     data = batches(steps)
 
     ref = make_model()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    ref_losses = []
-    for x, y in data:
-        ref_opt.zero_grad()
-        loss = F.cross_entropy(ref(x), y)
-        loss.backward()
-        ref_opt.step()
-        ref_losses.append(loss.item())
+    ref_losses = fit(ref, torch.optim.SGD(ref.parameters(), lr=0.1), data)
 
     model = parallelize_module(make_model(), tp,
                                {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})

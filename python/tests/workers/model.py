@@ -105,8 +105,14 @@ def flat_params(model: nn.Module) -> torch.Tensor:
 def train(forward, opt, rank: int, steps: int) -> list:
     """`steps` steps of `opt` on `rank`'s batches through `forward` (the
     model, or its DDP wrapper); returns the losses."""
+    return fit(forward, opt, batches(rank, steps))
+
+
+def fit(forward, opt, data) -> list:
+    """A step of `opt` (cross entropy through `forward`) per (x, y) of
+    `data`; returns the losses."""
     losses = []
-    for x, y in batches(rank, steps):
+    for x, y in data:
         opt.zero_grad()
         loss = F.cross_entropy(forward(x), y)
         loss.backward()

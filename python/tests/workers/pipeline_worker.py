@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 import kungfu.torch  # noqa: F401  registers "kungfu"
+from model import fit
 
 BATCH, MICRO, DIM = 16, 4, 24
 
@@ -56,14 +57,7 @@ def main():
 
     # the reference: the whole model in this process
     ref = make_model()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    ref_losses = []
-    for x, y in data:
-        ref_opt.zero_grad()
-        loss = F.cross_entropy(ref(x), y)
-        loss.backward()
-        ref_opt.step()
-        ref_losses.append(loss.item())
+    ref_losses = fit(ref, torch.optim.SGD(ref.parameters(), lr=0.05), data)
 
     # the pipeline: this rank's half
     part = halves(make_model())[rank]
