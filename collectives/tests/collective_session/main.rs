@@ -67,3 +67,25 @@ fn rt() -> tokio::runtime::Runtime {
 }
 
 const LONG: Duration = Duration::from_secs(30);
+
+/// Every op of `pending` fails with `PeerLost` naming `peer` and the op
+/// `name`, all within 5 s of `since` (when `peer` was killed).
+async fn all_fail_losing<T: std::fmt::Debug>(
+    pending: Vec<kungfu_collectives::OpHandle<T>>,
+    peer: Rank,
+    name: &str,
+    since: std::time::Instant,
+) {
+    for h in pending {
+        match h.await {
+            Err(CollectiveError::PeerLost {
+                peer: p, name: n, ..
+            }) => {
+                assert_eq!(p, peer);
+                assert_eq!(&*n, name);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(since.elapsed() < Duration::from_secs(5));
+}
