@@ -285,7 +285,9 @@ impl<T: Transport> Fast<T> {
         let (mut mine, mut contrib, unposted, need) = (None, Some(0..b), others, others);
         let (unposted, need) = match spec.kind {
             OpKind::Allreduce(_) => {
-                if me.0 != 0 && !split {
+                // the direct way's posted copy (split and large ops read
+                // the working buffer where it lies)
+                if me.0 != 0 && way == Way::Direct {
                     let mut m = inner.pool.take_vec(b);
                     work.read(0..b, |w| m.vec_mut().extend_from_slice(w));
                     mine = Some(m);
