@@ -9,6 +9,7 @@ use anyhow::Context;
 use kungfu::env::SECRET_VAR;
 use kungfu_topology::{fnv1a64, PeerList};
 use kungfu_transport::auth::JobSecret;
+use kungfu_transport::shm::cma;
 use tokio::process::Command;
 
 use super::{cpu_for, LaunchOptions};
@@ -83,6 +84,10 @@ fn worker_cmd(
         .env("KUNGFU_TRANSPORT", opts.transport.name())
         .env("KUNGFU_CLUSTER_VERSION", w.version.to_string())
         .env("KUNGFU_CLUSTER_ID", format!("{:x}", job.cluster_id))
+        // the workers' common ancestor on this host: under Yama's
+        // ptrace_scope 1 they name it their ptracer, so that they may read
+        // each other's buffers (kungfu_transport::shm::cma)
+        .env(cma::LAUNCHER_PID_VAR, std::process::id().to_string())
         // the environment, not the command line, which every user can read
         .env(SECRET_VAR, &job.secret)
         // what torch.distributed's env:// init reads, so that a script

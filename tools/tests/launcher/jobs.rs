@@ -720,3 +720,31 @@ fn workers_that_share_a_host_get_one_omp_thread_unless_told() {
         );
     }
 }
+
+/// Every worker is told its launcher's pid (`KUNGFU_LAUNCHER_PID`): the
+/// process it names as its ptracer under Yama's ptrace_scope 1, which
+/// must be an ancestor of every worker of the host. Here each is the
+/// launcher's child, so the value is the worker's parent.
+#[test]
+fn workers_are_told_their_launchers_pid() {
+    let show = "echo launcher=${KUNGFU_LAUNCHER_PID:-unset} parent=$PPID";
+    let out = run_bounded(
+        kungfu_run(&["-np", "3", "sh", "-c", show]),
+        Duration::from_secs(60),
+    );
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    let pids: Vec<(&str, &str)> = t
+        .lines()
+        .filter_map(|l| {
+            let (_, rest) = l.split_once("launcher=")?;
+            rest.split_once(" parent=")
+        })
+        .collect();
+    assert_eq!(pids.len(), 3, "{t}");
+    for (launcher, parent) in &pids {
+        assert!(launcher.parse::<u32>().is_ok_and(|p| p > 1), "{t}");
+        assert_eq!(launcher, parent, "{t}");
+        assert_eq!(launcher, &pids[0].0, "{t}");
+    }
+}

@@ -15,11 +15,40 @@
 //! # When it is there
 //!
 //! Linux 3.2+, and permitted: the caller may ptrace the peer (the same
-//! user, and no Yama restriction: `ptrace_scope` 0 or absent) and no
-//! seccomp filter blocks the call (some container runtimes do).
-//! [`available`] probes it.
+//! user, and Yama allows it) and no seccomp filter blocks the call (some
+//! container runtimes do). [`available`] decides, once per process.
+//!
+//! Yama's `ptrace_scope` (`/proc/sys/kernel/yama/ptrace_scope`):
+//! - **0** (or no Yama): any process of the same user.
+//! - **1** (the default of Ubuntu and others): only a process's
+//!   descendants, and the process it names with `prctl(PR_SET_PTRACER)`
+//!   and that process's descendants. The workers of a host are siblings,
+//!   so none could read another. Where [`LAUNCHER_PID_VAR`] names the
+//!   process that started them (kungfu-run sets it to its own pid), every
+//!   worker names it as its ptracer: its descendants, the job's workers on
+//!   this host, may then read each other, and no other process gains
+//!   anything. Without the variable, or where the `prctl` fails, it is
+//!   off. A process with `CAP_SYS_PTRACE` needs neither.
+//! - **2**: only with `CAP_SYS_PTRACE`. **3**: never.
+//!
+//! Every worker of a host must reach the same verdict, or an op would
+//! take the one-copy path on some ranks and the rings on others (and fail
+//! at its deadline): under one launcher they share the kernel, the
+//! variable and their credentials, so they do.
 
 use std::io;
+use std::sync::OnceLock;
+
+/// The environment variable that names (by pid) the process that started
+/// this host's workers, a common ancestor of them all: kungfu-run sets it.
+/// Under Yama's `ptrace_scope` 1 each worker admits that process and its
+/// descendants as readers of its memory (see the module docs). Another
+/// launcher can set it to its own pid, or a shell script to `$$` before it
+/// starts the workers.
+pub const LAUNCHER_PID_VAR: &str = "KUNGFU_LAUNCHER_PID";
+
+/// `CAP_SYS_PTRACE`'s bit in the capability sets of `/proc/self/status`.
+const CAP_SYS_PTRACE: u32 = 19;
 
 /// Reads `dst.len()` bytes at `addr` in process `pid` into `dst`.
 pub fn read(pid: u32, addr: u64, dst: &mut [u8]) -> io::Result<()> {
@@ -58,20 +87,75 @@ pub fn read(pid: u32, addr: u64, dst: &mut [u8]) -> io::Result<()> {
     Ok(())
 }
 
-/// Whether cross-memory attach works here: Yama allows reading a peer of
-/// the same user, and a read of this process's own memory goes through
-/// (seccomp would refuse it).
+/// Whether cross-memory attach works here between this host's workers:
+/// Yama permits it (see the module docs; under `ptrace_scope` 1 this names
+/// the launcher as this process's ptracer), and a read of this process's
+/// own memory goes through (seccomp would refuse it). Decided once per
+/// process.
 pub fn available() -> bool {
-    let scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
-        .ok()
-        .and_then(|s| s.trim().parse::<u32>().ok())
-        .unwrap_or(0);
-    // 1 (Ubuntu's default) lets a process read only its descendants:
-    // sibling workers could not read each other, though reading itself
-    // (the probe below) works.
-    if scope > 0 {
-        return false;
+    static VERDICT: OnceLock<bool> = OnceLock::new();
+    *VERDICT.get_or_init(|| {
+        let scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
+            .ok()
+            .and_then(|s| s.trim().parse::<u32>().ok());
+        let launcher = std::env::var(LAUNCHER_PID_VAR)
+            .ok()
+            .and_then(|v| v.trim().parse::<u32>().ok())
+            .filter(|&pid| pid > 0);
+        yama_permits(scope, launcher, may_ptrace_any(), set_ptracer) && reads_itself()
+    })
+}
+
+/// Whether Yama lets this host's workers read each other: `scope` is its
+/// `ptrace_scope` (None: no Yama), `launcher` their common ancestor,
+/// `cap` whether this process has `CAP_SYS_PTRACE`, and `set_ptracer`
+/// names a process as this one's ptracer (called only where it helps).
+fn yama_permits(
+    scope: Option<u32>,
+    launcher: Option<u32>,
+    cap: bool,
+    set_ptracer: impl FnOnce(u32) -> io::Result<()>,
+) -> bool {
+    match scope {
+        None | Some(0) => true,
+        Some(1) => cap || launcher.is_some_and(|pid| set_ptracer(pid).is_ok()),
+        Some(2) => cap,
+        Some(_) => false,
     }
+}
+
+/// `prctl(PR_SET_PTRACER, pid)`: `pid` and its descendants may ptrace
+/// (and so read) this process. Fails with `EINVAL` where the kernel has
+/// no Yama.
+pub fn set_ptracer(pid: u32) -> io::Result<()> {
+    let pid = libc::c_ulong::from(pid);
+    // SAFETY: PR_SET_PTRACER takes a pid by value and touches no memory of
+    // this process.
+    let r = unsafe { libc::prctl(libc::PR_SET_PTRACER, pid, 0 as libc::c_ulong, 0, 0) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Whether this process has `CAP_SYS_PTRACE` in its effective set.
+fn may_ptrace_any() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .as_deref()
+        .and_then(effective_caps)
+        .is_some_and(|caps| caps >> CAP_SYS_PTRACE & 1 == 1)
+}
+
+/// The `CapEff` mask of a `/proc/PID/status` text.
+fn effective_caps(status: &str) -> Option<u64> {
+    let line = status.lines().find_map(|l| l.strip_prefix("CapEff:"))?;
+    u64::from_str_radix(line.trim(), 16).ok()
+}
+
+/// A read of this process's own memory goes through.
+fn reads_itself() -> bool {
     let src = [0x5au8; 64];
     let mut dst = [0u8; 64];
     read(std::process::id(), src.as_ptr() as u64, &mut dst).is_ok() && dst == src
@@ -91,5 +175,52 @@ mod tests {
         // an unmapped address is an error, not a fault
         assert!(read(std::process::id(), 8, &mut dst[..16]).is_err());
         assert!(read(std::process::id(), u64::MAX - 4, &mut dst[..16]).is_err());
+    }
+
+    #[test]
+    fn yama_decides_by_scope_launcher_and_capability() {
+        let ok = |_: u32| Ok(());
+        let refused = |_: u32| Err(io::Error::from_raw_os_error(libc::EINVAL));
+        // no Yama, or scope 0: nothing to ask
+        for scope in [None, Some(0)] {
+            assert!(yama_permits(scope, None, false, |_| panic!("not asked")));
+        }
+        // scope 1: the launcher as ptracer, if the kernel takes it
+        let mut named = None;
+        assert!(yama_permits(Some(1), Some(4242), false, |p| {
+            named = Some(p);
+            Ok(())
+        }));
+        assert_eq!(named, Some(4242));
+        assert!(!yama_permits(Some(1), Some(4242), false, refused));
+        assert!(!yama_permits(Some(1), None, false, ok));
+        assert!(yama_permits(Some(1), None, true, ok));
+        // scope 2: the capability only; 3: never
+        assert!(!yama_permits(Some(2), Some(4242), false, ok));
+        assert!(yama_permits(Some(2), None, true, ok));
+        assert!(!yama_permits(Some(3), Some(4242), true, ok));
+    }
+
+    #[test]
+    fn the_ptracer_prctl_reaches_the_kernel() {
+        // Yama takes it; a kernel without Yama refuses the option itself
+        let yama = std::path::Path::new("/proc/sys/kernel/yama").exists();
+        match set_ptracer(std::os::unix::process::parent_id()) {
+            Ok(()) => assert!(yama, "PR_SET_PTRACER taken without Yama"),
+            Err(e) => {
+                assert!(!yama, "Yama refused PR_SET_PTRACER: {e}");
+                assert_eq!(e.raw_os_error(), Some(libc::EINVAL), "{e}");
+            }
+        }
+    }
+
+    #[test]
+    fn reads_the_effective_capabilities() {
+        let status = "Name:\tx\nCapInh:\t0000000000000000\nCapEff:\t000001ffffffffff\n";
+        assert_eq!(effective_caps(status), Some(0x1ff_ffff_ffff));
+        assert_eq!(effective_caps("CapEff:\tzz\n"), None);
+        assert_eq!(effective_caps("Name: x\n"), None);
+        let root = effective_caps("CapEff:\t0000000000080000\n").unwrap();
+        assert_eq!(root >> CAP_SYS_PTRACE & 1, 1);
     }
 }
