@@ -288,6 +288,8 @@ pub(super) fn setup(cfg: &ShmConfig, cap: usize) -> Result<(Rings, Rings), Trans
             kill_point(cfg, Stage::Created);
         }
     }
+    // This side's rings are faulted in while the peers' appear.
+    let populated = populate_on_thread(inbound.iter().flatten().cloned().collect());
     let mut outbound: Rings = vec![None; n];
     for (j, slot) in outbound.iter_mut().enumerate().filter(|(j, _)| peer(*j)) {
         let ring = open_outbound(cfg, cap, Rank(j as u32), deadline)
@@ -309,36 +311,49 @@ pub(super) fn setup(cfg: &ShmConfig, cap: usize) -> Result<(Rings, Rings), Trans
     // Every sender unlinked its ring's file before attaching: nothing of
     // this endpoint is left to remove.
     created.0.clear();
-    populate_in_background(inbound.iter().chain(&outbound).flatten().cloned().collect());
+    for ring in outbound.iter().flatten() {
+        ring.populate(POPULATE_PIECE);
+    }
+    // Bounded by the connect's deadline: past it the thread finishes on
+    // its own, and the first laps fault what it has not reached.
+    let _ = populated.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()));
     Ok((inbound, outbound))
 }
 
-/// Faults every page of the rings in, writably, on a thread of its own:
-/// a fresh ring's pages are otherwise allocated and zeroed one fault at a
-/// time during the first lap of traffic (measured: the first ~50
-/// allreduces of 64 KiB on 2 ranks took 90-180 us instead of 15), while
-/// doing it before returning made connecting slow (4 ranks on 2 cores:
-/// 15-20 ms to zero their 4 MiB rings, most of an elastic resize). Even
-/// in the background it is most of what a resize costs here: 2 -> 4 -> 3
-/// -> 1 -> 3 took 9-11 ms per resize on average with it, 2-3 ms without.
-fn populate_in_background(rings: Vec<Arc<Ring>>) {
-    let _ = std::thread::Builder::new()
+/// Bytes faulted in per call: populating holds the process's memory-map
+/// lock, which spawning a thread (its stack) also needs.
+const POPULATE_PIECE: usize = 256 << 10;
+
+/// Faults every page of `rings` in, writably, on a thread of its own; the
+/// receiver hears when it is done. A fresh ring's pages are otherwise
+/// allocated and zeroed one fault at a time during the first lap of
+/// traffic (measured: the first ~50 allreduces of 64 KiB on 2 ranks took
+/// 90-180 us instead of 15).
+///
+/// `setup` waits for it before it returns. It used to run in the
+/// background, at the lowest priority, after connecting; with more
+/// workers than cores it then took whole time slices from ranks that
+/// poll by yielding the CPU (each yield pushes the poller's deadline
+/// back), and every op stalled on the rank whose core it held: at 4
+/// ranks on 2 cores, in about half the runs, the first size of a sweep
+/// took 100-900 us per 1 KiB allreduce instead of 10-20
+/// (`benches/peers/first_op.sh`, docs/speed.md). Here it overlaps the
+/// wait for the peers' rings; an elastic resize 4 -> 3 -> 1 -> 3 from 2
+/// then took 12-13 ms on average against 8-12.
+fn populate_on_thread(rings: Vec<Arc<Ring>>) -> std::sync::mpsc::Receiver<()> {
+    let (done, populated) = std::sync::mpsc::channel();
+    let spawned = std::thread::Builder::new()
         .name("kungfu-shm-populate".into())
         .spawn(move || {
-            // Lowest priority: connecting and the first ops come first.
-            // SAFETY: gettid and setpriority take no pointers; this only
-            // changes this thread's nice value.
-            unsafe {
-                let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-                libc::setpriority(libc::PRIO_PROCESS, tid, 19);
-            }
-            // In pieces: populating holds the process's memory-map lock,
-            // which spawning a thread (its stack) also needs.
-            const PIECE: usize = 256 << 10;
             for ring in &rings {
-                ring.populate(PIECE);
+                ring.populate(POPULATE_PIECE);
             }
+            let _ = done.send(());
         });
+    // No thread (out of resources): the first laps fault the pages in,
+    // and the receiver hears at once (its sender is gone).
+    drop(spawned);
+    populated
 }
 
 #[cfg(test)]

@@ -244,7 +244,7 @@ impl Ring {
     }
 
     /// Faults the mapping's pages in, writably, `piece` bytes per call
-    /// (see `files::populate_in_background`). Only the kernel touches the
+    /// (see `files::populate_on_thread`). Only the kernel touches the
     /// memory (`MADV_POPULATE_WRITE` keeps its contents), so this needs no
     /// side. The mapping itself stays private: as a `&MmapMut` it would
     /// give safe code a plain `&[u8]` of memory the other side writes.
