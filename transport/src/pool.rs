@@ -187,6 +187,26 @@ impl BufferPool {
         }
     }
 
+    /// A working buffer of `len` bytes whose contents are unspecified: the
+    /// bytes of its last use where it had them (a buffer keeps its length
+    /// in the pool), zeros past them. For an op that overwrites what it
+    /// reads (a broadcast's receivers, an allgather's other blocks): no
+    /// pass to zero it first.
+    pub fn take_filled(self: &Arc<Self>, len: usize) -> PooledBuf {
+        let mut vec = self
+            .reuse(len)
+            .unwrap_or_else(|| Vec::with_capacity(Self::capacity_for(len)));
+        if vec.len() >= len {
+            vec.truncate(len);
+        } else {
+            vec.resize(len, 0);
+        }
+        PooledBuf {
+            vec,
+            pool: Arc::downgrade(self),
+        }
+    }
+
     /// Keeps `buf` for reuse if it has a home and fits the budget.
     fn give(&self, buf: Vec<u8>) {
         let cap = buf.capacity();

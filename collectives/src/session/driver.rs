@@ -158,11 +158,14 @@ impl<T: Transport> Session<T> {
         let (n, me) = self.place(scope);
         match mem {
             Memory::Input(input) => {
+                // Bytes the op overwrites before it reads them (all of a
+                // broadcast's receiver, the other blocks of an allgather)
+                // keep what the pooled buffer held: no pass to zero them.
                 let mut work = self
                     .inner
                     .pool
-                    .take_vec(spec.work_len(n).expect("validated"));
-                spec.init_work_into(input, me, n, work.vec_mut());
+                    .take_filled(spec.work_len(n).expect("validated"));
+                spec.init_work_in(input, me, n, &mut work);
                 opmem::OpMem::Plain(work)
             }
             Memory::Region(r) => opmem::OpMem::callers(r),

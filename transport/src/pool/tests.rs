@@ -72,6 +72,29 @@ fn working_buffers_come_back_empty_and_are_reused() {
     assert_eq!(pool.idle_bytes(), bp);
 }
 
+/// A filled buffer keeps what its last use left and zeroes only past it.
+#[test]
+fn filled_buffers_skip_the_zeroing_they_can() {
+    let pool = BufferPool::new(1 << 20);
+    let fresh = pool.take_filled(3000);
+    assert_eq!(&fresh[..], &[0u8; 3000][..], "a new buffer is zeros");
+    drop(fresh);
+    let mut a = pool.take_vec(1000);
+    a.vec_mut().resize(1000, 7);
+    let p = a.as_ptr();
+    drop(a);
+    // shorter than its last use: a prefix of it, no pass over the bytes
+    let b = pool.take_filled(600);
+    assert_eq!((b.as_ptr(), b.len()), (p, 600));
+    assert!(b.iter().all(|&x| x == 7));
+    drop(b);
+    // longer: its old bytes, then zeros
+    let c = pool.take_filled(4000);
+    assert_eq!((c.as_ptr(), c.len()), (p, 4000));
+    assert!(c[..600].iter().all(|&x| x == 7));
+    assert!(c[600..].iter().all(|&x| x == 0));
+}
+
 /// Payloads and working buffers are one pool: either serves the other.
 #[test]
 fn one_kind_of_buffer_serves_the_other() {
