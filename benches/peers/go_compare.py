@@ -78,8 +78,11 @@ def build_go(src, out):
 
 
 def go_time(run_go, bench_go, np_, size, iters):
+    # KungFu's launcher writes a log file per worker into its working
+    # directory: the scratch directory it was built in, not the caller's
     out = run([run_go, "-q", "-timeout", "5m", "-np", str(np_), "-H", f"127.0.0.1:{np_}",
-               bench_go, "-size", str(size), "-iters", str(iters), "-warmup", "3"])
+               bench_go, "-size", str(size), "-iters", str(iters), "-warmup", "3"],
+              cwd=os.path.dirname(run_go))
     m = re.search(r"per_op_us=([\d.]+)", out)
     if not m:
         sys.exit(f"no RESULT line from KungFu:\n{out}")
