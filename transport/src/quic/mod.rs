@@ -189,6 +189,8 @@ pub struct QuicWire {
     closing: AtomicBool,
     tasks: Tasks,
     readers: Tasks,
+    /// Where a borrowed payload's copy comes from (see [`write_frame`]).
+    pool: Arc<BufferPool>,
 }
 
 impl Endpoint<QuicWire> {
@@ -307,6 +309,7 @@ impl QuicWire {
             closing: AtomicBool::new(false),
             tasks: Tasks::new(tasks),
             readers: Tasks::new(readers),
+            pool: pool.clone(),
         };
         let ecfg = EndpointConfig {
             spin: cfg.spin,
@@ -342,7 +345,7 @@ impl QuicWire {
             return Err(TransportError::Closed);
         }
         header.len = len as u64;
-        let s = write_frame(&link.conn, header.encode(), payload)
+        let s = write_frame(&link.conn, header.encode(), payload, &self.pool)
             .await
             .map_err(|reason| TransportError::PeerLost {
                 peer: to,
