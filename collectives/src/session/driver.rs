@@ -107,16 +107,16 @@ impl<T: Transport> Session<T> {
         None
     }
 
-    /// Checks an op's name, spec and memory (in `scope`'s ranks).
+    /// Checks an op's name, spec and memory, on `n` ranks where this one
+    /// is `me` ([`Session::place`]).
     pub(super) fn check(
         &self,
         name: &Arc<str>,
         spec: &OpSpec,
         mem: &Memory,
         internal: bool,
-        scope: Option<&Scope>,
+        (n, me): (usize, Rank),
     ) -> Result<(), CollectiveError> {
-        let (n, me) = self.place(scope);
         let invalid = |reason: String| CollectiveError::InvalidArgument {
             name: name.clone(),
             reason,
@@ -144,18 +144,22 @@ impl<T: Transport> Session<T> {
     pub(super) fn place(&self, scope: Option<&Scope>) -> (usize, Rank) {
         match scope {
             Some(s) => (s.members.len(), s.pos),
-            None => (self.inner.transport().size(), self.inner.transport().rank()),
+            None => {
+                // one read of the lock and one count on the Arc, not two
+                let t = self.inner.transport();
+                (t.size(), t.rank())
+            }
         }
     }
 
-    /// The op's working memory, laid out by [`OpSpec::init_work`].
+    /// The op's working memory, laid out by [`OpSpec::init_work`], on `n`
+    /// ranks where this one is `me`.
     pub(super) fn work_of(
         &self,
         spec: &OpSpec,
         mem: Memory,
-        scope: Option<&Scope>,
+        (n, me): (usize, Rank),
     ) -> opmem::OpMem {
-        let (n, me) = self.place(scope);
         match mem {
             Memory::Input(input) => {
                 // Bytes the op overwrites before it reads them (all of a
@@ -195,8 +199,10 @@ impl<T: Transport> Session<T> {
 
     fn start_fast(&self, f: Arc<Fast<T>>, s: Start<'_>) -> Option<Arc<dyn Drive>> {
         let (name, spec, done) = (s.name, s.spec, s.done);
+        // the session's transport, which the fast path holds: no lock
+        let place = (f.transport().size(), f.transport().rank());
         let begun = self
-            .check(&name, &spec, &s.mem, s.internal, None)
+            .check(&name, &spec, &s.mem, s.internal, place)
             .and_then(|()| lock(&self.inner.names).begin(&name));
         let (op, seq) = match begun {
             Ok(b) => b,
@@ -210,7 +216,7 @@ impl<T: Transport> Session<T> {
             op,
             seq,
         };
-        let work = self.work_of(&spec, s.mem, None);
+        let work = self.work_of(&spec, s.mem, place);
         let inner = self.inner.clone();
         inner.inflight.fetch_add(1, Ordering::SeqCst);
         lock(&inner.pending).insert(tag, (name.clone(), std::time::Instant::now()));

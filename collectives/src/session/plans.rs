@@ -94,7 +94,7 @@ impl<T: Transport> Session<T> {
             name: name.clone(),
             reason,
         };
-        self.check(&name, &spec, &mem, internal, scope)?;
+        self.check(&name, &spec, &mem, internal, (n, pos))?;
         let configured = self.strategy();
         let plans = scope.map_or(&self.inner.plans, |s| &s.plans);
         // One plan serves every check of a spec; the digest differs.
@@ -133,7 +133,7 @@ impl<T: Transport> Session<T> {
             Some(s) => lock(&self.inner.names).begin_with_id(s.op_id(&name), &name)?,
             None => lock(&self.inner.names).begin(&name)?,
         };
-        let work = self.work_of(&spec, mem, scope);
+        let work = self.work_of(&spec, mem, (n, pos));
         let op = OpInstance {
             name,
             spec,
