@@ -268,23 +268,39 @@ pub(super) async fn write_frame(
     let s = conn.open_uni().await.map_err(|e| connection_lost(&e))?;
     let mut guard = Sending(Some(s));
     let s = guard.0.as_mut().expect("just set");
-    let payload = match payload {
-        Payload::Bytes(b) => b,
-        Payload::Slice(p) => {
-            let mut copy = pool.take(p.len());
-            copy.as_mut().copy_from_slice(p);
-            copy.freeze()
+    let res = match payload {
+        Payload::Bytes(b) => {
+            s.write_all_chunks(&mut [Bytes::copy_from_slice(&header), b])
+                .await
         }
+        Payload::Slice(p) => write_copied(s, &header, p, pool).await,
     };
-    let res = s
-        .write_all_chunks(&mut [Bytes::copy_from_slice(&header), payload])
-        .await;
     res.map_err(|e| match e {
         quinn::WriteError::ConnectionLost(e) => connection_lost(&e),
         other => format!("write: {other}"),
     })?;
     s.finish().map_err(|e| format!("finish: {e}"))?;
     Ok(guard.0.take().expect("still held"))
+}
+
+/// Writes `header` and a copy of `p`, a piece at a time, each piece
+/// copied as quinn takes it: a large frame is not held twice whole while
+/// flow control lets it out.
+async fn write_copied(
+    s: &mut SendStream,
+    header: &[u8],
+    p: &[u8],
+    pool: &Arc<BufferPool>,
+) -> Result<(), quinn::WriteError> {
+    const PIECE: usize = 1 << 20;
+    s.write_all_chunks(&mut [Bytes::copy_from_slice(header)])
+        .await?;
+    for piece in p.chunks(PIECE) {
+        let mut copy = pool.take(piece.len());
+        copy.as_mut().copy_from_slice(piece);
+        s.write_all_chunks(&mut [copy.freeze()]).await?;
+    }
+    Ok(())
 }
 
 /// What [`write_frame`] sends.

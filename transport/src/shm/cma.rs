@@ -44,7 +44,9 @@ use std::sync::OnceLock;
 /// Under Yama's `ptrace_scope` 1 each worker admits that process and its
 /// descendants as readers of its memory (see the module docs). Another
 /// launcher can set it to its own pid, or a shell script to `$$` before it
-/// starts the workers.
+/// starts the workers (one process for all of them: a wrapper per worker
+/// that names itself admits nobody else). Ignored unless it names an
+/// ancestor of this process.
 pub const LAUNCHER_PID_VAR: &str = "KUNGFU_LAUNCHER_PID";
 
 /// `CAP_SYS_PTRACE`'s bit in the capability sets of `/proc/self/status`.
@@ -100,16 +102,59 @@ pub fn available() -> bool {
             .and_then(|s| s.trim().parse::<u32>().ok());
         let launcher = std::env::var(LAUNCHER_PID_VAR)
             .ok()
-            .and_then(|v| v.trim().parse::<u32>().ok())
-            .filter(|&pid| pid > 0);
+            .and_then(|v| launcher_pid(&v))
+            .filter(|&pid| is_ancestor(pid));
         yama_permits(scope, launcher, may_ptrace_any(), set_ptracer) && reads_itself()
     })
+}
+
+/// A value of [`LAUNCHER_PID_VAR`] that may name a launcher: not init (pid
+/// 1: every process descends from it), and not `u32::MAX` (which a
+/// 32-bit `c_ulong` would turn into `PR_SET_PTRACER_ANY`: any process).
+fn launcher_pid(v: &str) -> Option<u32> {
+    v.trim()
+        .parse::<u32>()
+        .ok()
+        .filter(|&pid| pid > 1 && pid != u32::MAX)
+}
+
+/// Whether `pid` is an ancestor of this process (its parent, or its
+/// parent's, ...), by `/proc/PID/stat`. A launcher that exited, a worker
+/// that was reparented, or a pid of another namespace is not: naming it
+/// would admit nobody, and every large op would fail its reads.
+fn is_ancestor(pid: u32) -> bool {
+    let mut p = std::os::unix::process::parent_id();
+    // bounded: a chain of processes is short, and a read may race an exit
+    for _ in 0..64 {
+        if p == pid {
+            return true;
+        }
+        match std::fs::read_to_string(format!("/proc/{p}/stat"))
+            .ok()
+            .as_deref()
+            .and_then(parent_in_stat)
+        {
+            Some(parent) if parent > 0 && parent != p => p = parent,
+            _ => return false,
+        }
+    }
+    false
+}
+
+/// The parent pid in a `/proc/PID/stat` text: the field after the
+/// state, which follows the command name in parentheses (which may hold
+/// spaces and parentheses itself, so the last `)` ends it).
+fn parent_in_stat(stat: &str) -> Option<u32> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(1)?.parse().ok()
 }
 
 /// Whether Yama lets this host's workers read each other: `scope` is its
 /// `ptrace_scope` (None: no Yama), `launcher` their common ancestor,
 /// `cap` whether this process has `CAP_SYS_PTRACE`, and `set_ptracer`
-/// names a process as this one's ptracer (called only where it helps).
+/// names a process as this one's ptracer. Under scope 1 the launcher is
+/// named even by a process with the capability: its peers may not have
+/// it, and they read this one too.
 fn yama_permits(
     scope: Option<u32>,
     launcher: Option<u32>,
@@ -118,7 +163,10 @@ fn yama_permits(
 ) -> bool {
     match scope {
         None | Some(0) => true,
-        Some(1) => cap || launcher.is_some_and(|pid| set_ptracer(pid).is_ok()),
+        Some(1) => {
+            let named = launcher.is_some_and(|pid| set_ptracer(pid).is_ok());
+            named || cap
+        }
         Some(2) => cap,
         Some(_) => false,
     }
@@ -195,6 +243,13 @@ mod tests {
         assert!(!yama_permits(Some(1), Some(4242), false, refused));
         assert!(!yama_permits(Some(1), None, false, ok));
         assert!(yama_permits(Some(1), None, true, ok));
+        // with the capability the launcher is still named (peers may lack it)
+        let mut asked = false;
+        assert!(yama_permits(Some(1), Some(7), true, |_| {
+            asked = true;
+            Ok(())
+        }));
+        assert!(asked);
         // scope 2: the capability only; 3: never
         assert!(!yama_permits(Some(2), Some(4242), false, ok));
         assert!(yama_permits(Some(2), None, true, ok));
@@ -212,6 +267,22 @@ mod tests {
                 assert_eq!(e.raw_os_error(), Some(libc::EINVAL), "{e}");
             }
         }
+    }
+
+    #[test]
+    fn a_launcher_must_be_a_real_ancestor() {
+        assert_eq!(launcher_pid(" 4242\n"), Some(4242));
+        for bad in ["1", "0", "4294967295", "-3", "x", ""] {
+            assert_eq!(launcher_pid(bad), None, "{bad:?}");
+        }
+        // this test's parent is an ancestor; this process and a pid that
+        // does not exist are not
+        assert!(is_ancestor(std::os::unix::process::parent_id()));
+        assert!(!is_ancestor(std::process::id()));
+        assert!(!is_ancestor(u32::MAX - 1));
+        assert_eq!(parent_in_stat("12 (a) b) S 34 12 12"), Some(34));
+        assert_eq!(parent_in_stat("12 (sh) R 1 5"), Some(1));
+        assert_eq!(parent_in_stat("garbage"), None);
     }
 
     #[test]

@@ -230,9 +230,20 @@ impl<T: Transport> FastOp<T> {
         let (name, epoch, want) = (self.name.clone(), self.tag.epoch, sentinel(self.tag));
         let id = crate::failure::OpId { name: &name, epoch };
         let lost = |p: usize, e: std::io::Error| {
+            // refused, not gone: say what the host must allow
+            let hint = if e.kind() == std::io::ErrorKind::PermissionDenied {
+                format!(
+                    " (not permitted: under Yama's ptrace_scope 1, {} must name a process \
+                     that every worker of this host descends from; or set \
+                     KUNGFU_FAST_LARGE=0 for the rings)",
+                    cma::LAUNCHER_PID_VAR
+                )
+            } else {
+                String::new()
+            };
             let e = kungfu_transport::TransportError::PeerLost {
                 peer: Rank(p as u32),
-                reason: format!("cross-memory read of its buffer: {e}").into(),
+                reason: format!("cross-memory read of its buffer: {e}{hint}").into(),
             };
             crate::failure::transport_error(id, e)
         };
