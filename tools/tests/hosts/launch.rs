@@ -130,6 +130,11 @@ fn a_signal_to_the_launcher_reaches_the_workers_on_every_host() {
             }
         }
     }
+    // "up" comes before the shell execs sleep: wait (bounded) for both
+    let until = Instant::now() + Duration::from_secs(10);
+    while c.pids_of(2, "sleep").len() < 2 && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     assert_eq!(c.pids_of(2, "sleep").len(), 2);
     let pid = nix::unistd::Pid::from_raw(child.id() as i32);
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
