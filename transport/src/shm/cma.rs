@@ -175,7 +175,7 @@ fn yama_permits(
 /// `prctl(PR_SET_PTRACER, pid)`: `pid` and its descendants may ptrace
 /// (and so read) this process. Fails with `EINVAL` where the kernel has
 /// no Yama.
-pub fn set_ptracer(pid: u32) -> io::Result<()> {
+fn set_ptracer(pid: u32) -> io::Result<()> {
     let pid = libc::c_ulong::from(pid);
     // SAFETY: PR_SET_PTRACER takes a pid by value and touches no memory of
     // this process.
