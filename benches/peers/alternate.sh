@@ -9,18 +9,21 @@
 #   benches/peers/alternate.sh SIZE ITERS ROUNDS DIR...
 #
 # Each DIR holds kungfu-run and kungfu-bench (a release build); 2 ranks,
-# the default transport (shared memory on one host). Example:
+# the default transport (shared memory on one host), allreduce, unless
+# NP, TRANSPORT or OP say otherwise. Example:
 #   benches/peers/alternate.sh 4 2000 41 /work/kf-bin/base target/release
+#   NP=4 TRANSPORT=tcp OP=broadcast benches/peers/alternate.sh 1M 200 9 A B
 set -euo pipefail
 if [ $# -lt 4 ]; then
-    sed -n '2,13p' "$0"
+    sed -n '2,15p' "$0"
     exit 2
 fi
 size=$1 iters=$2 rounds=$3
 shift 3
+np=${NP:-2} transport=${TRANSPORT:-auto} op=${OP:-allreduce}
 for _ in $(seq "$rounds"); do
     for d in "$@"; do
-        t=$(timeout 300 "$d/kungfu-run" -np 2 "$d/kungfu-bench" allreduce -b "$size" -e "$size" \
+        t=$(timeout 300 "$d/kungfu-run" -np "$np" --transport "$transport" "$d/kungfu-bench" "$op" -b "$size" -e "$size" \
             -n "$iters" -w 100 --in-place 0 2>&1 | awk '/\] +[0-9]/ {print $7}')
         echo "$d ${t:-nan}"
     done

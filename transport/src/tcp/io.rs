@@ -1,10 +1,11 @@
 //! The reader and writer task of each connection.
 
+use std::io::IoSlice;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use kungfu_topology::Rank;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, oneshot};
 
@@ -128,6 +129,34 @@ fn cut_frame(e: std::io::Error) -> String {
     }
 }
 
+/// Writes one frame. Header and payload go to the socket in one
+/// vectored write: a payload larger than the write buffer bypasses it,
+/// and two writes would send the header as a packet of its own (the
+/// socket does not delay), which the receiver wakes up for alone. Small
+/// frames still gather in the buffer.
+async fn write_frame<W: AsyncWrite + Unpin>(
+    wr: &mut W,
+    header: &[u8],
+    payload: &[u8],
+) -> std::io::Result<()> {
+    let (mut header, mut payload) = (header, payload);
+    while !header.is_empty() {
+        let n = wr
+            .write_vectored(&[IoSlice::new(header), IoSlice::new(payload)])
+            .await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        if n < header.len() {
+            header = &header[n..];
+        } else {
+            payload = &payload[n - header.len()..];
+            header = &[];
+        }
+    }
+    wr.write_all(payload).await
+}
+
 pub(super) async fn write_loop(
     wr: OwnedWriteHalf,
     peer: Rank,
@@ -157,11 +186,7 @@ pub(super) async fn write_loop(
             };
             if lost.is_none() {
                 let began = crate::Instant::now();
-                let res = async {
-                    wr.write_all(&msg.header).await?;
-                    wr.write_all(&msg.payload).await
-                }
-                .await;
+                let res = write_frame(&mut wr, &msg.header, &msg.payload).await;
                 if let Err(e) = res {
                     lost = Some(matcher.lose_writer(peer, e));
                 }
@@ -193,5 +218,75 @@ pub(super) async fn write_loop(
             let _ = done.send(());
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+
+    use super::*;
+
+    /// A writer that takes at most `most` bytes per call, from the first
+    /// non-empty slice only (as a socket may).
+    struct Trickle {
+        out: Vec<u8>,
+        most: usize,
+    }
+
+    impl AsyncWrite for Trickle {
+        fn poll_write(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<std::io::Result<usize>> {
+            let n = buf.len().min(self.most);
+            self.out.extend_from_slice(&buf[..n]);
+            Poll::Ready(Ok(n))
+        }
+
+        fn poll_write_vectored(
+            self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            bufs: &[IoSlice<'_>],
+        ) -> Poll<std::io::Result<usize>> {
+            let first = bufs.iter().find(|b| !b.is_empty()).map_or(&[][..], |b| b);
+            self.poll_write(cx, first)
+        }
+
+        fn is_write_vectored(&self) -> bool {
+            true
+        }
+
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_frame_survives_short_writes() {
+        let header: Vec<u8> = (0..HEADER_LEN as u8).collect();
+        let payload: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
+        for most in [1, 3, HEADER_LEN - 1, HEADER_LEN, HEADER_LEN + 5, 4096] {
+            let mut w = Trickle {
+                out: Vec::new(),
+                most,
+            };
+            write_frame(&mut w, &header, &payload).await.unwrap();
+            assert_eq!(w.out.len(), header.len() + payload.len(), "most {most}");
+            assert_eq!(&w.out[..HEADER_LEN], &header[..], "most {most}");
+            assert_eq!(&w.out[HEADER_LEN..], &payload[..], "most {most}");
+        }
+        let mut w = Trickle {
+            out: Vec::new(),
+            most: 0,
+        };
+        let e = write_frame(&mut w, &header, &payload).await.unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::WriteZero);
     }
 }
