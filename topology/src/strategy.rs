@@ -6,8 +6,14 @@ use std::str::FromStr;
 use crate::{Digest, Graph, GraphPair, PeerList, Rank, TopologyError};
 
 /// Messages of at least this many bytes count as large for [`Strategy::Auto`]
-/// (the default of [`AutoThresholds::large_bytes`]).
-pub const AUTO_LARGE_BYTES: usize = 64 * 1024;
+/// (the default of [`AutoThresholds::large_bytes`]). Measured over TCP on
+/// loopback, 2 cores, kungfu-bench allreduce, 4 or 5 rounds per setting
+/// (docs/speed.md, "TCP against Open MPI's tcp btl"): at 4 ranks recursive
+/// doubling took a median of 165 us at 64 KiB against the ring's 240, and
+/// 227 against 265 at 128 KiB; from 256 KiB the ring was faster (357
+/// against 440 us). With 64 KiB here a 64 KiB allreduce of 4 ranks took
+/// its 6 ring steps, each a wake-up of a peer, where doubling takes 2.
+pub const AUTO_LARGE_BYTES: usize = 256 * 1024;
 
 /// [`Strategy::Auto`] takes the ring only while each worker's share of a
 /// message (bytes / workers) is at least this many bytes (the default of
@@ -32,7 +38,7 @@ pub struct AutoThresholds {
 }
 
 impl Default for AutoThresholds {
-    /// 64 KiB, and 2 KiB per worker.
+    /// 256 KiB, and 2 KiB per worker.
     fn default() -> AutoThresholds {
         AutoThresholds {
             large_bytes: AUTO_LARGE_BYTES,

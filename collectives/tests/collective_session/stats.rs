@@ -24,7 +24,7 @@ fn op_stats_count_ops_by_strategy() {
             run("small", 10).await; // 40 B: recursive doubling
         }
         for _ in 0..2 {
-            run("large", 1 << 15).await; // 128 KiB: ring
+            run("large", 1 << 16).await; // 256 KiB: ring
         }
         for s in &ss {
             let st = s.op_stats();
@@ -32,7 +32,7 @@ fn op_stats_count_ops_by_strategy() {
             let rd = get(Strategy::RecursiveDoubling).expect("small ops");
             let ring = get(Strategy::Ring).expect("large ops");
             assert_eq!((rd.ops, rd.bytes), (5, 5 * 40));
-            assert_eq!((ring.ops, ring.bytes), (2, 2 << 17));
+            assert_eq!((ring.ops, ring.bytes), (2, 2 << 18));
             assert!(ring.rate() > 0.0 && rd.mean_latency().is_some());
             assert_eq!(st.len(), 2, "{st:?}");
             s.reset_op_stats();
