@@ -242,29 +242,8 @@ fn plans_fit_together_on_a_fixed_grid() {
 fn large_rings_send_frames_of_at_least_the_ring_minimum() {
     use super::build::RING_MIN_FRAME;
     let frames = |n: usize, bytes: usize| -> HashSet<usize> {
-        let peers = PeerList::local(n);
-        let spec = OpSpec {
-            kind: OpKind::Allreduce(ReduceOp::Sum),
-            dtype: DType::F32,
-            count: bytes / 4,
-            check: 0,
-        };
-        let topo = |root: Root| Arc::new(Strategy::Ring.resolve(&peers, root, bytes));
-        let plan = build(&PlanInput {
-            spec: &spec,
-            me: Rank(0),
-            size: n,
-            chunk_bytes: 1 << 20,
-            topology: &topo,
-        })
-        .unwrap();
-        plan.graph
-            .actions
-            .iter()
-            .filter_map(|a| match a {
-                Action::Send { range, .. } => Some(range.len()),
-                Action::Recv { .. } => None,
-            })
+        ring_sends(n, OpKind::Allreduce(ReduceOp::Sum), bytes)
+            .into_iter()
             .collect()
     };
     assert_eq!(frames(4, 8 << 20), HashSet::from([256 << 10]));
@@ -272,4 +251,49 @@ fn large_rings_send_frames_of_at_least_the_ring_minimum() {
     assert_eq!(frames(64, 8 << 20), HashSet::from([RING_MIN_FRAME]));
     // a buffer smaller than the ring's minimum pieces: its n segments
     assert_eq!(frames(64, 1 << 20), HashSet::from([16 << 10]));
+}
+
+/// A broadcast of a few chunks' worth is cut into quarters (at least
+/// `PIPELINE_MIN_CHUNK`), so that its hops pipeline; other ops keep the
+/// configured chunk.
+#[test]
+fn broadcasts_pipeline_in_quarters() {
+    use super::build::PIPELINE_MIN_CHUNK;
+    let sends = |kind: OpKind, bytes: usize| ring_sends(2, kind, bytes);
+    let bcast = OpKind::Broadcast { root: Rank(0) };
+    assert_eq!(sends(bcast, 1 << 20), vec![256 << 10; 4]);
+    assert_eq!(sends(bcast, 2 << 20), vec![512 << 10; 4]);
+    assert_eq!(sends(bcast, 8 << 20), vec![1 << 20; 8]);
+    assert_eq!(sends(bcast, 256 << 10), vec![PIPELINE_MIN_CHUNK]);
+    assert_eq!(sends(bcast, 4 << 10), vec![4 << 10]);
+}
+
+/// Rank 0's non-empty sends (their lengths, in plan order) of an op of
+/// `bytes` f32 bytes among `n` ranks on the ring, in 1 MiB chunks (the
+/// empty sends are the op's confirmation).
+fn ring_sends(n: usize, kind: OpKind, bytes: usize) -> Vec<usize> {
+    let peers = PeerList::local(n);
+    let spec = OpSpec {
+        kind,
+        dtype: DType::F32,
+        count: bytes / 4,
+        check: 0,
+    };
+    let topo = |root: Root| Arc::new(Strategy::Ring.resolve(&peers, root, bytes));
+    let plan = build(&PlanInput {
+        spec: &spec,
+        me: Rank(0),
+        size: n,
+        chunk_bytes: 1 << 20,
+        topology: &topo,
+    })
+    .unwrap();
+    plan.graph
+        .actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Send { range, .. } if !range.is_empty() => Some(range.len()),
+            _ => None,
+        })
+        .collect()
 }
