@@ -83,19 +83,19 @@ pub enum FastLarge {
     /// [`LARGE_ALLREDUCE_FROM`].
     #[default]
     Copies,
-    /// Allreduce of every size above the lanes too (slower than the rings
-    /// below [`LARGE_ALLREDUCE_FROM`]).
+    /// Allreduce of every size above the lanes too.
     All,
 }
 
-/// Allreduce buffers of at least this many bytes take cross-memory attach
-/// under [`FastLarge::Copies`]. Measured here (2-core machine, busbw of the
-/// one-copy way against the rings, medians of 5 alternating rounds): at 2
-/// ranks 0.95/1.03/1.02 at 2/8/32 MiB, at 4 ranks 0.92/1.13/1.06; at 1 MiB
-/// 0.77 and 1.05 (3 rounds). Each `process_vm_readv` pins the pages it
-/// reads and the phases do not overlap, which the rings' pipelining beats
-/// on smaller buffers.
-pub const LARGE_ALLREDUCE_FROM: usize = 8 << 20;
+/// Allreduce buffers of at least this many bytes (and above what the
+/// lanes take) go by cross-memory attach under [`FastLarge::Copies`].
+/// Measured here (2-core machine, kungfu-bench out of place, medians of 5
+/// alternating rounds, time of the one-copy way over the rings'): at 2
+/// ranks 0.88/0.86/0.87 at 1/2/4 MiB, at 4 ranks 0.78/0.68 at 2/4 MiB
+/// (1 MiB there fits the lanes), the same at 8 MiB. Before the one-copy
+/// way stopped copying its whole buffer for nothing (issue 36), it lost
+/// below 8 MiB, and this was 8 MiB.
+pub const LARGE_ALLREDUCE_FROM: usize = 1 << 20;
 
 impl FastLarge {
     /// Whether ops of `kind` with `bytes` per rank's block take it.

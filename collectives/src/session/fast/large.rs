@@ -26,12 +26,11 @@
 //! Broadcast and allgather take it by default, allreduce from
 //! [`crate::LARGE_ALLREDUCE_FROM`] (`SessionConfig::fast_large`,
 //! [`crate::FastLarge`]): measured on this project's 2-core machines, one
-//! copy from the owner's buffer beats the rings for the copies, while a
-//! smaller allreduce is slower than the rings of the message path (0.77x
-//! at 1 MiB, 0.95x at 2 MiB at 2 ranks). Each `process_vm_readv` pins the
-//! pages it reads, and the phases run one after another where the ring
-//! pipelines. Buffers in shared memory (a window every rank maps) would
-//! read with plain loads.
+//! copy from the owner's buffer beats the rings of the message path (a
+//! 1 to 4 MiB allreduce in 0.68-0.88 of their time, see there). Each
+//! `process_vm_readv` pins the pages it reads, and the phases run one
+//! after another where the ring pipelines. Buffers in shared memory (a
+//! window every rank maps) would read with plain loads.
 //!
 //! A rank whose op fails (a timeout, a lost peer) gives its buffer back at
 //! once, while a peer that found its descriptor may still be reading it:
