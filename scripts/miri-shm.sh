@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs the shared-memory ring's tests (transport/src/shm/ring/tests.rs)
+# Runs the shared-memory ring's tests (transport/src/shm/ring/tests.rs),
+# and the lanes' and door bells' beside it (shm/lane/tests.rs, shm/bell.rs),
 # under Miri: the SPSC protocol between two threads, wake-ups through the
 # futex, and the hostile-input cases (corrupt indices, headers and
 # lengths), over a heap buffer, since Miri cannot map files. Miri reports
@@ -18,5 +19,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 seeds="${MIRI_SEEDS:-0..16}"
 export MIRIFLAGS="${MIRIFLAGS:-} -Zmiri-many-seeds=${seeds}"
-echo "== miri: the shm ring, seeds ${seeds}"
-exec cargo +nightly miri test -p kungfu-transport --lib shm::ring
+echo "== miri: the shm ring, lanes and bells, seeds ${seeds}"
+exec cargo +nightly miri test -p kungfu-transport --lib -- shm::ring shm::lane shm::bell

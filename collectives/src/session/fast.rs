@@ -35,7 +35,12 @@
 //! with more ranks than cores both yield (`sched_yield`) between polls
 //! instead of spinning, and the thread stands aside (sleeps) while a
 //! caller polls. This is Open MPI's "yield when idle" policy for
-//! oversubscribed hosts, measured in `docs/bench`.
+//! oversubscribed hosts, measured in `docs/bench`. When nothing has moved
+//! for as long as a caller would spin, the thread sleeps on the lanes'
+//! door bells (futex words that a peer rings when it posts to this rank or
+//! releases one of its slots, and this process when it hands the thread an
+//! op: `kungfu_transport::shm::bell`), for 1 ms at most, so that an op
+//! waiting for a late peer costs no CPU while it waits.
 //!
 //! # Errors
 //!
@@ -64,7 +69,7 @@ mod split;
 mod step;
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize};
 use std::sync::{Arc, Condvar, Mutex};
 
 use crate::lock;
@@ -100,6 +105,10 @@ pub(super) struct Fast<T> {
     /// closed session has run every callback.
     completing: Arc<AtomicUsize>,
     oversubscribed: bool,
+    /// Rung (with a wake-up if the thread sleeps on the lanes' bells)
+    /// whenever the thread is told something (see `progress.rs`).
+    bell: AtomicU32,
+    bell_sleepers: AtomicU32,
     max_bytes: usize,
     /// Which larger ops go through cross-memory attach (see `large.rs`).
     large: super::FastLarge,
@@ -220,6 +229,8 @@ impl<T: Transport> Fast<T> {
             live: AtomicUsize::new(0),
             completing: Arc::new(AtomicUsize::new(0)),
             oversubscribed: t.size() > kungfu_transport::host_cpus(),
+            bell: AtomicU32::new(0),
+            bell_sleepers: AtomicU32::new(0),
             max_bytes,
             large: if kungfu_transport::shm::cma::available() {
                 large

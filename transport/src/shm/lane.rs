@@ -13,6 +13,11 @@
 //!
 //! - `0`: `acked`, u64, written by the receiver: every slot below it (in
 //!   the order the sender published them) is released.
+//! - `64`: the data bell (u32), rung by the sender after each publish,
+//!   and at `68` the count of the receiver's threads asleep on it; `72`:
+//!   the release bell, rung by the receiver when `acked` moves, and at
+//!   `76` the count of the sender's threads asleep on it (see
+//!   [`super::bell`]).
 //! - `CTL_LEN + i * SLOT_LEN`: slot `i`: a header line, then the payload.
 //!   The header's `seq` (u64) is `k + 1` once the sender published its
 //!   `k`-th contribution there (`k mod SLOTS == i`); the other words (tag,
@@ -41,9 +46,11 @@ use std::collections::HashMap;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use kungfu_topology::Rank;
 
+use super::bell::{self, Waiter};
 use super::ring::{Ring, RECEIVER_CLOSED, SENDER_CLOSED};
 use crate::{Epoch, OpId, OpTag, TransportError};
 
@@ -62,6 +69,10 @@ const SLOT_LEN: usize = HDR + SLOT_BYTES;
 pub const LANE_LEN: usize = CTL_LEN + SLOTS * SLOT_LEN;
 
 const OFF_ACKED: usize = 0;
+const OFF_BELL: usize = 64;
+const OFF_RX_SLEEPERS: usize = 68;
+const OFF_ACK_BELL: usize = 72;
+const OFF_TX_SLEEPERS: usize = 76;
 const H_SEQ: usize = 0;
 const H_OP: usize = 8;
 const H_EPOCH: usize = 16;
@@ -178,6 +189,8 @@ pub struct HostLanes {
     rank: Rank,
     tx: Vec<Option<Mutex<Tx>>>,
     rx: Vec<Option<Mutex<Rx>>>,
+    /// Every lane both ways, for their bells (atomics only, no lock).
+    bells: Vec<Lane>,
 }
 
 fn lost(peer: Rank, why: String) -> TransportError {
@@ -224,9 +237,96 @@ impl HostLanes {
                 })
             })
             .collect();
-        HostLanes { rank, tx, rx }
+        let bells = inbound
+            .iter()
+            .chain(outbound)
+            .flatten()
+            .map(|ring| Lane { ring: ring.clone() })
+            .collect();
+        HostLanes {
+            rank,
+            tx,
+            rx,
+            bells,
+        }
     }
 
+    /// Every bell this rank waits on, with its sleepers' count: the data
+    /// bells of its inbound lanes, the release bells of its outbound ones.
+    fn bell_words(&self) -> impl Iterator<Item = (&AtomicU32, &AtomicU32)> {
+        let inbound = self.rx.iter().flatten().count();
+        self.bells.iter().enumerate().map(move |(i, l)| {
+            if i < inbound {
+                (l.u32_at(OFF_BELL), l.u32_at(OFF_RX_SLEEPERS))
+            } else {
+                (l.u32_at(OFF_ACK_BELL), l.u32_at(OFF_TX_SLEEPERS))
+            }
+        })
+    }
+
+    /// A count that moves whenever a peer publishes a contribution to this
+    /// rank or releases one of this rank's: compare two reads to learn
+    /// whether anything happened between them.
+    pub fn activity(&self) -> u32 {
+        self.bell_words()
+            .fold(0u32, |a, (b, _)| a.wrapping_add(b.load(Ordering::Acquire)))
+    }
+
+    /// Counts this thread a sleeper on every bell and reads them. Then
+    /// look at the lanes once more, and sleep ([`Armed::sleep`]) only if
+    /// nothing is there: whatever a peer does after that look wakes the
+    /// sleep (see [`super::bell`]).
+    pub fn arm(&self) -> Armed<'_> {
+        let values = self
+            .bell_words()
+            .map(|(b, sleepers)| {
+                bell::arm(sleepers);
+                b.load(Ordering::Acquire)
+            })
+            .collect();
+        Armed {
+            lanes: self,
+            values,
+        }
+    }
+}
+
+/// This thread, counted a sleeper on every bell of a [`HostLanes`] (until
+/// dropped), and the bells' counts when it was armed.
+pub struct Armed<'a> {
+    lanes: &'a HostLanes,
+    values: Vec<u32>,
+}
+
+impl Armed<'_> {
+    /// Sleeps until a peer publishes to this rank or releases one of its
+    /// contributions after [`HostLanes::arm`], `local` (a word of this
+    /// process) leaves its value, or `timeout` passes.
+    pub fn sleep(&self, local: Option<Waiter<'_>>, timeout: Duration) {
+        let waiters: Vec<Waiter<'_>> = self
+            .lanes
+            .bell_words()
+            .zip(&self.values)
+            .map(|((word, _), &value)| Waiter {
+                word,
+                value,
+                shared: true,
+            })
+            .chain(local)
+            .collect();
+        bell::wait_any(&waiters, timeout);
+    }
+}
+
+impl Drop for Armed<'_> {
+    fn drop(&mut self) {
+        for (_, sleepers) in self.lanes.bell_words() {
+            bell::disarm(sleepers);
+        }
+    }
+}
+
+impl HostLanes {
     pub fn rank(&self) -> Rank {
         self.rank
     }
@@ -311,6 +411,7 @@ impl HostLanes {
         }
         l.u64_at(s + H_SEQ)
             .store(k.wrapping_add(1), Ordering::Release);
+        bell::ring(l.u32_at(OFF_BELL), l.u32_at(OFF_RX_SLEEPERS), true);
         tx.posted = k.wrapping_add(1);
         Ok(true)
     }
@@ -443,6 +544,11 @@ impl Rx {
         self.lane
             .u64_at(OFF_ACKED)
             .store(self.next, Ordering::Release);
+        bell::ring(
+            self.lane.u32_at(OFF_ACK_BELL),
+            self.lane.u32_at(OFF_TX_SLEEPERS),
+            true,
+        );
     }
 
     /// Every slot is published and none is wanted now: copies them into

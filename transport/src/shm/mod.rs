@@ -91,6 +91,7 @@ use crate::pool::BufferPool;
 use crate::wire::{Apply, Caps, Wire};
 use crate::{ClusterVersion, Epoch, Header, Instant, OpTag, PeerSet, TransportError};
 
+pub mod bell;
 pub mod cma;
 mod files;
 mod hooks;

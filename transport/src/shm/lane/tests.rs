@@ -127,3 +127,39 @@ fn claimed_contributions_spill_too() {
     let rx = lock(b.rx(Rank(0)).unwrap());
     assert!(rx.stash.is_empty() && rx.stash_bytes == 0);
 }
+
+/// Sleeps on `armed` for up to `long`, which something must cut short.
+fn woken(armed: &Armed<'_>, long: std::time::Duration) {
+    let t = std::time::Instant::now();
+    armed.sleep(None, long);
+    // without futex_waitv (Miri) the sleep is a tenth of the timeout
+    if !cfg!(miri) {
+        assert!(t.elapsed() < long / 2, "{:?}", t.elapsed());
+    }
+}
+
+/// A post or a release moves the activity count of the side that waits
+/// for it, and wakes it from a sleep on the bells armed before.
+#[test]
+fn posts_and_releases_ring_the_bells() {
+    let (a, b, _) = pair();
+    let (a0, b0) = (a.activity(), b.activity());
+    let long = std::time::Duration::from_secs(if cfg!(miri) { 1 } else { 20 });
+    let armed = b.arm();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            assert!(a.post(Rank(1), tag(0), 0, &[1, 2, 3]).unwrap());
+        });
+        woken(&armed, long);
+    });
+    drop(armed);
+    assert_ne!(b.activity(), b0, "the receiver heard the post");
+    assert_eq!(a.activity(), a0, "nothing was released yet");
+    let armed = a.arm();
+    assert_eq!(take(&b, tag(0)), Some((0, vec![1, 2, 3])));
+    // released after arming, before the sleep: it returns at once
+    woken(&armed, long);
+    drop(armed);
+    assert_ne!(a.activity(), a0, "the sender heard the release");
+}
