@@ -40,7 +40,8 @@
 //! door bells (futex words that a peer rings when it posts to this rank or
 //! releases one of its slots, and this process when it hands the thread an
 //! op: `kungfu_transport::shm::bell`), for 1 ms at most, so that an op
-//! waiting for a late peer costs no CPU while it waits.
+//! waiting for a late peer costs little CPU while it waits (where the
+//! kernel has no `futex_waitv`, it naps 100 us at a time instead).
 //!
 //! # Errors
 //!

@@ -19,14 +19,17 @@ use std::time::Duration;
 /// Bumps `bell` and wakes its sleepers, if `sleepers` counts any. `shared`:
 /// the word lies in memory other processes map.
 pub fn ring(bell: &AtomicU32, sleepers: &AtomicU32, shared: bool) {
-    bell.fetch_add(1, Ordering::Release);
-    fence(Ordering::SeqCst);
+    // Both sequentially consistent, as the sleeper's count and read of the
+    // bell are (`arm`, then the caller's read): one of the two sides sees
+    // the other's write. The bump also releases what was published before.
+    bell.fetch_add(1, Ordering::SeqCst);
     if sleepers.load(Ordering::SeqCst) != 0 {
         wake(bell, shared);
     }
 }
 
-/// Counts one more sleeper; undone by [`disarm`].
+/// Counts one more sleeper; undone by [`disarm`]. Read the bells after it
+/// with `Ordering::SeqCst`.
 pub fn arm(sleepers: &AtomicU32) {
     sleepers.fetch_add(1, Ordering::SeqCst);
     fence(Ordering::SeqCst);
@@ -94,8 +97,11 @@ pub fn wait_any(waiters: &[Waiter<'_>], timeout: Duration) {
     }
 }
 
-/// `false`: this kernel has no `futex_waitv` (nothing slept).
-#[cfg(not(miri))]
+/// `false`: nothing slept, since this kernel has no `futex_waitv` (before
+/// Linux 5.16) or refuses it (a seccomp filter: `EPERM`); said once, and
+/// the caller naps from then on. (64-bit only: there `libc::timespec` is
+/// the kernel's `__kernel_timespec`.)
+#[cfg(all(not(miri), target_pointer_width = "64"))]
 fn waitv(waiters: &[Waiter<'_>], timeout: Duration) -> bool {
     use std::sync::atomic::AtomicBool;
     static MISSING: AtomicBool = AtomicBool::new(false);
@@ -135,14 +141,21 @@ fn waitv(waiters: &[Waiter<'_>], timeout: Duration) -> bool {
             libc::CLOCK_MONOTONIC,
         )
     };
-    if r < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOSYS) {
-        MISSING.store(true, Ordering::Relaxed);
-        return false;
+    if r < 0 {
+        let e = std::io::Error::last_os_error();
+        // woken, the value had changed, the time is up, or a signal
+        let slept = [libc::EAGAIN, libc::ETIMEDOUT, libc::EINTR];
+        if !e.raw_os_error().is_some_and(|c| slept.contains(&c)) {
+            if !MISSING.swap(true, Ordering::Relaxed) {
+                eprintln!("kungfu: futex_waitv failed ({e}); waiting threads nap instead");
+            }
+            return false;
+        }
     }
     true
 }
 
-#[cfg(miri)]
+#[cfg(any(miri, not(target_pointer_width = "64")))]
 fn waitv(_: &[Waiter<'_>], _: Duration) -> bool {
     false
 }

@@ -269,7 +269,7 @@ impl HostLanes {
     /// whether anything happened between them.
     pub fn activity(&self) -> u32 {
         self.bell_words()
-            .fold(0u32, |a, (b, _)| a.wrapping_add(b.load(Ordering::Acquire)))
+            .fold(0u32, |a, (b, _)| a.wrapping_add(b.load(Ordering::SeqCst)))
     }
 
     /// Counts this thread a sleeper on every bell and reads them. Then
@@ -281,7 +281,7 @@ impl HostLanes {
             .bell_words()
             .map(|(b, sleepers)| {
                 bell::arm(sleepers);
-                b.load(Ordering::Acquire)
+                b.load(Ordering::SeqCst)
             })
             .collect();
         Armed {

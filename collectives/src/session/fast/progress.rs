@@ -325,7 +325,7 @@ impl<T: Transport> Fast<T> {
     fn sleep_on_bells(&self, seen: &mut u32) {
         let armed = self.lanes.arm();
         bell::arm(&self.bell_sleepers);
-        let local = self.bell.load(Ordering::Acquire);
+        let local = self.bell.load(Ordering::SeqCst);
         let st = lock(&self.state);
         let idle = st.ops.is_empty() || self.inline_until.load(Ordering::SeqCst) > self.now_ns();
         let ended = if idle {
