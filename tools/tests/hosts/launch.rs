@@ -357,7 +357,14 @@ fn per_node_in_etcd(test: &str, args: &[&str], own_self: bool, sizes: &str) {
     let outs = at_once(vec![(1, launch(1)), (2, launch(2))]);
     let t: Vec<String> = outs.iter().map(|(_, o)| text(o)).collect();
     for (host, out) in &outs {
-        assert!(out.status.success(), "host {host}: {}", t[host - 1]);
+        // both hosts' output: a worker that failed on one host shows on
+        // the other as a peer that never connected
+        assert!(
+            out.status.success(),
+            "host {host} failed\n== host 1:\n{}\n== host 2:\n{}",
+            t[0],
+            t[1]
+        );
     }
     let sizes: Vec<usize> = sizes.split(',').map(|n| n.parse().unwrap()).collect();
     let start = if own_self { 2 } else { 4 };
