@@ -11,7 +11,7 @@
 //! pool): an op costs a few stores and a poll of a flag per peer.
 //!
 //! Three ways, chosen from the spec alone:
-//! - **direct** (above): ops up to a slot; allreduce up to
+//! - **direct** (above): ops up to a slot; allreduce below
 //!   `split::SPLIT_FROM` (64 KiB);
 //! - **split** (`split.rs`): a larger allreduce whose 1/n slices fit a
 //!   slot, as a reduce-scatter then an allgather through the lanes;

@@ -21,7 +21,7 @@
 //! before anything overwrites it.
 //!
 //! Slices are at most a slot ([`SLOT_BYTES`]): an allreduce takes this way
-//! when its buffer is above [`SPLIT_FROM`], at most
+//! when its buffer is at least [`SPLIT_FROM`], at most
 //! `SessionConfig::fast_max_bytes`, and its largest slice fits a slot.
 //! Larger ones take the rings. (Rounds of a slot per rank, one after
 //! another, were tried: at 2 ranks they took 2.7x the rings' time at 1
@@ -41,12 +41,15 @@ use crate::dtype::{reduce_into, scale_down};
 use crate::plan::Work;
 use crate::{CollectiveError, OpKind, OpSpec};
 
-/// Allreduce buffers above this many bytes take the split way (when their
-/// slices fit a slot): below it, one flag wait beats two. Measured here
-/// (2-core machine, 100 iterations, 3 alternating runs): at 2 ranks the
-/// direct way takes 3.3/4.7/8.4 us at 8/16/32 KiB against 4.1/5.9/11.0
+/// Allreduce buffers of at least this many bytes take the split way (when
+/// their slices fit a slot): below it, one flag wait beats two. Measured
+/// here (2-core machine, 100 iterations, 3 alternating runs): at 2 ranks
+/// the direct way takes 3.3/4.7/8.4 us at 8/16/32 KiB against 4.1/5.9/11.0
 /// split, and both about 12.5 at 64 KiB; at 4 ranks 12/19/27-39 against
-/// 26-45/27-45/38-49, and both 51-77 at 64 KiB.
+/// 26-45/27-45/38-49. At 64 KiB itself (`benches/peers/alternate.sh`, 7
+/// alternating rounds of 2,000 ops) split took 0.91 of the direct way's
+/// time at 4 ranks (faster in 5 of 7) and 1.00 at 2; at 48 KiB it was
+/// slower (1.08 and 1.16).
 pub(super) const SPLIT_FROM: usize = 64 << 10;
 
 /// Whether an allreduce of `spec` over `n` ranks splits: it is above
@@ -56,7 +59,7 @@ pub(super) fn splits(spec: &OpSpec, n: usize) -> bool {
         return false;
     };
     let largest = slice(spec.count, spec.dtype.size(), n, 0).len();
-    matches!(spec.kind, OpKind::Allreduce(_)) && b > SPLIT_FROM && largest <= SLOT_BYTES
+    matches!(spec.kind, OpKind::Allreduce(_)) && b >= SPLIT_FROM && largest <= SLOT_BYTES
 }
 
 impl<T: Transport> FastOp<T> {
