@@ -189,8 +189,10 @@ pub struct HostLanes {
     rank: Rank,
     tx: Vec<Option<Mutex<Tx>>>,
     rx: Vec<Option<Mutex<Rx>>>,
-    /// Every lane both ways, for their bells (atomics only, no lock).
+    /// Every lane both ways, for their bells (atomics only, no lock): the
+    /// first `inbound` are this rank's inbound lanes.
     bells: Vec<Lane>,
+    inbound: usize,
 }
 
 fn lost(peer: Rank, why: String) -> TransportError {
@@ -248,15 +250,15 @@ impl HostLanes {
             tx,
             rx,
             bells,
+            inbound: inbound.iter().flatten().count(),
         }
     }
 
     /// Every bell this rank waits on, with its sleepers' count: the data
     /// bells of its inbound lanes, the release bells of its outbound ones.
     fn bell_words(&self) -> impl Iterator<Item = (&AtomicU32, &AtomicU32)> {
-        let inbound = self.rx.iter().flatten().count();
         self.bells.iter().enumerate().map(move |(i, l)| {
-            if i < inbound {
+            if i < self.inbound {
                 (l.u32_at(OFF_BELL), l.u32_at(OFF_RX_SLEEPERS))
             } else {
                 (l.u32_at(OFF_ACK_BELL), l.u32_at(OFF_TX_SLEEPERS))
