@@ -40,7 +40,7 @@ int main(int argc, char **argv) {
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &n);
     if (argc < 2) {
-        if (rank == 0) fprintf(stderr, "usage: mpi_bench allreduce|broadcast|allgather [-b MIN] [-e MAX] [-f F] [-n ITERS] [-w WARMUP] [-c 0|1]\n");
+        if (rank == 0) fprintf(stderr, "usage: mpi_bench allreduce|broadcast|allgather [-b MIN] [-e MAX] [-f F] [-n ITERS] [-w WARMUP] [-c 0|1] [-p 0|1]\n");
         MPI_Finalize();
         return 2;
     }
@@ -54,7 +54,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     size_t min = 1024, max = 64 << 20, factor = 2;
-    int iters = 20, warmup = 5, check = 1;
+    int iters = 20, warmup = 5, check = 1, in_place = 0;
     for (int i = 2; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "-b")) min = parse_size(argv[i + 1]);
         else if (!strcmp(argv[i], "-e")) max = parse_size(argv[i + 1]);
@@ -62,6 +62,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "-n")) iters = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "-w")) warmup = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "-c")) check = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "-p")) in_place = atoi(argv[i + 1]);
     }
     if (factor < 2 || iters < 1) {
         if (rank == 0) fprintf(stderr, "mpi_bench: -f must be >= 2 and -n >= 1\n");
@@ -87,14 +88,16 @@ int main(int argc, char **argv) {
             MPI_Abort(MPI_COMM_WORLD, 1);
         }
         for (size_t i = 0; i < in_len; i++) in[i] = value(rank, i);
+        if (op == BROADCAST && in_place && rank == 0) memcpy(out, in, count * sizeof(float));
         double t = 0;
         for (int it = 0; it < warmup + iters; it++) {
             if (it == warmup) t = MPI_Wtime();
             switch (op) {
             case ALLREDUCE: MPI_Allreduce(in, out, (int)count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); break;
             case BROADCAST:
-                /* out of place: the root sends from in, everyone receives into out */
-                if (rank == 0) memcpy(out, in, count * sizeof(float));
+                /* out of place: the root sends from in, everyone receives into out;
+                   -p 1: the root sends out as it is (no copy, as kungfu-bench --in-place 1) */
+                if (rank == 0 && !in_place) memcpy(out, in, count * sizeof(float));
                 MPI_Bcast(out, (int)count, MPI_FLOAT, 0, MPI_COMM_WORLD);
                 break;
             case ALLGATHER: MPI_Allgather(in, (int)count, MPI_FLOAT, out, (int)count, MPI_FLOAT, MPI_COMM_WORLD); break;
