@@ -46,11 +46,10 @@ use std::collections::HashMap;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
 use kungfu_topology::Rank;
 
-use super::bell::{self, Waiter};
+use super::bell;
 use super::ring::{Ring, RECEIVER_CLOSED, SENDER_CLOSED};
 use crate::{Epoch, OpId, OpTag, TransportError};
 
@@ -253,79 +252,6 @@ impl HostLanes {
             inbound: inbound.iter().flatten().count(),
         }
     }
-
-    /// Every bell this rank waits on, with its sleepers' count: the data
-    /// bells of its inbound lanes, the release bells of its outbound ones.
-    fn bell_words(&self) -> impl Iterator<Item = (&AtomicU32, &AtomicU32)> {
-        self.bells.iter().enumerate().map(move |(i, l)| {
-            if i < self.inbound {
-                (l.u32_at(OFF_BELL), l.u32_at(OFF_RX_SLEEPERS))
-            } else {
-                (l.u32_at(OFF_ACK_BELL), l.u32_at(OFF_TX_SLEEPERS))
-            }
-        })
-    }
-
-    /// A count that moves whenever a peer publishes a contribution to this
-    /// rank or releases one of this rank's: compare two reads to learn
-    /// whether anything happened between them.
-    pub fn activity(&self) -> u32 {
-        self.bell_words()
-            .fold(0u32, |a, (b, _)| a.wrapping_add(b.load(Ordering::SeqCst)))
-    }
-
-    /// Counts this thread a sleeper on every bell and reads them. Then
-    /// look at the lanes once more, and sleep ([`Armed::sleep`]) only if
-    /// nothing is there: whatever a peer does after that look wakes the
-    /// sleep (see [`super::bell`]).
-    pub fn arm(&self) -> Armed<'_> {
-        let values = self
-            .bell_words()
-            .map(|(b, sleepers)| {
-                bell::arm(sleepers);
-                b.load(Ordering::SeqCst)
-            })
-            .collect();
-        Armed {
-            lanes: self,
-            values,
-        }
-    }
-}
-
-/// This thread, counted a sleeper on every bell of a [`HostLanes`] (until
-/// dropped), and the bells' counts when it was armed.
-pub struct Armed<'a> {
-    lanes: &'a HostLanes,
-    values: Vec<u32>,
-}
-
-impl Armed<'_> {
-    /// Sleeps until a peer publishes to this rank or releases one of its
-    /// contributions after [`HostLanes::arm`], `local` (a word of this
-    /// process) leaves its value, or `timeout` passes.
-    pub fn sleep(&self, local: Option<Waiter<'_>>, timeout: Duration) {
-        let waiters: Vec<Waiter<'_>> = self
-            .lanes
-            .bell_words()
-            .zip(&self.values)
-            .map(|((word, _), &value)| Waiter {
-                word,
-                value,
-                shared: true,
-            })
-            .chain(local)
-            .collect();
-        bell::wait_any(&waiters, timeout);
-    }
-}
-
-impl Drop for Armed<'_> {
-    fn drop(&mut self) {
-        for (_, sleepers) in self.lanes.bell_words() {
-            bell::disarm(sleepers);
-        }
-    }
 }
 
 impl HostLanes {
@@ -371,9 +297,22 @@ impl HostLanes {
         digest: u32,
         payload: &[u8],
     ) -> Result<bool, TransportError> {
-        if payload.len() > SLOT_BYTES {
+        self.post_parts(to, tag, digest, &[payload])
+    }
+
+    /// [`HostLanes::post`] of the parts one after another, as one
+    /// contribution (copied straight into the slot).
+    pub fn post_parts(
+        &self,
+        to: Rank,
+        tag: OpTag,
+        digest: u32,
+        parts: &[&[u8]],
+    ) -> Result<bool, TransportError> {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        if len > SLOT_BYTES {
             return Err(TransportError::FrameTooLarge {
-                len: payload.len(),
+                len,
                 max: SLOT_BYTES,
             });
         }
@@ -403,13 +342,17 @@ impl HostLanes {
         l.u32_at(s + H_EPOCH).store(tag.epoch.0, Ordering::Relaxed);
         l.u32_at(s + H_TAG_SEQ).store(tag.seq, Ordering::Relaxed);
         l.u32_at(s + H_DIGEST).store(digest, Ordering::Relaxed);
-        l.u32_at(s + H_LEN)
-            .store(payload.len() as u32, Ordering::Relaxed);
-        // SAFETY: the slot's payload is SLOT_BYTES (>= payload.len(),
-        // checked) inside the mapping; the receiver released it
-        // (acked > k - SLOTS) and reads it only after the store below.
-        unsafe {
-            std::ptr::copy_nonoverlapping(payload.as_ptr(), l.payload(k), payload.len());
+        l.u32_at(s + H_LEN).store(len as u32, Ordering::Relaxed);
+        let mut at = 0;
+        for p in parts {
+            // SAFETY: the slot's payload is SLOT_BYTES (>= the parts'
+            // total, checked) inside the mapping, and `at + p.len()` is at
+            // most that total; the receiver released the slot
+            // (acked > k - SLOTS) and reads it only after the store below.
+            unsafe {
+                std::ptr::copy_nonoverlapping(p.as_ptr(), l.payload(k).add(at), p.len());
+            }
+            at += p.len();
         }
         l.u64_at(s + H_SEQ)
             .store(k.wrapping_add(1), Ordering::Release);
@@ -590,5 +533,8 @@ impl Rx {
     }
 }
 
+mod doors;
 #[cfg(test)]
 mod tests;
+
+pub use doors::Armed;

@@ -65,6 +65,21 @@ fn any_order_and_a_full_window_spill_into_the_stash() {
 }
 
 #[test]
+fn parts_are_one_contribution() {
+    let (a, b, _) = pair();
+    assert!(a
+        .post_parts(Rank(1), tag(0), 3, &[&[1, 2], &[], &[3, 4, 5]])
+        .unwrap());
+    assert_eq!(take(&b, tag(0)), Some((3, vec![1, 2, 3, 4, 5])));
+    // the total is bounded, not each part
+    let half = vec![0u8; SLOT_BYTES / 2 + 1];
+    assert!(matches!(
+        a.post_parts(Rank(1), tag(1), 0, &[&half, &half]),
+        Err(TransportError::FrameTooLarge { len, .. }) if len == 2 * half.len()
+    ));
+}
+
+#[test]
 fn oversized_and_corrupt_contributions_are_refused() {
     let (a, b, ring) = pair();
     assert!(matches!(
