@@ -2,7 +2,7 @@
 //! that monitoring costs little (a couple of scalars per step, reduced
 //! together with the gradients or in one small allreduce).
 
-use kungfu_collectives::{CollectiveError, ReduceOp, Session};
+use kungfu_collectives::{CollectiveError, DType, OpKind, OpSpec, ReduceOp, Session};
 use kungfu_transport::Transport;
 
 /// An exponential moving average: `v <- v + alpha (x - v)`; the first
@@ -148,8 +148,11 @@ pub fn sq_norm_bytes(b: &[u8]) -> f64 {
 /// spare carries this worker's squared gradient norm through the same
 /// allreduce, so every worker gets the mean of the local norms for free
 /// and, after the op, the norm of the summed gradient: the inputs of the
-/// noise scale and of the gradient variance. Monitoring every `every`-th
-/// step bounds the cost of the two norm passes (`kungfu-bench --monitor`
+/// noise scale and of the gradient variance. Where the allreduce's own
+/// reduction can sum the squares ([`Session::fuses_norms`]: on the host
+/// fast path), it does, and the spare carries 0;
+/// elsewhere two passes over the gradient compute the norms. Monitoring
+/// every `every`-th step bounds their cost (`kungfu-bench --monitor`
 /// reports it).
 #[derive(Clone, Debug)]
 pub struct GradientMonitor {
@@ -194,15 +197,30 @@ impl GradientMonitor {
         };
         let monitored = self.every > 0 && self.step.is_multiple_of(self.every);
         self.step += 1;
-        *slot = if monitored { sq_norm(grad) as f32 } else { 0.0 };
-        session.allreduce_in_place(name, buf, ReduceOp::Sum).await?;
-        if !monitored {
-            return Ok(false);
-        }
         let n = session.size() as f64;
-        let (slot, grad) = buf.split_last().expect("checked above");
-        let mean_small = f64::from(*slot) / n;
-        let big = sq_norm(grad) / (n * n);
+        let spec = OpSpec {
+            kind: OpKind::Allreduce(ReduceOp::Sum),
+            dtype: DType::F32,
+            count: grad.len() + 1,
+            check: 0,
+        };
+        let (mean_small, big) = if monitored && session.fuses_norms(&spec) {
+            // the reduction sums the squares on its way (the spare adds 0)
+            *slot = 0.0;
+            match session.allreduce_sum_with_norms(name, buf).await? {
+                Some(q) => (q.inputs / n, q.result / (n * n)),
+                // the transport changed under a swap: not monitored now
+                None => return Ok(false),
+            }
+        } else {
+            *slot = if monitored { sq_norm(grad) as f32 } else { 0.0 };
+            session.allreduce_in_place(name, buf, ReduceOp::Sum).await?;
+            if !monitored {
+                return Ok(false);
+            }
+            let (slot, grad) = buf.split_last().expect("checked above");
+            (f64::from(*slot) / n, sq_norm(grad) / (n * n))
+        };
         self.variance = Some(gradient_variance(mean_small, big));
         if let Some(e) = self.noise.update(mean_small, big, b_small, b_small * n) {
             self.noise_estimate = Some(e);

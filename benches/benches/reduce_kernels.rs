@@ -5,10 +5,12 @@
 //! streams and writes one, memcpy reads one and writes one). The kernels
 //! run with the instruction set `kernel_isa()` picks; run again with
 //! `KUNGFU_KERNEL_ISA=baseline` (or `avx2`) to compare the paths.
+//! `f32_sum_sq` is the sum that also adds up the squares the gradient
+//! monitors need (`reduce_sum_sq`); against `f32_sum` it is their cost.
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use half::{bf16, f16};
-use kungfu_collectives::{kernel_isa, reduce_into, DType, ReduceOp};
+use kungfu_collectives::{kernel_isa, reduce_into, reduce_sum_sq, DType, ReduceOp};
 
 fn kernels(c: &mut Criterion) {
     let mut g = c.benchmark_group(format!("reduce_kernels/{:?}", kernel_isa()));
@@ -24,6 +26,10 @@ fn kernels(c: &mut Criterion) {
             .collect();
         g.bench_with_input(BenchmarkId::new("f32_sum", bytes), &bytes, |b, _| {
             b.iter(|| reduce_into(DType::F32, ReduceOp::Sum, &mut dst, black_box(&f32s)))
+        });
+        // the sum with the gradient monitors' squares in the same pass
+        g.bench_with_input(BenchmarkId::new("f32_sum_sq", bytes), &bytes, |b, _| {
+            b.iter(|| reduce_sum_sq(&mut dst, black_box(&f32s)))
         });
         g.bench_with_input(BenchmarkId::new("f32_max", bytes), &bytes, |b, _| {
             b.iter(|| reduce_into(DType::F32, ReduceOp::Max, &mut dst, black_box(&f32s)))

@@ -330,7 +330,7 @@ pub(super) fn pick_isa(cap: &str, runnable: &[KernelIsa]) -> KernelIsa {
 
 /// Panics unless the CPU can run `isa`: the vector kernels' safety rests
 /// on it (a cheap check next to a reduction).
-fn assert_runnable(isa: KernelIsa) {
+pub(super) fn assert_runnable(isa: KernelIsa) {
     assert!(
         runnable_isas().contains(&isa),
         "this CPU cannot run the {isa:?} kernels"

@@ -38,6 +38,7 @@ impl<T: Transport> Session<T> {
             done: s.done,
             internal: s.internal,
             scope: s.scope,
+            norms: s.norms,
             since: std::time::Instant::now(),
         });
         admitted.and_then(|s| self.start_now(s))
@@ -179,11 +180,25 @@ impl<T: Transport> Session<T> {
     /// The fast path, if op `s` takes it on the current transport (ops of
     /// subgroups never do: its lanes pair the session's ranks).
     fn fast_for(&self, s: &Start<'_>) -> Option<Arc<Fast<T>>> {
-        if s.scope.is_some() {
+        self.fast_for_spec(s.scope.is_some(), &s.spec)
+    }
+
+    /// [`Session::fast_for`] of an op of `spec` (in a subgroup or not).
+    fn fast_for_spec(&self, scoped: bool, spec: &OpSpec) -> Option<Arc<Fast<T>>> {
+        if scoped {
             return None;
         }
-        let spec = &s.spec;
-        let t = self.inner.transport();
+        self.with_fast(|f| f.filter(|f| f.takes(spec)).cloned())
+    }
+
+    /// Runs `f` on the fast path of the current transport, if it has one
+    /// (made on first use, and anew after a swap).
+    pub(super) fn with_fast<R>(&self, f: impl FnOnce(Option<&Arc<Fast<T>>>) -> R) -> R {
+        let t = self
+            .inner
+            .transport
+            .read()
+            .unwrap_or_else(|e| e.into_inner());
         // keyed by the transport it was made for: a swap makes it anew
         let key = Arc::as_ptr(&t) as *const () as usize;
         let mut cached = lock(&self.inner.fast);
@@ -191,10 +206,8 @@ impl<T: Transport> Session<T> {
             let c = &self.inner.config;
             *cached = Some((key, Fast::new(&t, c.fast_max_bytes, c.fast_large)));
         }
-        cached
-            .as_ref()
-            .and_then(|(_, f)| f.clone())
-            .filter(|f| f.takes(spec))
+        drop(t);
+        f(cached.as_ref().and_then(|(_, f)| f.as_ref()))
     }
 
     fn start_fast(&self, f: Arc<Fast<T>>, s: Start<'_>) -> Option<Arc<dyn Drive>> {
@@ -220,7 +233,10 @@ impl<T: Transport> Session<T> {
         let inner = self.inner.clone();
         inner.inflight.fetch_add(1, Ordering::SeqCst);
         lock(&inner.pending).insert(tag, (name.clone(), std::time::Instant::now()));
-        let op = f.op(inner, name, spec, tag, work, done);
+        let monitored = s.norms && f.fuses_norms(&spec);
+        let op = f
+            .op(inner, name, spec, tag, work, done)
+            .monitored(monitored);
         f.start(op, s.waited);
         s.waited.then_some(f as Arc<dyn Drive>)
     }

@@ -65,6 +65,7 @@
 
 mod direct;
 mod large;
+mod norms;
 mod progress;
 mod split;
 mod step;
@@ -149,6 +150,8 @@ pub(super) struct FastOp<T> {
     large: Option<large::Large>,
     /// A split allreduce's phase (`split.rs`).
     split: Option<u32>,
+    /// A monitored allreduce's squares ([`Fast::fuses_norms`]).
+    norms: Option<norms::Norms>,
     digest: u32,
     work: OpMem,
     /// An allreduce's own input on a rank other than 0 (the work buffer
@@ -274,6 +277,21 @@ impl<T: Transport> Fast<T> {
         }
     }
 
+    /// Whether an op of `spec` computes the gradient monitors' squared
+    /// norms in its reduction when asked ([`FastOp::norms`]): a sum of f32
+    /// on the direct way (each rank reduces every input), the large way
+    /// and the split way where a slice leaves room for them in its slot
+    /// (each rank reduces a slice and sends its squares with it).
+    pub(super) fn fuses_norms(&self, spec: &OpSpec) -> bool {
+        let way = match self.way(spec) {
+            Some(Way::Split) => split::fits_norms(spec, self.t.size()),
+            Some(Way::Large | Way::Direct) => true,
+            None => false,
+        };
+        way && spec.kind == OpKind::Allreduce(crate::ReduceOp::Sum)
+            && spec.dtype == crate::DType::F32
+    }
+
     fn others(&self) -> u64 {
         ((1u128 << self.t.size()) - 1) as u64 & !(1 << self.t.rank().0)
     }
@@ -335,6 +353,7 @@ impl<T: Transport> Fast<T> {
             lane_rank: me,
             large: None,
             split: None,
+            norms: None,
             work,
             mine,
             contrib,
@@ -357,5 +376,16 @@ impl<T: Transport> Fast<T> {
             large::Large::start(&mut op, others);
         }
         op
+    }
+}
+
+impl<T> FastOp<T> {
+    /// Makes a monitored op of it ([`FastOp::norms`]), if `on`: only an op
+    /// whose way [`Fast::fuses_norms`].
+    pub(super) fn monitored(mut self, on: bool) -> FastOp<T> {
+        if on {
+            self.norms = Some(norms::Norms::default());
+        }
+        self
     }
 }

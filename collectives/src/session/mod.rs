@@ -45,7 +45,7 @@ use swap::{Deferred, Tombstones};
 
 pub use swap::{Agreement, SwapGate, SwapTo};
 
-pub use output::{Callback, OpHandle, OpOutput};
+pub use output::{Callback, OpHandle, OpOutput, SqNorms};
 pub use stall::{Stall, DEFAULT_STALL_TIMEOUT};
 pub use stats::{OpStats, PeerStats};
 

@@ -110,6 +110,49 @@ impl<T: Transport> Session<T> {
         self.in_place(name, OpKind::Broadcast { root }, buf).await
     }
 
+    /// Whether an allreduce of `spec` computes the gradient monitors'
+    /// squared norms inside its reduction
+    /// ([`Session::allreduce_sum_with_norms`] then returns them): a sum
+    /// of f32 on the host fast path (every rank on this host), except a
+    /// split op whose slices fill a lane's slot. The same on every rank
+    /// of the session, unless a swap changes the transport in between.
+    pub fn fuses_norms(&self, spec: &OpSpec) -> bool {
+        self.scope.is_none()
+            && self.with_fast(|f| f.is_some_and(|f| f.takes(spec) && f.fuses_norms(spec)))
+    }
+
+    /// Sums `buf` across ranks in place, like
+    /// [`Session::allreduce_in_place`] with [`ReduceOp::Sum`], and returns
+    /// the squared norms its reduction computed on the way, with no pass
+    /// of their own: `Some` where [`Session::fuses_norms`] says so, `None`
+    /// elsewhere (the sum is done either way). Each rank reduces a slice
+    /// of everyone's values, sums the squares of what it reads and of what
+    /// it writes, and sends those two sums with the slice's result.
+    pub async fn allreduce_sum_with_norms(
+        &self,
+        name: &str,
+        buf: &mut [f32],
+    ) -> Result<Option<crate::session::SqNorms>, CollectiveError> {
+        let spec = OpSpec {
+            kind: OpKind::Allreduce(ReduceOp::Sum),
+            dtype: DType::F32,
+            count: buf.len(),
+            check: 0,
+        };
+        let (tx, h) = OpHandle::pair();
+        let done = Box::new(move |r| drop(tx.send(r)));
+        let start = Start {
+            norms: true,
+            ..Start::new(name, spec, Memory::Input(bytemuck::cast_slice(buf)), done)
+        };
+        let d = self.start(start);
+        let out = h.driven(d).await?;
+        if let Some(o) = out.bytes() {
+            bytemuck::cast_slice_mut::<f32, u8>(buf).copy_from_slice(o);
+        }
+        Ok(out.sq_norms())
+    }
+
     /// Runs `kind` on `buf` (count = its length) and copies the output
     /// (of the same length) back into it; the working buffer goes back to
     /// the pool.

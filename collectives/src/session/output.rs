@@ -36,6 +36,9 @@ pub(super) struct Start<'a> {
     /// The subgroup it runs in (None: the whole session); set by
     /// [`super::Session::start`] from the session that starts it.
     pub(super) scope: Option<Arc<super::scope::Scope>>,
+    /// The gradient monitors' squared norms are wanted, computed in the
+    /// reduction where its way can ([`super::Session::fuses_norms`]).
+    pub(super) norms: bool,
 }
 
 impl<'a> Start<'a> {
@@ -49,6 +52,7 @@ impl<'a> Start<'a> {
             internal: false,
             waited: true,
             scope: None,
+            norms: false,
         }
     }
 
@@ -111,6 +115,22 @@ pub struct OpOutput {
     pub(super) version: ClusterVersion,
     pub(super) epoch: Epoch,
     pub(super) strategy: Strategy,
+    /// Squared norms computed in the reduction, if asked for and fused.
+    pub(super) norms: Option<SqNorms>,
+}
+
+/// The squared L2 norms a gradient monitor needs, as an allreduce (sum of
+/// f32) computed them inside its reduction
+/// ([`super::Session::allreduce_sum_with_norms`]): every rank gets the same
+/// bits where all run the same kernels (`KUNGFU_KERNEL_ISA`: the vector
+/// kernels add the squares with fused multiply-adds, the baseline does
+/// not).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SqNorms {
+    /// The sum over ranks of each rank's squared input norm, `sum_i |g_i|^2`.
+    pub inputs: f64,
+    /// The squared norm of the result, `|sum_i g_i|^2`.
+    pub result: f64,
 }
 
 impl PartialEq for OpOutput {
@@ -144,6 +164,12 @@ impl OpOutput {
     /// The strategy the op ran on (`AUTO` resolved to its choice).
     pub fn strategy(&self) -> Strategy {
         self.strategy
+    }
+
+    /// The squared norms the op's reduction computed, if they were asked
+    /// for and its way computes them.
+    pub fn sq_norms(&self) -> Option<SqNorms> {
+        self.norms
     }
 
     /// This rank's output bytes, if it has an output. For an op on the

@@ -385,6 +385,7 @@ impl RunningOp {
                 version: t.version(),
                 epoch: self.m.tag().epoch,
                 strategy: self.m.strategy(),
+                norms: None,
             }),
             // A loss heard of in an abort names where the lost rank ran.
             OpEvent::Failed(CollectiveError::PeerLost {

@@ -19,6 +19,7 @@ pub(super) struct Deferred {
     pub(super) done: Callback,
     pub(super) internal: bool,
     pub(super) scope: Option<Arc<super::scope::Scope>>,
+    pub(super) norms: bool,
     /// When it began to wait (the timeline's `queued` span).
     pub(super) since: std::time::Instant,
 }
@@ -332,6 +333,7 @@ impl<T: Transport> Session<T> {
                         internal: d.internal,
                         waited: false,
                         scope: d.scope,
+                        norms: d.norms,
                     }));
                 }
             }

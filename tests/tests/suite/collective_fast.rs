@@ -489,6 +489,181 @@ async fn large_ops_by_cross_memory_attach_are_exact() {
     }
 }
 
+/// The gradient monitors' squares, computed in the reduction
+/// (`allreduce_sum_with_norms`): on the direct and split ways and by
+/// cross-memory attach, at 2 and 3 ranks and uneven counts, the sum has
+/// the plain allreduce's bits, the squares match an f64 reference and
+/// have the same bits on every rank; an op whose slices fill a slot, or
+/// on the message path, says it has none. A rank
+/// that asks for them beside one that does not fails with a mismatch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reductions_compute_the_monitors_squares() {
+    let split = SessionConfig {
+        fast_max_bytes: 4 * SLOT_BYTES,
+        fast_large: FastLarge::Off,
+        ..fast()
+    };
+    let mut cases = vec![
+        (2, split.clone(), 40_000, true),
+        (3, split.clone(), 100_003, true),
+        (2, fast(), 1000, true),
+        (3, fast(), 1001, true),
+        // slices that fill a slot leave no room for the squares
+        (2, split.clone(), 2 * SLOT_BYTES / 4, false),
+        // the message path has none
+        (
+            2,
+            SessionConfig {
+                fast_max_bytes: 0,
+                ..fast()
+            },
+            1000,
+            false,
+        ),
+    ];
+    if cma::available() {
+        cases.push((2, fast(), 300_001, true));
+        cases.push((3, fast(), 300_001, true));
+    }
+    for (n, cfg, count, fused) in cases {
+        let what = format!("n={n} count={count}");
+        let ss = sessions(n, cfg).await;
+        let spec = OpSpec {
+            kind: OpKind::Allreduce(ReduceOp::Sum),
+            dtype: DType::F32,
+            count,
+            check: 0,
+        };
+        assert!(ss.iter().all(|s| s.fuses_norms(&spec) == fused), "{what}");
+        let inputs: Vec<Vec<f32>> = (0..n)
+            .map(|r| {
+                (0..count)
+                    .map(|i| ((i * 7 + r * 13) % 101) as f32 * 0.01 - 0.5)
+                    .collect()
+            })
+            .collect();
+        let mut plain = inputs.clone();
+        let futs = ss
+            .iter()
+            .zip(plain.iter_mut())
+            .map(|(s, b)| s.allreduce_in_place("plain", b, ReduceOp::Sum));
+        for r in futures_join(futs.collect()).await {
+            r.unwrap();
+        }
+        let mut bufs = inputs.clone();
+        let futs = ss
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(s, b)| s.allreduce_sum_with_norms("monitored", b));
+        let got: Vec<_> = futures_join(futs.collect())
+            .await
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|e| panic!("{what}: {e}")))
+            .collect();
+        assert!(bufs == plain, "{what}: the sum differs from the plain one");
+        let sq = |v: &[f32]| v.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
+        let want_inputs: f64 = inputs.iter().map(|v| sq(v)).sum();
+        let want_result = sq(&plain[0]);
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * b;
+        for q in &got {
+            match (fused, q) {
+                (true, Some(q)) => {
+                    assert!(close(q.inputs, want_inputs), "{what}: {q:?}, {want_inputs}");
+                    assert!(close(q.result, want_result), "{what}: {q:?}, {want_result}");
+                    assert_eq!(Some(*q), got[0], "{what}: ranks disagree");
+                }
+                (false, None) => {}
+                _ => panic!("{what}: fused {fused}, got {q:?}"),
+            }
+        }
+    }
+    // one rank asks for them, the other does not: both fail, at once (on
+    // the split way and by cross-memory attach)
+    let mut odd = vec![(split, 40_000)];
+    if cma::available() {
+        odd.push((fast(), 300_001));
+    }
+    for (cfg, count) in odd {
+        let ss = sessions(2, cfg).await;
+        let mut a = vec![1.0f32; count];
+        let mut b = vec![1.0f32; count];
+        let (ra, rb) = tokio::join!(
+            tokio::time::timeout(
+                Duration::from_secs(20),
+                ss[0].allreduce_sum_with_norms("odd", &mut a)
+            ),
+            tokio::time::timeout(
+                Duration::from_secs(20),
+                ss[1].allreduce_in_place("odd", &mut b, ReduceOp::Sum)
+            ),
+        );
+        let ra = ra.expect("rank 0 hung");
+        let rb = rb.expect("rank 1 hung");
+        assert!(
+            matches!(ra, Err(CollectiveError::Mismatch { .. })),
+            "{count}: {ra:?}"
+        );
+        assert!(
+            matches!(rb, Err(CollectiveError::Mismatch { .. })),
+            "{count}: {rb:?}"
+        );
+    }
+}
+
+/// `GradientMonitor` takes the squares from the reduction where it can:
+/// its estimates over a few steps match those of the two passes over the
+/// gradient (the fast path off), at 2 ranks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gradient_monitor_reads_the_fused_squares() {
+    use kungfu_adaptation::GradientMonitor;
+    let split = SessionConfig {
+        fast_max_bytes: 4 * SLOT_BYTES,
+        fast_large: FastLarge::Off,
+        ..fast()
+    };
+    let passes = SessionConfig {
+        fast_max_bytes: 0,
+        ..fast()
+    };
+    let count = 50_001; // the gradient and the monitors' spare element
+    let mut estimates = Vec::new();
+    for (cfg, fused) in [(split, true), (passes, false)] {
+        let ss = sessions(2, cfg).await;
+        let spec = OpSpec {
+            kind: OpKind::Allreduce(ReduceOp::Sum),
+            dtype: DType::F32,
+            count,
+            check: 0,
+        };
+        assert_eq!(ss[0].fuses_norms(&spec), fused);
+        let mut mons = [GradientMonitor::new(0.5, 1), GradientMonitor::new(0.5, 1)];
+        for step in 0..4usize {
+            let mut bufs: Vec<Vec<f32>> = (0..2)
+                .map(|r| {
+                    (0..count)
+                        .map(|i| ((i * 3 + r * 11 + step * 5) % 37) as f32 * 0.1 - 1.7)
+                        .collect()
+                })
+                .collect();
+            let futs = ss
+                .iter()
+                .zip(mons.iter_mut())
+                .zip(bufs.iter_mut())
+                .map(|((s, m), b)| m.allreduce_sum(s, "grad", b, 8.0));
+            for r in futures_join(futs.collect()).await {
+                assert!(r.unwrap(), "every step is monitored");
+            }
+        }
+        let e = mons[0].noise_estimate.expect("an estimate");
+        assert_eq!(Some(e), mons[1].noise_estimate, "ranks disagree");
+        estimates.push((e, mons[0].variance.expect("a variance")));
+    }
+    let ((a, va), (b, vb)) = (estimates[0], estimates[1]);
+    let close = |x: f64, y: f64| (x - y).abs() <= 1e-4 * y.abs().max(1e-9);
+    assert!(close(a.g2, b.g2) && close(a.trace, b.trace), "{a:?} {b:?}");
+    assert!(close(va, vb), "{va} {vb}");
+}
+
 async fn futures_join<F: std::future::Future>(fs: Vec<F>) -> Vec<F::Output> {
     let mut out = Vec::new();
     let mut pinned: Vec<_> = fs.into_iter().map(Box::pin).collect();

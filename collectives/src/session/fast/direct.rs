@@ -6,7 +6,7 @@ use kungfu_topology::Rank;
 use kungfu_transport::shm::lane::HostLanes;
 
 use super::{changed, FastOp, Transport};
-use crate::dtype::{reduce_into, scale_down};
+use crate::dtype::{reduce_into, reduce_sum_sq, scale_down};
 use crate::failure::OpId;
 use crate::plan::Work;
 use crate::session::OpOutput;
@@ -73,15 +73,32 @@ impl<T: Transport> FastOp<T> {
                         read(0, &mut |s| w.copy_from_slice(s));
                     });
                 }
+                // a monitored op sums the squares on the way: every rank
+                // reads every input here, so it needs nobody's share
+                let fused = self.norms.is_some();
+                let mut squares = [0.0; 2];
+                let mut add = |p: usize, w: &mut [u8], s: &[u8]| {
+                    if !fused {
+                        return reduce_into(dtype, op, w, s);
+                    }
+                    let q = reduce_sum_sq(w, s);
+                    squares[0] += q.src + if p == 1 { q.dst_before } else { 0.0 };
+                    if p == n - 1 {
+                        squares[1] = q.dst_after;
+                    }
+                };
                 for p in 1..n {
                     ok &= self.work.write(0..b, &mut |w| {
                         if p == me.idx() {
                             let m = self.mine.as_ref().expect("rank > 0 keeps its input");
-                            reduce_into(dtype, op, w, m);
+                            add(p, w, m);
                         } else {
-                            read(p, &mut |s| reduce_into(dtype, op, w, s));
+                            read(p, &mut |s| add(p, w, s));
                         }
                     });
+                }
+                if let Some(v) = self.norms.as_mut() {
+                    v.mine = squares;
                 }
                 if op == crate::ReduceOp::Avg {
                     ok &= self.work.write(0..b, &mut |w| scale_down(dtype, w, n));

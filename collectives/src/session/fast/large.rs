@@ -46,8 +46,9 @@ use kungfu_topology::{fnv1a64, Rank};
 use kungfu_transport::shm::cma;
 use kungfu_transport::{OpId, OpTag};
 
+use super::norms;
 use super::{bits, FastOp, Transport};
-use crate::dtype::{reduce_into, scale_down};
+use crate::dtype::{reduce_into, reduce_sum_sq, scale_down};
 use crate::plan::Work;
 use crate::{CollectiveError, OpKind, ReduceOp};
 
@@ -185,6 +186,39 @@ impl<T: Transport> FastOp<T> {
                 }
             }
         }
+        // later phases' messages are empty, but a monitored allreduce's
+        // "ready" carries each slice's squares: a rank that disagrees on
+        // which it is fails, whichever side it is on
+        let said = if phase == 1 && self.norms.is_some() {
+            norms::NORMS_BYTES
+        } else {
+            0
+        };
+        for p in bits(self.need).filter(|_| phase > 0) {
+            let f = self.found[p.idx()].expect("all found");
+            if f.len() != said {
+                let what = format!("another op ({} bytes in its phase {phase})", f.len());
+                return Some(Err(self.mismatch_with(p, &what)));
+            }
+        }
+        if let (1, true) = (phase, self.norms.is_some()) {
+            for p in bits(self.need) {
+                let f = self.found[p.idx()].expect("all found");
+                let q = l.read(p, self.lane_tag, &f, norms::from_bytes);
+                match q {
+                    Ok(Some(q)) => {
+                        self.norms
+                            .as_mut()
+                            .expect("monitored")
+                            .add(me.idx(), p.idx(), q)
+                    }
+                    Ok(None) => {
+                        return Some(Err(self.mismatch_with(p, "an op without the squared norms")))
+                    }
+                    Err(e) => return Some(Err(self.lost(p, e))),
+                }
+            }
+        }
         self.release(l);
         if let Err(e) = self.copy(phase, others) {
             return Some(Err(e));
@@ -196,8 +230,14 @@ impl<T: Transport> FastOp<T> {
                 let large = self.large.as_mut().expect("large");
                 large.phase = next;
                 self.lane_tag = phase_tag(self.tag, u32::from(next));
+                let tail = self.norms.as_ref().filter(|_| next == 1);
+                let tail = tail.map(|v| norms::to_bytes(v.mine));
                 if let Some(m) = self.mine.as_mut() {
-                    m.vec_mut().clear(); // later phases say only "ready"/"done"
+                    // later phases say only "ready" (with a monitored
+                    // allreduce's squares) and "done"
+                    m.vec_mut().clear();
+                    m.vec_mut()
+                        .extend_from_slice(tail.as_ref().map_or(&[], |t| t));
                 }
                 self.unposted = post;
                 self.need = need;
@@ -283,19 +323,33 @@ impl<T: Transport> FastOp<T> {
                 let dtype = self.spec.dtype;
                 let mut off = s.start;
                 let mut busy = false;
+                let peers_in_order: Vec<usize> = (0..n).filter(|&p| p != me).collect();
+                let (first, last) = (peers_in_order[0], peers_in_order[peers_in_order.len() - 1]);
+                let fused = self.norms.is_some();
+                let mut squares = [0.0; 2];
                 'chunks: while off < s.end {
                     let len = CHUNK.min(s.end - off);
                     let t = &mut tmp[..len];
-                    for p in (0..n).filter(|&p| p != me) {
+                    for &p in &peers_in_order {
                         if let Err(e) = read(p, off as u64, t) {
                             failed = Some(e);
                             break 'chunks;
                         }
                         let t = &*t;
-                        if !self
-                            .work
-                            .write(off..off + len, &mut |w| reduce_into(dtype, op, w, t))
-                        {
+                        let ok = self.work.write(off..off + len, &mut |w| {
+                            if !fused {
+                                return reduce_into(dtype, op, w, t);
+                            }
+                            let q = reduce_sum_sq(w, t);
+                            squares[0] += q.src;
+                            if p == first {
+                                squares[0] += q.dst_before;
+                            }
+                            if p == last {
+                                squares[1] += q.dst_after;
+                            }
+                        });
+                        if !ok {
                             busy = true;
                             break 'chunks;
                         }
@@ -312,6 +366,9 @@ impl<T: Transport> FastOp<T> {
                 }
                 if busy {
                     failed = Some(self.busy());
+                }
+                if let Some(v) = self.norms.as_mut() {
+                    v.mine = squares;
                 }
             }
             (OpKind::Allreduce(_), 1) => {

@@ -36,8 +36,9 @@ use kungfu_topology::Rank;
 use kungfu_transport::shm::lane::{HostLanes, SLOT_BYTES};
 
 use super::large::{phase_tag, slice};
+use super::norms::{self, NORMS_BYTES};
 use super::{bits, changed, FastOp, Transport};
-use crate::dtype::{reduce_into, scale_down};
+use crate::dtype::{reduce_into, reduce_sum_sq, scale_down};
 use crate::plan::Work;
 use crate::{CollectiveError, OpKind, OpSpec};
 
@@ -62,7 +63,20 @@ pub(super) fn splits(spec: &OpSpec, n: usize) -> bool {
     matches!(spec.kind, OpKind::Allreduce(_)) && b >= SPLIT_FROM && largest <= SLOT_BYTES
 }
 
+/// Whether a split op of `spec` has room for its squares after its slice
+/// in phase 1 (all but those whose largest slice fills a slot).
+pub(super) fn fits_norms(spec: &OpSpec, n: usize) -> bool {
+    slice(spec.count, spec.dtype.size(), n, 0).len() + NORMS_BYTES <= SLOT_BYTES
+}
+
 impl<T: Transport> FastOp<T> {
+    /// This rank's squares, which a monitored split op posts after its
+    /// reduced slice in phase 1.
+    pub(super) fn norms_tail(&self) -> Option<[u8; NORMS_BYTES]> {
+        let n = self.norms.as_ref().filter(|_| self.split == Some(1))?;
+        Some(norms::to_bytes(n.mine))
+    }
+
     /// The bytes of `work` this op posts to `peer` now, if not its whole
     /// contribution (`contrib`/`mine`): a slice, for a split op.
     pub(super) fn split_post(&self, peer: Rank) -> Option<Range<usize>> {
@@ -87,12 +101,14 @@ impl<T: Transport> FastOp<T> {
         let (dtype, esz) = (self.spec.dtype, self.spec.dtype.size());
         let piece = |r: usize| slice(self.spec.count, esz, n, r);
         let mine = piece(me.idx());
+        // a monitored op's phase 1 carries each slice's squares after it
+        let tail = if self.norms.is_some() { NORMS_BYTES } else { 0 };
         for p in bits(self.need) {
             let f = self.found[p.idx()].expect("all found");
             let want = if phase == 0 {
                 mine.len()
             } else {
-                piece(p.idx()).len()
+                piece(p.idx()).len() + tail
             };
             if f.digest() != self.digest || f.len() != want {
                 let what = format!("another op ({} bytes in its slice)", f.len());
@@ -101,6 +117,9 @@ impl<T: Transport> FastOp<T> {
         }
         let mut failed = None;
         let mut busy = false;
+        let (first, last) = (bits(self.need).next(), bits(self.need).last());
+        let mut squares = [0.0; 2];
+        let mut theirs = None;
         for p in bits(self.need) {
             let f = self.found[p.idx()].expect("all found");
             let at = if phase == 0 {
@@ -108,17 +127,29 @@ impl<T: Transport> FastOp<T> {
             } else {
                 piece(p.idx())
             };
+            let fused = self.norms.is_some();
             let ok = self.work.write(at, &mut |w| {
                 // what is read now, not what was claimed: a peer may have
                 // rewritten its slot (then the op fails, it does not panic)
                 let r = l.read(p, self.lane_tag, &f, |s| {
-                    if s.len() != w.len() {
+                    if s.len() != w.len() + if phase == 0 { 0 } else { tail } {
                         return Err(changed(p, s.len()));
                     }
-                    if phase == 0 {
+                    if phase == 0 && fused {
+                        let q = reduce_sum_sq(w, s);
+                        squares[0] += q.src;
+                        if Some(p) == first {
+                            squares[0] += q.dst_before;
+                        }
+                        if Some(p) == last {
+                            squares[1] += q.dst_after;
+                        }
+                    } else if phase == 0 {
                         reduce_into(dtype, op, w, s);
                     } else {
+                        let (s, t) = s.split_at(w.len());
                         w.copy_from_slice(s);
+                        theirs = norms::from_bytes(t);
                     }
                     Ok(())
                 });
@@ -130,6 +161,12 @@ impl<T: Transport> FastOp<T> {
             if failed.is_some() || busy {
                 break;
             }
+            if let (Some(n), Some(q)) = (self.norms.as_mut(), theirs.take()) {
+                n.add(me.idx(), p.idx(), q);
+            }
+        }
+        if let Some(n) = self.norms.as_mut().filter(|_| phase == 0) {
+            n.mine = squares;
         }
         if phase == 0 && op == crate::ReduceOp::Avg && failed.is_none() && !busy {
             busy |= !self.work.write(mine, &mut |w| scale_down(dtype, w, n));

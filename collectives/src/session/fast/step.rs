@@ -32,13 +32,15 @@ impl<T: Transport> Fast<T> {
         let l = &self.lanes;
         let mut moved = false;
         let r = (|| {
+            let tail = op.norms_tail();
+            let tail: &[u8] = tail.as_ref().map_or(&[], |t| t);
             for p in bits(op.unposted) {
                 let post = op.split_post(p).or_else(|| op.contrib.clone());
                 let posted = match (&op.mine, post) {
                     (Some(m), _) => l.post(p, op.lane_tag, op.digest, m),
                     (None, Some(r)) => op
                         .work
-                        .read(r, |b| l.post(p, op.lane_tag, op.digest, b))
+                        .read(r, |b| l.post_parts(p, op.lane_tag, op.digest, &[b, tail]))
                         .unwrap_or(Ok(false)),
                     (None, None) => Ok(true),
                 };
@@ -208,6 +210,11 @@ impl<T: Transport> FastOp<T> {
             version,
             epoch: self.tag.epoch,
             strategy: Strategy::Clique,
+            // summed in rank order: the same bits on every rank
+            norms: self.norms.map(|n| {
+                let [inputs, result] = n.total();
+                crate::session::SqNorms { inputs, result }
+            }),
         }
     }
 
