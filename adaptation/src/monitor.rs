@@ -2,7 +2,7 @@
 //! that monitoring costs little (a couple of scalars per step, reduced
 //! together with the gradients or in one small allreduce).
 
-use kungfu_collectives::{CollectiveError, DType, OpKind, OpSpec, ReduceOp, Session};
+use kungfu_collectives::{CollectiveError, ReduceOp, Session};
 use kungfu_transport::Transport;
 
 /// An exponential moving average: `v <- v + alpha (x - v)`; the first
@@ -130,28 +130,19 @@ pub fn sq_norm(g: &[f32]) -> f64 {
 /// [`sq_norm`] of f32 values in bytes (any alignment; a partial trailing
 /// element is ignored).
 pub fn sq_norm_bytes(b: &[u8]) -> f64 {
-    match bytemuck::try_cast_slice::<u8, f32>(&b[..b.len() / 4 * 4]) {
-        Ok(g) => sq_norm(g),
-        Err(_) => b
-            .chunks_exact(4)
-            .map(|c| {
-                let x = f64::from(f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
-                x * x
-            })
-            .sum(),
-    }
+    kungfu_collectives::sq_norm_bytes(b)
 }
 
 /// The gradient monitors of a data-parallel step, riding on its gradient
 /// allreduce: no collective of their own. The caller's buffer holds the
-/// gradient plus one spare element at the end; on a monitored step the
-/// spare carries this worker's squared gradient norm through the same
-/// allreduce, so every worker gets the mean of the local norms for free
-/// and, after the op, the norm of the summed gradient: the inputs of the
-/// noise scale and of the gradient variance. Where the allreduce's own
-/// reduction can sum the squares ([`Session::fuses_norms`]: on the host
-/// fast path), it does, and the spare carries 0;
-/// elsewhere two passes over the gradient compute the norms. Monitoring
+/// gradient plus one spare element at the end. On a monitored step the
+/// allreduce is [`Session::allreduce_sum_with_norms`]: on the host fast
+/// path its reduction sums the squares of each worker's gradient and of
+/// the summed one in the same pass as the sum; elsewhere the spare
+/// carries this worker's squared norm through the same allreduce and the
+/// summed gradient's is taken after it. Either way every worker gets the
+/// mean of the local norms and the norm of the summed gradient: the
+/// inputs of the noise scale and of the gradient variance. Monitoring
 /// every `every`-th step bounds their cost (`kungfu-bench --monitor`
 /// reports it).
 #[derive(Clone, Debug)]
@@ -189,7 +180,7 @@ impl GradientMonitor {
         buf: &mut [f32],
         b_small: f64,
     ) -> Result<bool, CollectiveError> {
-        let Some((slot, grad)) = buf.split_last_mut() else {
+        let Some(slot) = buf.last_mut() else {
             return Err(CollectiveError::InvalidArgument {
                 name: name.into(),
                 reason: "the buffer needs the gradient and one spare element".into(),
@@ -197,30 +188,14 @@ impl GradientMonitor {
         };
         let monitored = self.every > 0 && self.step.is_multiple_of(self.every);
         self.step += 1;
-        let n = session.size() as f64;
-        let spec = OpSpec {
-            kind: OpKind::Allreduce(ReduceOp::Sum),
-            dtype: DType::F32,
-            count: grad.len() + 1,
-            check: 0,
-        };
-        let (mean_small, big) = if monitored && session.fuses_norms(&spec) {
-            // the reduction sums the squares on its way (the spare adds 0)
+        if !monitored {
             *slot = 0.0;
-            match session.allreduce_sum_with_norms(name, buf).await? {
-                Some(q) => (q.inputs / n, q.result / (n * n)),
-                // the transport changed under a swap: not monitored now
-                None => return Ok(false),
-            }
-        } else {
-            *slot = if monitored { sq_norm(grad) as f32 } else { 0.0 };
             session.allreduce_in_place(name, buf, ReduceOp::Sum).await?;
-            if !monitored {
-                return Ok(false);
-            }
-            let (slot, grad) = buf.split_last().expect("checked above");
-            (f64::from(*slot) / n, sq_norm(grad) / (n * n))
-        };
+            return Ok(false);
+        }
+        let n = session.size() as f64;
+        let q = session.allreduce_sum_with_norms(name, buf).await?;
+        let (mean_small, big) = (q.inputs / n, q.result / (n * n));
         self.variance = Some(gradient_variance(mean_small, big));
         if let Some(e) = self.noise.update(mean_small, big, b_small, b_small * n) {
             self.noise_estimate = Some(e);

@@ -76,8 +76,8 @@ pub mod timeline;
 
 pub use dtype::{
     kernel_isa, reduce_into, reduce_into_ordered, reduce_sum_sq, reduce_sum_sq_with_isa,
-    reduce_with_isa, runnable_isas, scale_down, sq_norm_f32, sq_norm_with_isa, DType, Element,
-    KernelIsa, Order, ReduceOp, SumSquares,
+    reduce_with_isa, runnable_isas, scale_down, sq_norm_bytes, sq_norm_f32, sq_norm_with_isa,
+    DType, Element, KernelIsa, Order, ReduceOp, SumSquares,
 };
 pub use error::CollectiveError;
 

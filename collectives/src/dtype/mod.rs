@@ -192,7 +192,7 @@ pub enum Order {
 mod kernels;
 mod norms;
 
-pub use norms::{reduce_sum_sq, reduce_sum_sq_with_isa, SumSquares};
+pub use norms::{reduce_sum_sq, reduce_sum_sq_with_isa, sq_norm_bytes, SumSquares};
 
 pub use kernels::{
     kernel_isa, reduce_into, reduce_into_ordered, reduce_with_isa, runnable_isas, scale_down,

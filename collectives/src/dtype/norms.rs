@@ -42,6 +42,21 @@ pub fn reduce_sum_sq_with_isa(isa: KernelIsa, dst: &mut [u8], src: &[u8]) -> Sum
     }
 }
 
+/// The squared L2 norm of f32 values in bytes (any alignment; a partial
+/// trailing element is ignored).
+pub fn sq_norm_bytes(b: &[u8]) -> f64 {
+    match bytemuck::try_cast_slice::<u8, f32>(&b[..b.len() / 4 * 4]) {
+        Ok(g) => super::sq_norm_f32(g),
+        Err(_) => b
+            .chunks_exact(4)
+            .map(|c| {
+                let x = f64::from(f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+                x * x
+            })
+            .sum(),
+    }
+}
+
 // the one unsafe call: a kernel compiled for features the CPU was checked for
 #[allow(unsafe_code)]
 fn dispatch(isa: KernelIsa, d: &mut [f32], s: &[f32]) -> SumSquares {

@@ -58,7 +58,21 @@ impl<T: Transport> Session<T> {
             Memory::Region(r) => Some(r.clone()),
             Memory::Input(_) => None,
         };
-        match self.prepare(name.clone(), s.spec, s.mem, s.internal, scope.as_deref()) {
+        // the message path never sums the squares: a monitored op's spare
+        // carries this rank's squared norm
+        let spare = if s.norms {
+            Spare::LocalNorm
+        } else {
+            Spare::Untouched
+        };
+        match self.prepare(
+            name.clone(),
+            s.spec,
+            s.mem,
+            s.internal,
+            scope.as_deref(),
+            spare,
+        ) {
             Ok(mut op) => {
                 let inner = self.inner.clone();
                 inner.inflight.fetch_add(1, Ordering::SeqCst);
@@ -154,12 +168,13 @@ impl<T: Transport> Session<T> {
     }
 
     /// The op's working memory, laid out by [`OpSpec::init_work`], on `n`
-    /// ranks where this one is `me`.
+    /// ranks where this one is `me`, with a monitored op's `spare`.
     pub(super) fn work_of(
         &self,
         spec: &OpSpec,
         mem: Memory,
         (n, me): (usize, Rank),
+        spare: Spare,
     ) -> opmem::OpMem {
         match mem {
             Memory::Input(input) => {
@@ -171,8 +186,10 @@ impl<T: Transport> Session<T> {
                     .pool
                     .take_filled(spec.work_len(n).expect("validated"));
                 spec.init_work_in(input, me, n, &mut work);
+                spare.fill(&mut work);
                 opmem::OpMem::Plain(work)
             }
+            // (a monitored op's memory is always its input)
             Memory::Region(r) => opmem::OpMem::callers(r),
         }
     }
@@ -229,14 +246,19 @@ impl<T: Transport> Session<T> {
             op,
             seq,
         };
-        let work = self.work_of(&spec, s.mem, place);
+        // decided here, past the swap gate, on the transport the op runs
+        // on: the same on every rank
+        let fused = s.norms && f.fuses_norms(&spec);
+        let spare = match (s.norms, fused) {
+            (false, _) => Spare::Untouched,
+            (true, true) => Spare::Zero,
+            (true, false) => Spare::LocalNorm,
+        };
+        let work = self.work_of(&spec, s.mem, place, spare);
         let inner = self.inner.clone();
         inner.inflight.fetch_add(1, Ordering::SeqCst);
         lock(&inner.pending).insert(tag, (name.clone(), std::time::Instant::now()));
-        let monitored = s.norms && f.fuses_norms(&spec);
-        let op = f
-            .op(inner, name, spec, tag, work, done)
-            .monitored(monitored);
+        let op = f.op(inner, name, spec, tag, work, done).monitored(fused);
         f.start(op, s.waited);
         s.waited.then_some(f as Arc<dyn Drive>)
     }
@@ -369,5 +391,32 @@ pub(super) async fn watch_strays<T: Transport>(weak: std::sync::Weak<Inner<T>>) 
                 send_aborts(&inner, f.header.tag, digest, &abort);
             }
         }
+    }
+}
+
+/// What a monitored op ([`Start::norms`]: a sum of f32 whose last element
+/// is the monitors' spare) puts in its spare before it runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Spare {
+    /// Not a monitored op.
+    Untouched,
+    /// Its reduction sums the squares: the spare adds nothing.
+    Zero,
+    /// It does not: the spare carries this rank's squared norm of the
+    /// rest, summed over the ranks by the op itself.
+    LocalNorm,
+}
+
+impl Spare {
+    fn fill(self, work: &mut [u8]) {
+        let Some(at) = work.len().checked_sub(4) else {
+            return;
+        };
+        let v = match self {
+            Spare::Untouched => return,
+            Spare::Zero => 0.0f32,
+            Spare::LocalNorm => crate::dtype::sq_norm_bytes(&work[..at]) as f32,
+        };
+        work[at..].copy_from_slice(&v.to_le_bytes());
     }
 }

@@ -110,12 +110,12 @@ impl<T: Transport> Session<T> {
         self.in_place(name, OpKind::Broadcast { root }, buf).await
     }
 
-    /// Whether an allreduce of `spec` computes the gradient monitors'
-    /// squared norms inside its reduction
-    /// ([`Session::allreduce_sum_with_norms`] then returns them): a sum
-    /// of f32 on the host fast path (every rank on this host), except a
-    /// split op whose slices fill a lane's slot. The same on every rank
-    /// of the session, unless a swap changes the transport in between.
+    /// Whether an allreduce of `spec` would compute the gradient monitors'
+    /// squared norms inside its reduction if it started now
+    /// ([`Session::allreduce_sum_with_norms`]): a sum of f32 on the host
+    /// fast path (every rank on this host), except a split op whose slices
+    /// fill a lane's slot. A swap of the transport may change it; the op
+    /// itself decides when it starts, past the swap gate.
     pub fn fuses_norms(&self, spec: &OpSpec) -> bool {
         self.scope.is_none()
             && self.with_fast(|f| f.is_some_and(|f| f.takes(spec) && f.fuses_norms(spec)))
@@ -123,16 +123,25 @@ impl<T: Transport> Session<T> {
 
     /// Sums `buf` across ranks in place, like
     /// [`Session::allreduce_in_place`] with [`ReduceOp::Sum`], and returns
-    /// the squared norms its reduction computed on the way, with no pass
-    /// of their own: `Some` where [`Session::fuses_norms`] says so, `None`
-    /// elsewhere (the sum is done either way). Each rank reduces a slice
-    /// of everyone's values, sums the squares of what it reads and of what
-    /// it writes, and sends those two sums with the slice's result.
+    /// the gradient monitors' squared norms of what comes before its last
+    /// element, the monitors' spare (its value on return is unspecified;
+    /// the buffer must hold it). Where the op's way fuses them
+    /// ([`Session::fuses_norms`], decided when the op starts, the same on
+    /// every rank) its reduction sums the squares of what it reads and
+    /// writes in the same pass (see `fast/norms.rs`); elsewhere the spare
+    /// carries each rank's squared norm through the sum, and the result's
+    /// is taken after it (two passes over the buffer).
     pub async fn allreduce_sum_with_norms(
         &self,
         name: &str,
         buf: &mut [f32],
-    ) -> Result<Option<crate::session::SqNorms>, CollectiveError> {
+    ) -> Result<crate::session::SqNorms, CollectiveError> {
+        let Some(last) = buf.len().checked_sub(1) else {
+            return Err(CollectiveError::InvalidArgument {
+                name: name.into(),
+                reason: "the buffer needs the gradient and one spare element".into(),
+            });
+        };
         let spec = OpSpec {
             kind: OpKind::Allreduce(ReduceOp::Sum),
             dtype: DType::F32,
@@ -150,7 +159,10 @@ impl<T: Transport> Session<T> {
         if let Some(o) = out.bytes() {
             bytemuck::cast_slice_mut::<f32, u8>(buf).copy_from_slice(o);
         }
-        Ok(out.sq_norms())
+        Ok(out.sq_norms().unwrap_or_else(|| crate::session::SqNorms {
+            inputs: f64::from(buf[last]),
+            result: crate::dtype::sq_norm_f32(&buf[..last]),
+        }))
     }
 
     /// Runs `kind` on `buf` (count = its length) and copies the output

@@ -119,12 +119,14 @@ pub struct OpOutput {
     pub(super) norms: Option<SqNorms>,
 }
 
-/// The squared L2 norms a gradient monitor needs, as an allreduce (sum of
-/// f32) computed them inside its reduction
-/// ([`super::Session::allreduce_sum_with_norms`]): every rank gets the same
-/// bits where all run the same kernels (`KUNGFU_KERNEL_ISA`: the vector
-/// kernels add the squares with fused multiply-adds, the baseline does
-/// not).
+/// The squared L2 norms a gradient monitor needs, from an allreduce (sum
+/// of f32, [`super::Session::allreduce_sum_with_norms`]). Every rank gets
+/// the same bits: on the split and large ways each rank's share is
+/// computed once and all add the same shares; on the direct way each rank
+/// computes them all, alike where all run the same kernels
+/// (`KUNGFU_KERNEL_ISA`: the vector kernels add the squares with fused
+/// multiply-adds, the baseline does not); elsewhere they come from the
+/// op's result.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SqNorms {
     /// The sum over ranks of each rank's squared input norm, `sum_i |g_i|^2`.

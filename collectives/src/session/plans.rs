@@ -88,6 +88,7 @@ impl<T: Transport> Session<T> {
         mem: Memory,
         internal: bool,
         scope: Option<&Scope>,
+        spare: super::driver::Spare,
     ) -> Result<RunningOp, CollectiveError> {
         let (n, pos) = self.place(scope);
         let invalid = |reason: String| CollectiveError::InvalidArgument {
@@ -133,7 +134,7 @@ impl<T: Transport> Session<T> {
             Some(s) => lock(&self.inner.names).begin_with_id(s.op_id(&name), &name)?,
             None => lock(&self.inner.names).begin(&name)?,
         };
-        let work = self.work_of(&spec, mem, (n, pos));
+        let work = self.work_of(&spec, mem, (n, pos), spare);
         let op = OpInstance {
             name,
             spec,

@@ -7,9 +7,9 @@ use kungfu_collectives::{OpSpec, ReduceOp, Session};
 use kungfu_transport::any::AnyTransport;
 
 /// Times `iters` ops plain, then `iters` with the monitors a trainer runs
-/// beside its gradient allreduce every `every`-th op: the squared norm of
-/// its own gradient, a 1-element allreduce of it overlapped with the
-/// gradient's, the squared norm of the result, and the noise-scale update.
+/// on its gradient allreduce every `every`-th op (`GradientMonitor`: the
+/// squared norms of each worker's gradient and of the sum, summed in the
+/// reduction or carried by a spare element, and the noise-scale update).
 /// Returns (plain, monitored) seconds per op on the slowest rank, and the
 /// last B_simple.
 pub(super) async fn monitor_overhead(

@@ -10,8 +10,10 @@
 //!   buffer, which holds its own values, the same slice of every peer's,
 //!   in rank order, a cache-sized chunk copied at a time (phase 0); once
 //!   every slice is reduced it
-//!   copies the other slices out of their owners' buffers (phase 1); it
-//!   gives its buffer back once every peer has copied its slice (phase 2).
+//!   copies the other slices out of their owners' buffers (phase 1; a
+//!   monitored op's "ready" carries the two sums of squares of its
+//!   reduction, `norms.rs`); it gives its buffer back once every peer has
+//!   copied its slice (phase 2).
 //!   Each byte is read about twice and written about twice: the two memory
 //!   passes of the bound, where a ring through shared memory takes four.
 //! - **broadcast**: every rank posts its descriptor to every other, so

@@ -11,7 +11,8 @@
 //!   slots into its own buffer, its own values first, then the peers' in
 //!   rank order (the same order on every run);
 //! - **phase 1**: rank `r` posts its reduced slice to every peer and copies
-//!   each peer's reduced slice into its buffer.
+//!   each peer's reduced slice into its buffer (a monitored op's slice is
+//!   followed by the two sums of squares of its reduction, `norms.rs`).
 //!
 //! Each rank then writes about `2 (n-1)/n` of the buffer into slots, reads
 //! as much out of them and reduces `1/n` of it: the traffic of a ring, with
