@@ -325,14 +325,15 @@ impl<T: Transport> FastOp<T> {
                 let dtype = self.spec.dtype;
                 let mut off = s.start;
                 let mut busy = false;
-                let peers_in_order: Vec<usize> = (0..n).filter(|&p| p != me).collect();
-                let (first, last) = (peers_in_order[0], peers_in_order[peers_in_order.len() - 1]);
+                // the peers in rank order: the first and last but this rank
+                let first = usize::from(me == 0);
+                let last = if me == n - 1 { n - 2 } else { n - 1 };
                 let fused = self.norms.is_some();
                 let mut squares = [0.0; 2];
                 'chunks: while off < s.end {
                     let len = CHUNK.min(s.end - off);
                     let t = &mut tmp[..len];
-                    for &p in &peers_in_order {
+                    for p in (0..n).filter(|&p| p != me) {
                         if let Err(e) = read(p, off as u64, t) {
                             failed = Some(e);
                             break 'chunks;
