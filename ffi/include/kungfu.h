@@ -574,6 +574,59 @@ kf_status kf_recover(void);
 // points to an int32.
 kf_status kf_stall_report(char *buf, int32_t cap, int32_t *len);
 
+// Writes this worker's reconfigure handle: the string its peers pass to
+// `kf_reconfigure` to name it (its address, a random id of the process,
+// and a proof of the job's secret; the same for the life of the
+// process). Starts the runtime if it has not started: a worker that no
+// launcher placed starts alone, listening at a port the kernel picks on
+// `KUNGFU_SELF_HOST` (127.0.0.1 when unset). Writes at most `cap - 1`
+// bytes and a NUL, and the whole length to `*len` (call again with a
+// larger buffer when `*len >= cap`; 512 bytes always suffice).
+//
+// # Safety
+// `buf` has room for `cap` bytes (it may be NULL when `cap` is 0); `len`
+// points to an int32.
+kf_status kf_reconfigure_handle(char *buf, int32_t cap, int32_t *len);
+
+// Makes the cluster exactly the `n` workers whose handles
+// (`kf_reconfigure_handle`) are listed, in that order: this worker's rank
+// becomes the position of its own handle. A collective of the listed
+// workers, which pass the same `uuid` and list; bounded by `timeout_ms`
+// (0 or less: `KUNGFU_CONNECT_TIMEOUT_MS`). On `KF_OK`, `kf_rank()`,
+// `kf_size()` and every later op are the new cluster's; groups made
+// before fail with `KF_ERR_MEMBERSHIP_CHANGED`. Ops still in flight on
+// the old cluster fail with `KF_ERR_ABORTED`, naming this reconfigure.
+//
+// Refused with `KF_ERR_INVALID_ARGUMENT`, nothing changed: a handle that
+// does not parse or is of another job (another `KUNGFU_JOB_SECRET`), a
+// list without this worker or naming one twice, a `uuid` this worker
+// reconfigured with before ("already used"). A member that never comes
+// or dies fails it with `KF_ERR_BOOTSTRAP` at the timeout: the worker is
+// then in no cluster (its ops fail with `KF_ERR_MEMBERSHIP_CHANGED`)
+// until a `kf_reconfigure` with a fresh uuid succeeds.
+//
+// # Safety
+// `handles` points to `n` NUL-terminated strings.
+kf_status kf_reconfigure(int64_t uuid, const char *const *handles, int32_t n, int64_t timeout_ms);
+
+// Leaves the cluster at once: every op in flight fails with
+// `KF_ERR_ABORTED` (naming this abort) and every later one with
+// `KF_ERR_MEMBERSHIP_CHANGED`, until a `kf_reconfigure` with a fresh uuid
+// makes a cluster again. The peers see this worker lost. Does nothing
+// before the runtime started.
+kf_status kf_abort(void);
+
+// Sets the job's secret (what `KUNGFU_JOB_SECRET` sets) of a worker that
+// has not started its runtime: every link it makes proves it, and its
+// reconfigure handle too. For workers no launcher started, which share a
+// secret by their own means (the torch backend: through torch's store).
+// After the runtime started: `KF_OK` if it is the secret in use,
+// `KF_ERR_INVALID_ARGUMENT` if not. An empty secret is refused.
+//
+// # Safety
+// `secret` is NULL or a NUL-terminated string.
+kf_status kf_set_job_secret(const char *secret);
+
 // Publishes a copy of `len` bytes at `data` as this worker's latest
 // `name`, and writes its version (1 for the first) to `*version` unless
 // it is NULL. Peers fetch it with `kf_request`. A local call.

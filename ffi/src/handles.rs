@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use crate::{
     guard, invalid, kf_callback, kf_handle, kf_status, lock, ready, status_text, Fail, Res,
-    FINALIZING, KF_ERR_FINALIZED, KF_OK, KF_PENDING, PHASE,
+    FINALIZING, KF_ERR_ABORTED, KF_ERR_FINALIZED, KF_OK, KF_PENDING, PHASE,
 };
 
 /// The completion record of one op.
@@ -69,6 +69,9 @@ pub(crate) struct Completion {
     /// No handle was asked for: forget it once complete.
     auto_release: bool,
     finished: bool,
+    /// The count of revokes (`kf_abort`, `kf_reconfigure`) when the op
+    /// started: a failure after a later one is that revoke's doing.
+    revokes: u64,
 }
 
 impl Drop for Completion {
@@ -106,6 +109,7 @@ impl Completion {
             user: UserPtr(user),
             auto_release: out.is_null(),
             finished: false,
+            revokes: crate::reconfigure::revokes(),
         }
     }
 
@@ -134,7 +138,18 @@ impl Completion {
                     status_text(s, &d)
                 ),
             ),
-            Err(Fail(s, d)) => (s, d),
+            // The worker left its cluster while the op ran (kf_abort, or
+            // kf_reconfigure): that failed it, and the caller is told so.
+            Err(Fail(s, d)) => match crate::reconfigure::revoked_since(self.revokes) {
+                Some(by) => (
+                    KF_ERR_ABORTED,
+                    format!(
+                        "aborted by {by} while the op was in flight ({})",
+                        status_text(s, &d)
+                    ),
+                ),
+                None => (s, d),
+            },
         };
         // The callback runs even if kf_finalize already marked the slot
         // done: an op started on another thread while kf_finalize ran

@@ -32,6 +32,8 @@
 
 // The order of the modules is the order of their functions in the header
 // (cbindgen emits this file's items first, then each module's in turn).
+mod args;
+pub(crate) use args::*;
 mod ops;
 pub use ops::*;
 mod handles;
@@ -40,6 +42,8 @@ mod adapt;
 pub use adapt::*;
 mod recover;
 pub use recover::{kf_recover, kf_stall_report};
+mod reconfigure;
+pub use reconfigure::{kf_abort, kf_reconfigure, kf_reconfigure_handle, kf_set_job_secret};
 mod group;
 mod p2p;
 pub use p2p::{kf_request, kf_save};
@@ -60,9 +64,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use kungfu_collectives::{CollectiveError, DType, ReduceOp, Session};
+use kungfu_collectives::{CollectiveError, Session};
 use kungfu_runtime::{Worker, WorkerEnv};
-use kungfu_topology::{Rank, Strategy};
 use kungfu_transport::any::AnyTransport;
 use kungfu_transport::TransportError;
 
@@ -259,6 +262,9 @@ struct Running {
     /// The cluster version this worker joined at (its seniority when the
     /// workers agree on actions).
     joined: u64,
+    /// Why this worker is in no cluster (`kf_abort`, a failed
+    /// `kf_reconfigure`), until a `kf_reconfigure` succeeds.
+    revoked: Option<String>,
 }
 
 static PHASE: Mutex<Phase> = Mutex::new(Phase::Uninit);
@@ -293,6 +299,12 @@ struct Ctx {
 
 /// The running session, started now if this is the first call needing it.
 fn ctx() -> Res<Ctx> {
+    ctx_of(true)
+}
+
+/// [`ctx`]; `in_cluster`: fails if the worker is in no cluster (after
+/// `kf_abort` or a failed `kf_reconfigure`), as every op does.
+fn ctx_of(in_cluster: bool) -> Res<Ctx> {
     let mut phase = lock(&PHASE);
     let lib = ready(&mut phase)?;
     if lib.running.is_none() {
@@ -306,6 +318,14 @@ fn ctx() -> Res<Ctx> {
             std::process::id(),
             r.pid
         ))),
+        Ok(Running {
+            revoked: Some(why), ..
+        }) if in_cluster => Err(Fail(
+            KF_ERR_MEMBERSHIP_CHANGED,
+            format!(
+                "this worker is in no cluster: {why}; a kf_reconfigure with a fresh uuid makes one"
+            ),
+        )),
         Ok(r) => Ok(Ctx {
             session: r.worker.session().clone(),
             rt: r.rt.handle().clone(),
@@ -336,86 +356,8 @@ fn start(env: WorkerEnv) -> Result<Running, String> {
         worker,
         pid: std::process::id(),
         joined,
+        revoked: None,
     })
-}
-
-// ---------------------------------------------------------------------------
-// arguments
-
-fn transport_of(t: kf_transport) -> Res<kungfu_transport::any::TransportKind> {
-    use kungfu_transport::any::TransportKind as K;
-    Ok(match t {
-        KF_TRANSPORT_AUTO => K::Auto,
-        KF_TRANSPORT_TCP => K::Tcp,
-        KF_TRANSPORT_SHM => K::Shm,
-        KF_TRANSPORT_QUIC => K::Quic,
-        KF_TRANSPORT_FABRIC => K::Fabric,
-        KF_TRANSPORT_VERBS => K::Verbs,
-        other => return Err(invalid(format!("unknown kf_transport {other}"))),
-    })
-}
-
-fn transport_code(t: kungfu_transport::any::TransportKind) -> kf_transport {
-    use kungfu_transport::any::TransportKind as K;
-    match t {
-        K::Auto => KF_TRANSPORT_AUTO,
-        K::Tcp => KF_TRANSPORT_TCP,
-        K::Shm => KF_TRANSPORT_SHM,
-        K::Quic => KF_TRANSPORT_QUIC,
-        K::Fabric => KF_TRANSPORT_FABRIC,
-        K::Verbs => KF_TRANSPORT_VERBS,
-    }
-}
-
-fn dtype_of(d: kf_dtype) -> Res<DType> {
-    DType::ALL
-        .into_iter()
-        .find(|t| *t as i32 == d)
-        .ok_or_else(|| invalid(format!("unknown kf_dtype {d}")))
-}
-
-fn op_of(o: kf_op) -> Res<ReduceOp> {
-    Ok(match o {
-        KF_SUM => ReduceOp::Sum,
-        KF_MIN => ReduceOp::Min,
-        KF_MAX => ReduceOp::Max,
-        KF_PROD => ReduceOp::Prod,
-        KF_AVG => ReduceOp::Avg,
-        _ => return Err(invalid(format!("unknown kf_op {o}"))),
-    })
-}
-
-fn strategy_of(s: kf_strategy) -> Res<Strategy> {
-    Ok(match s {
-        KF_STRATEGY_AUTO => Strategy::Auto,
-        KF_STRATEGY_STAR => Strategy::Star,
-        KF_STRATEGY_RING => Strategy::Ring,
-        KF_STRATEGY_TREE => Strategy::Tree,
-        KF_STRATEGY_BINARY_TREE => Strategy::BinaryTree,
-        KF_STRATEGY_BINARY_TREE_STAR => Strategy::BinaryTreeStar,
-        KF_STRATEGY_MULTI_BINARY_TREE_STAR => Strategy::MultiBinaryTreeStar,
-        KF_STRATEGY_CLIQUE => Strategy::Clique,
-        KF_STRATEGY_RECURSIVE_DOUBLING => Strategy::RecursiveDoubling,
-        _ => return Err(invalid(format!("unknown kf_strategy {s}"))),
-    })
-}
-
-fn name_of(name: *const c_char) -> Res<String> {
-    if name.is_null() {
-        return Err(invalid("name is NULL"));
-    }
-    // SAFETY: the caller passed a NUL-terminated string.
-    let s = unsafe { CStr::from_ptr(name) };
-    s.to_str()
-        .map(str::to_owned)
-        .map_err(|_| invalid("name is not UTF-8"))
-}
-
-fn root_of(root: c_int, n: usize) -> Res<Rank> {
-    if root < 0 || root as usize >= n {
-        return Err(invalid(format!("root {root} outside a cluster of {n}")));
-    }
-    Ok(Rank(root as u32))
 }
 
 // ---------------------------------------------------------------------------

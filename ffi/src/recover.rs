@@ -46,29 +46,55 @@ pub extern "C" fn kf_recover() -> kf_status {
 #[no_mangle]
 pub unsafe extern "C" fn kf_stall_report(buf: *mut c_char, cap: i32, len: *mut i32) -> kf_status {
     guard(|| {
-        if len.is_null() || (buf.is_null() && cap > 0) || cap < 0 {
-            return Err(invalid(
-                "len is NULL, or buf is NULL with cap > 0, or cap < 0",
-            ));
-        }
+        text_args(buf, cap, len)?;
         let text: String = ctx()?
             .session
             .stall_report()
             .iter()
             .map(|s| format!("{s}\n"))
             .collect();
-        let b = text.as_bytes();
-        if cap > 0 {
-            let n = b.len().min(cap as usize - 1);
-            // SAFETY: the caller's buffer has room for `cap` bytes, and
-            // n + 1 <= cap.
-            unsafe {
-                std::ptr::copy_nonoverlapping(b.as_ptr().cast::<c_char>(), buf, n);
-                buf.add(n).write(0);
-            }
-        }
-        // SAFETY: the caller's int.
-        unsafe { len.write_unaligned(b.len().min(i32::MAX as usize) as i32) };
-        Ok(())
+        // SAFETY: the caller's buffer and int, as this function's contract
+        // says.
+        unsafe { write_text(&text, buf, cap, len) }
     })
+}
+
+/// Writes at most `cap - 1` bytes of `text` to `buf` and a NUL after them
+/// (nothing when `cap` is 0), and `text`'s whole length (NUL not counted)
+/// to `*len`, after [`text_args`].
+///
+/// # Safety
+/// `buf` is NULL or has room for `cap` bytes; `len` is NULL or points to
+/// an int32.
+pub(crate) unsafe fn write_text(
+    text: &str,
+    buf: *mut c_char,
+    cap: i32,
+    len: *mut i32,
+) -> crate::Res<()> {
+    text_args(buf, cap, len)?;
+    let b = text.as_bytes();
+    if cap > 0 {
+        let n = b.len().min(cap as usize - 1);
+        // SAFETY: the caller's buffer has room for `cap` bytes, and
+        // n + 1 <= cap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(b.as_ptr().cast::<c_char>(), buf, n);
+            buf.add(n).write(0);
+        }
+    }
+    // SAFETY: the caller's int.
+    unsafe { len.write_unaligned(b.len().min(i32::MAX as usize) as i32) };
+    Ok(())
+}
+
+/// Refuses a NULL `len`, a NULL `buf` with `cap > 0` and a negative `cap`
+/// (before anything else: argument errors come first).
+pub(crate) fn text_args(buf: *mut c_char, cap: i32, len: *mut i32) -> crate::Res<()> {
+    if len.is_null() || (buf.is_null() && cap > 0) || cap < 0 {
+        return Err(invalid(
+            "len is NULL, or buf is NULL with cap > 0, or cap < 0",
+        ));
+    }
+    Ok(())
 }

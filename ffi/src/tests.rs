@@ -1,7 +1,8 @@
 //! Unit tests of the C ABI layer that need no runtime (they also run
 //! under Miri: scripts/miri-ffi.sh).
 
-use kungfu_collectives::{OpKind, OpSpec};
+use kungfu_collectives::{DType, OpKind, OpSpec, ReduceOp};
+use kungfu_topology::Rank;
 
 use super::*;
 use crate::handles::*;

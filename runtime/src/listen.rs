@@ -62,6 +62,31 @@ pub(crate) async fn listen(me: &Peer, fd: Option<RawFd>) -> Result<TcpListener, 
     TcpListener::from_std(dup).map_err(|e| fail(e.to_string()))
 }
 
+/// Binds a listening socket at `host`, on a port the kernel picks, and
+/// keeps it for the life of the process as an inherited one is kept:
+/// every cluster version accepts on a duplicate of it ([`listen`] with
+/// the returned descriptor). For a worker no launcher gave an address (it
+/// starts alone, and a reconfigure later names its peers): no other
+/// process can take its port between two versions.
+pub(crate) fn bind_own(host: &str) -> Result<(Peer, RawFd), BootstrapError> {
+    let fail = |source| BootstrapError::Listen {
+        addr: format!("{host}:0"),
+        source,
+    };
+    // (std sets close-on-exec on every socket it makes)
+    let l = std::net::TcpListener::bind((host, 0)).map_err(fail)?;
+    l.set_nonblocking(true).map_err(fail)?;
+    let port = l.local_addr().map_err(fail)?.port();
+    let fd = l.as_raw_fd();
+    let mut adopted = ADOPTED.lock().unwrap_or_else(|e| e.into_inner());
+    adopted.push((fd, l));
+    let me = Peer {
+        host: host.to_string(),
+        port,
+    };
+    Ok((me, fd))
+}
+
 /// Takes ownership of `fd` if it is an open, listening TCP socket; marks it
 /// close-on-exec (the worker's own children must not hold the port) and
 /// non-blocking (for tokio).

@@ -150,7 +150,7 @@ impl Worker {
     /// Connects this worker, as `rank`, to the cluster `cfg` (new
     /// connections at its version, which the handshake checks, so no frame
     /// of the old one reaches them) while the old session's close.
-    async fn switch_to(
+    pub(crate) async fn switch_to(
         &mut self,
         rank: usize,
         cfg: elastic::ClusterConfig,

@@ -11,7 +11,7 @@ use kungfu_transport::pool::BufferPool;
 use tokio::net::TcpListener;
 use tokio::time::Instant;
 
-use crate::{connect, listen, rendezvous, store};
+use crate::{connect, listen, reconfigure, rendezvous, store};
 use crate::{BootstrapError, Discovery, TransportSwap, WorkerEnv};
 
 /// A started worker: its environment and its session.
@@ -39,13 +39,41 @@ pub struct Worker {
     /// within [`store::MEMBER_TTL_S`] of its death, and at once when it
     /// closes or leaves the cluster.
     membership: Option<store::Membership>,
+    /// This worker's id in its reconfigure handle: random, one per
+    /// process, so a handle of a dead worker whose address a new process
+    /// took is not the new one's.
+    pub(crate) id: u64,
+    /// The uuids of the reconfigures this worker took part in (each may
+    /// be used once).
+    pub(crate) used_uuids: std::collections::BTreeSet<i64>,
+}
+
+/// A worker no launcher placed ([`crate::Launcher::Single`]) starts alone
+/// at a port the kernel picks on its host, held for the life of the
+/// process (a reconfigure names the address to its peers later).
+fn alone_at_own_port(env: &mut WorkerEnv) -> Result<(), BootstrapError> {
+    let Discovery::Peers(peers) = &env.discovery else {
+        return Ok(());
+    };
+    if env.launcher != crate::Launcher::Single || peers.len() != 1 || peers.peers()[0].port != 0 {
+        return Ok(());
+    }
+    let (me, fd) = listen::bind_own(&peers.peers()[0].host)?;
+    let peers = PeerList::new(vec![me]).map_err(|e| BootstrapError::Env {
+        var: crate::env::SELF_HOST_VAR.into(),
+        reason: e.to_string(),
+    })?;
+    env.discovery = Discovery::Peers(peers);
+    env.listen_fd = Some(fd);
+    Ok(())
 }
 
 impl Worker {
     /// Finds the peers as `env` says, connects to all of them and starts a
     /// session. Must run inside a multi-threaded tokio runtime.
-    pub async fn start(env: WorkerEnv) -> Result<Worker, BootstrapError> {
+    pub async fn start(mut env: WorkerEnv) -> Result<Worker, BootstrapError> {
         let began = SystemTime::now();
+        alone_at_own_port(&mut env)?;
         if !env.transport.built() {
             return Err(BootstrapError::UnsupportedTransport(env.transport));
         }
@@ -56,7 +84,8 @@ impl Worker {
                 (
                     listen::listen(me, env.listen_fd).await?,
                     peers.clone(),
-                    env.cluster_id.unwrap_or(0),
+                    env.cluster_id
+                        .unwrap_or_else(|| reconfigure::cluster_id_of(&env)),
                 )
             }
             Discovery::Rendezvous { host, port } => {
@@ -137,6 +166,8 @@ impl Worker {
             carry: None,
             current: Arc::new(std::sync::Mutex::new(env_transport)),
             membership,
+            id: reconfigure::worker_id()?,
+            used_uuids: std::collections::BTreeSet::new(),
         };
         w.auto_across_hosts().await;
         w.joined.1 = SystemTime::now();

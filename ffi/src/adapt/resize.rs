@@ -7,7 +7,7 @@ use std::ffi::{c_char, c_void};
 use kungfu_runtime::Resized;
 
 use crate::{
-    ctx, guard, invalid, kf_status, lock, name_of, ready, Fail, Lib, Res, Running,
+    ctx_of, guard, invalid, kf_status, lock, name_of, ready, Fail, Lib, Res, Running,
     KF_ERR_BOOTSTRAP, KF_ERR_INVALID_ARGUMENT, PHASE,
 };
 
@@ -16,14 +16,20 @@ use crate::{
 pub(crate) fn with_worker<R>(
     f: impl FnOnce(&tokio::runtime::Runtime, &mut kungfu_runtime::Worker) -> Res<R>,
 ) -> Res<R> {
-    ctx()?;
+    with_running(|r| f(&r.rt, &mut r.worker))
+}
+
+/// Runs `f` on the started runtime (in a cluster or not), with the
+/// library locked, then refreshes what the getters report.
+pub(crate) fn with_running<R>(f: impl FnOnce(&mut Running) -> Res<R>) -> Res<R> {
+    ctx_of(false)?;
     let mut phase = lock(&PHASE);
     let lib: &mut Lib = ready(&mut phase)?;
-    let Some(Ok(Running { rt, worker, .. })) = lib.running.as_mut() else {
+    let Some(Ok(running)) = lib.running.as_mut() else {
         return Err(Fail(KF_ERR_BOOTSTRAP, "the worker is not running".into()));
     };
-    let r = f(rt, worker);
-    lib.env = worker.env().clone();
+    let r = f(running);
+    lib.env = running.worker.env().clone();
     r
 }
 

@@ -14,9 +14,37 @@ _C = _ext.load()
 
 def _create_backend(opts, _options=None):
     """c10d's extended creator: the group's rank, size and global ranks
-    (torch calls it on the group's members only)."""
+    (torch calls it on the group's members only). With
+    `enable_reconfigure=True` and no launcher that connected the workers,
+    the group waits for `dist._reconfigure`; the workers then share a job
+    secret through torch's store, unless `KUNGFU_JOB_SECRET` gives one."""
     ranks = list(opts.global_ranks_in_group or [])
-    return _C.create_backend(opts.group_rank, opts.group_size, ranks)
+    reconfigure = bool(getattr(opts, "enable_reconfigure", False))
+    if reconfigure and not ranks:
+        _share_secret(opts.store, opts.group_rank, opts.group_size)
+    return _C.create_backend(opts.group_rank, opts.group_size, ranks, reconfigure)
+
+
+def _share_secret(store, rank, size):
+    """Every worker of a group that no launcher started takes the secret
+    its rank 0 made, through the group's store: the links and the
+    reconfigure handles of the job prove it, so a worker of another job
+    (another store) is refused. The store is trusted as torch trusts it
+    for the rendezvous."""
+    import os
+    import secrets
+
+    from .. import _capi
+
+    if os.environ.get("KUNGFU_JOB_SECRET"):
+        return
+    _C.init()
+    if _capi.lib.kf_size() == size and _capi.lib.kf_rank() == rank:
+        return  # a launcher placed the workers (and gave the secret it has)
+    key = "kungfu/job_secret"
+    if rank == 0:
+        store.set(key, secrets.token_hex(32))
+    _C.set_job_secret(store.get(key).decode())
 
 
 if "kungfu" not in _dist.Backend.backend_list:

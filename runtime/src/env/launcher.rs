@@ -8,6 +8,10 @@ use kungfu_topology::{fnv1a64, PeerList};
 use super::parse;
 use crate::BootstrapError;
 
+/// The address a worker that no launcher started listens on (and names in
+/// its reconfigure handle); 127.0.0.1 when unset.
+pub const SELF_HOST_VAR: &str = "KUNGFU_SELF_HOST";
+
 /// Which launcher started this worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Launcher {
@@ -15,7 +19,7 @@ pub enum Launcher {
     Torchrun,
     Slurm,
     OpenMpi,
-    /// Nothing set: a single worker.
+    /// Nothing set: a single worker, until a reconfigure names its peers.
     Single,
 }
 
@@ -131,7 +135,17 @@ impl Identity {
             })?;
             (Launcher::Torchrun, rank, size, rdv(host, port))
         } else {
-            let peers = PeerList::local(1);
+            // Alone, at a port chosen when it starts (port 0 here: see
+            // `Worker::start`), on `KUNGFU_SELF_HOST`: a reconfigure may
+            // later make it one of many (its handle carries the address).
+            let host = get(SELF_HOST_VAR)
+                .filter(|h| !h.is_empty())
+                .unwrap_or_else(|| "127.0.0.1".into());
+            let me = kungfu_topology::Peer { host, port: 0 };
+            let peers = PeerList::new(vec![me]).map_err(|e| BootstrapError::Env {
+                var: SELF_HOST_VAR.into(),
+                reason: e.to_string(),
+            })?;
             (Launcher::Single, 0, 1, Discovery::Peers(peers))
         };
         if size == 0 || rank >= size {

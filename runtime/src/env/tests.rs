@@ -216,6 +216,17 @@ fn slurm_and_mpi_variables() {
 fn nothing_set_is_a_single_worker() {
     let e = env(&[]).unwrap();
     assert_eq!((e.launcher, e.rank, e.size), (Launcher::Single, 0, 1));
+    // at a port the kernel picks when it starts, on loopback unless told
+    let Discovery::Peers(p) = &e.discovery else {
+        panic!("{:?}", e.discovery)
+    };
+    assert_eq!(p.peers()[0].to_string(), "127.0.0.1:0");
+    let e = env(&[("KUNGFU_SELF_HOST", "198.18.0.7")]).unwrap();
+    let Discovery::Peers(p) = &e.discovery else {
+        panic!("{:?}", e.discovery)
+    };
+    assert_eq!(p.peers()[0].to_string(), "198.18.0.7:0");
+    assert!(env(&[("KUNGFU_SELF_HOST", "a,b")]).is_err());
 }
 
 #[test]

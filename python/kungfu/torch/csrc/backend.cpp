@@ -2,25 +2,112 @@
 
 #include <pybind11/chrono.h>
 
+#include <set>
+
 #include "kungfu_torch.h"
 
 namespace kungfu_torch {
 
 
+class KungfuBackend;
+void membership_changed();
+
+// The live backends of groups of every rank (they run in KF_GROUP_WORLD):
+// when the library's cluster changes (a reconfigure, kf_recover, a resize)
+// they all take its rank and size (membership_changed).
+std::mutex world_mu;
+std::set<KungfuBackend*> world_live;
+
 class KungfuBackend : public c10d::Backend {
  public:
   // `on`: the library's group this process group runs in (KF_GROUP_WORLD
   // for a group of every rank in rank order); `id` tells apart process
-  // groups that share one library group.
-  KungfuBackend(int rank, int size, int id, Ranks on)
-      : c10d::Backend(rank, size), id_(id), on_(on) {}
+  // groups that share one library group. `configured`: false for a group
+  // made with enable_reconfigure whose members no launcher connected: its
+  // ops wait for the first reconfigure.
+  KungfuBackend(int rank, int size, int id, Ranks on, bool configured = true)
+      : c10d::Backend(rank, size), id_(id), on_(on), configured_(configured) {
+    if (on_.group == KF_GROUP_WORLD) {
+      std::lock_guard<std::mutex> g(world_mu);
+      world_live.insert(this);
+    }
+  }
 
   ~KungfuBackend() override {
+    if (on_.group == KF_GROUP_WORLD) {
+      std::lock_guard<std::mutex> g(world_mu);
+      world_live.erase(this);
+    }
     // its ops in flight finish; an error (the library finalized) is moot
     if (on_.group != KF_GROUP_WORLD) kf_group_destroy(on_.group);
   }
 
+  // Takes the library's cluster as it is now (after a reconfigure,
+  // kf_recover or a resize): its rank and size; op names count from 0
+  // again on every member of the new cluster. Only for groups of every
+  // rank.
+  void follow_library() {
+    rank_ = kf_rank();
+    size_ = kf_size();
+    on_ = ranks_of(KF_GROUP_WORLD);
+    seq_ = 0;
+    configured_ = true;
+  }
+
   const std::string getBackendName() const override { return "kungfu"; }
+
+  // torch's fault-tolerance contract (Backend.hpp): the group of every
+  // rank becomes exactly the workers whose handles are listed, in that
+  // order (kf_reconfigure); this object stays, with the new rank and size.
+  bool supportsReconfigure() const override { return on_.group == KF_GROUP_WORLD; }
+
+  c10d::ReconfigureHandle get_reconfigure_handle() const override {
+    TORCH_CHECK(on_.group == KF_GROUP_WORLD, prefix(),
+                "get_reconfigure_handle: only the group of every rank reconfigures");
+    std::vector<char> buf(512);
+    int32_t len = 0;
+    kf_status s = kf_reconfigure_handle(buf.data(), static_cast<int32_t>(buf.size()), &len);
+    if (s == KF_OK && len >= static_cast<int32_t>(buf.size())) {
+      buf.resize(static_cast<size_t>(len) + 1);
+      s = kf_reconfigure_handle(buf.data(), static_cast<int32_t>(buf.size()), &len);
+    }
+    if (s != KF_OK) raise("get_reconfigure_handle", s);
+    return std::string(buf.data(), static_cast<size_t>(len));
+  }
+
+  c10::intrusive_ptr<c10d::Work> reconfigure(const c10d::ReconfigureOptions& opts) override {
+    TORCH_CHECK(on_.group == KF_GROUP_WORLD, prefix(),
+                "reconfigure: only the group of every rank reconfigures");
+    std::vector<std::string> handles;
+    std::visit([&](const auto& hs) { handles.assign(hs.begin(), hs.end()); }, opts.handles);
+    // a set: the backend orders it, the same way on every member
+    if (std::holds_alternative<std::unordered_set<c10d::ReconfigureHandle>>(opts.handles)) {
+      std::sort(handles.begin(), handles.end());
+    }
+    std::vector<const char*> ptrs;
+    for (auto& h : handles) ptrs.push_back(h.c_str());
+    int64_t timeout_ms = opts.timeout ? static_cast<int64_t>(opts.timeout->count()) : 0;
+    kf_status s = kf_reconfigure(static_cast<int64_t>(opts.uuid), ptrs.data(),
+                                 static_cast<int32_t>(ptrs.size()), timeout_ms);
+    if (s != KF_OK) {
+      // refused (a bad argument): nothing changed; failed: in no cluster
+      if (s != KF_ERR_INVALID_ARGUMENT) configured_ = false;
+      std::ostringstream what;
+      what << "reconfigure (uuid " << opts.uuid << ", " << handles.size() << " handles)";
+      raise(what.str(), s);
+    }
+    // this group and every other group of every rank take the new cluster
+    membership_changed();
+    return completed_work();
+  }
+
+  // Fails every op in flight (kf_abort); a reconfigure with a fresh uuid
+  // brings the group back.
+  void abort() override {
+    kf_status s = kf_abort();
+    if (s != KF_OK) raise("abort", s);
+    configured_ = false;
+  }
 
   c10::intrusive_ptr<c10d::Work> broadcast(
       std::vector<at::Tensor>& tensors,
@@ -237,6 +324,7 @@ class KungfuBackend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> barrier(
       const c10d::BarrierOptions& /*opts*/) override {
+    check_configured("barrier");
     return kungfu_torch::barrier(on_);
   }
 
@@ -248,9 +336,23 @@ class KungfuBackend : public c10d::Backend {
     return ts[0];
   }
 
+  void check_configured(const char* kind) const {
+    TORCH_CHECK(configured_, prefix(), kind,
+                ": this process group is in no cluster: it was made with "
+                "enable_reconfigure=True and not reconfigured yet, or it was aborted, or its "
+                "last reconfigure failed; call dist._reconfigure(uuid, handles) first");
+  }
+
+  static c10::intrusive_ptr<c10d::Work> completed_work() {
+    auto f = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    f->markCompleted(c10::IValue(std::vector<at::Tensor>()));
+    return c10d::Work::create_from_future(f);
+  }
+
   // Ops of a process group are issued in the same order on every rank
   // (c10d's contract), so a counter names them: "c10d/<group>/<seq>".
   std::string next(const char* kind) {
+    check_configured(kind);
     std::ostringstream s;
     s << "c10d/" << id_ << "/" << seq_++ << "/" << kind;
     return s.str();
@@ -263,6 +365,7 @@ class KungfuBackend : public c10d::Backend {
 
   // e.g. send "to rank 1, tag 0"
   std::string where(const char* kind, int peer, int tag) const {
+    check_configured(kind);
     std::ostringstream s;
     if (peer < 0) {
       s << "from any rank";
@@ -276,11 +379,17 @@ class KungfuBackend : public c10d::Backend {
   int id_;
   Ranks on_;
   uint64_t seq_ = 0;
+  bool configured_;
 };
 
 // Process groups of every rank made so far (they share KF_GROUP_WORLD,
 // and every rank makes them in one order).
 std::atomic<int> world_backends{0};
+
+void membership_changed() {
+  std::lock_guard<std::mutex> g(world_mu);
+  for (KungfuBackend* b : world_live) b->follow_library();
+}
 
 // Starts the library's runtime now, with a barrier: torch creates a
 // group's backend on all of its ranks together. Otherwise it starts at the
@@ -318,8 +427,21 @@ void start_runtime() {
 // members make here (kf_group_create, a collective of the members alone:
 // torch creates a backend only on the group's members).
 c10::intrusive_ptr<c10d::Backend> create_backend(int64_t rank, int64_t size,
-                                                 std::vector<int64_t> ranks) {
+                                                 std::vector<int64_t> ranks, bool reconfigure) {
   init();
+  bool every = ranks.empty();
+  if (!every && static_cast<int64_t>(ranks.size()) == size) {
+    every = true;
+    for (int64_t i = 0; i < size; i++) every = every && ranks[i] == i;
+  }
+  // torch's reconfigure regime (enable_reconfigure=True) for workers no
+  // launcher connected as torch numbers them: the group waits for its
+  // first reconfigure (the library's worker starts alone, reachable by
+  // its handle).
+  if (reconfigure && every && (size != kf_size() || rank != kf_rank())) {
+    return c10::make_intrusive<KungfuBackend>(static_cast<int>(rank), static_cast<int>(size),
+                                              world_backends++, ranks_of(KF_GROUP_WORLD), false);
+  }
   bool world = ranks.empty() && size == kf_size();
   if (static_cast<int64_t>(ranks.size()) == kf_size()) {
     world = true;
@@ -330,7 +452,14 @@ c10::intrusive_ptr<c10d::Backend> create_backend(int64_t rank, int64_t size,
                 "torch asked for rank ", rank, " of ", size, " of every rank, "
                 "but the library's cluster has this process as rank ", kf_rank(), " of ",
                 kf_size(), ": RANK/WORLD_SIZE must agree with the launcher's");
-    start_runtime();
+    if (kf_version() > 0) {
+      // A worker that joined a running elastic job: the others are not
+      // making a group now (they meet it at the state sync that follows
+      // their resize), so no barrier; starting the runtime is enough.
+      if (kf_local_rank() < 0) raise("starting the runtime of a worker that joined", KF_ERR_BOOTSTRAP);
+    } else {
+      start_runtime();
+    }
     return c10::make_intrusive<KungfuBackend>(static_cast<int>(rank), static_cast<int>(size),
                                               world_backends++, ranks_of(KF_GROUP_WORLD));
   }
@@ -368,7 +497,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   auto nogil = py::call_guard<py::gil_scoped_release>();
   m.doc() = "KungFu-rs for torch: the \"kungfu\" c10d backend and named ops";
   m.def("create_backend", &kt::create_backend,
-        "The backend of a process group: (group rank, group size, global ranks)", nogil);
+        "The backend of a process group: (group rank, group size, global ranks, "
+        "enable_reconfigure)",
+        nogil);
+  m.def("membership_changed", &kt::membership_changed,
+        "Every group of every rank takes the library's cluster as it is now (after "
+        "kf_recover or a resize)");
+  m.def("set_job_secret", [](const std::string& secret) {
+    kf_status s = kf_set_job_secret(secret.c_str());
+    if (s != KF_OK) kt::raise("kf_set_job_secret", s);
+  });
   m.def("init", &kt::init, nogil);
   // Every named op runs in `group` (0: KF_GROUP_WORLD, every rank).
   auto group = py::arg("group") = static_cast<uint64_t>(KF_GROUP_WORLD);
