@@ -74,3 +74,5 @@ from .functions import (  # noqa: E402,F401
     allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters,
 )
 from .optimizer import DistributedOptimizer  # noqa: E402,F401
+# hvd.elastic: run, TorchState, ElasticSampler (kungfu.torch.elastic)
+from . import elastic  # noqa: E402,F401
