@@ -173,6 +173,18 @@ impl Job {
         }
     }
 
+    /// Whether the cluster `peers` names a worker of this launcher that
+    /// has exited: a config the survivors decided before they knew of
+    /// every loss (they recover from it again).
+    pub fn has_exited_member(&self, peers: &kungfu_topology::PeerList) -> bool {
+        peers.peers().iter().any(|peer| {
+            let addr = peer.to_string();
+            self.procs
+                .iter()
+                .any(|p| !p.alive && !p.remote && p.addr.as_deref() == Some(addr.as_str()))
+        })
+    }
+
     /// Whether process `idx` is a launcher of another host.
     pub fn is_remote(&self, idx: usize) -> bool {
         self.procs[idx].remote

@@ -256,7 +256,9 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                     // exited (a frozen one exits only once it runs again
                     // and learns it was left out): grow back now, as no
                     // later config change may come to do it.
-                    let shrunk = latest.as_ref().is_some_and(|c| c.peers.len() < opts.np);
+                    let shrunk = latest.as_ref().is_some_and(|c| {
+                        c.peers.len() < opts.np && !job.has_exited_member(&c.peers)
+                    });
                     if survived.to_replace > 0 && shrunk {
                         survived.to_replace = 0;
                         replace_lost(store.clone(), opts.np);
@@ -291,8 +293,12 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                 {
                     let who = opts.self_host.as_ref().map_or_else(String::new, |h| format!(" on {h}"));
                     say!("kungfu-run{who}: cluster version {}: {} workers", c.version, c.peers.len());
-                    if survived.to_replace > 0 && c.peers.len() < opts.np {
-                        // the survivors shrank: grow back with new workers
+                    // The survivors shrank: grow back with new workers. Not
+                    // while the config still names a worker that exited
+                    // (several lost at once, and the survivors knew only
+                    // some when they decided): they recover again, and a
+                    // grow of that config would hold the dead one too.
+                    if survived.to_replace > 0 && c.peers.len() < opts.np && !job.has_exited_member(&c.peers) {
                         survived.to_replace = 0;
                         replace_lost(store.clone(), opts.np);
                     }

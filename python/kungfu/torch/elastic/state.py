@@ -11,6 +11,7 @@ import torch
 import kungfu
 
 from ... import _capi
+from .fsdp import full_state, is_fsdp, load_full_state
 from .groups import refresh_torch_groups, reset_ddp
 from .sampler import ElasticSampler
 
@@ -31,10 +32,29 @@ class TorchState:
     keyword argument that is an `ElasticSampler` is synced, saved and
     restored in place, through its `state_dict`; any other is pickled.
     The state at construction is the first rollback point.
+
+    An FSDP2 model (`fully_shard`) needs `rebuild`: a function that makes
+    the model and its optimizer again for the cluster as it is now (a new
+    mesh of `kungfu.size()` workers, `fully_shard`, the optimizer) and
+    returns `(model, optimizer)`. Its rollback point is the whole state,
+    gathered at each `commit` (a collective); after a change of the cluster
+    `rebuild` runs and the whole state is loaded into the new model, each
+    worker keeping its shards. The training loop then uses `state.model`
+    and `state.optimizer`, which are the new ones. A worker that joins
+    makes its model with `rebuild` too and gets the state at `run`'s first
+    sync.
     """
 
-    def __init__(self, model=None, optimizer=None, step=0, **kwargs):
+    def __init__(self, model=None, optimizer=None, step=0, rebuild=None, **kwargs):
         self.model, self.optimizer, self.step = model, optimizer, int(step)
+        self.rebuild = rebuild
+        self._fsdp = is_fsdp(model)
+        if self._fsdp and rebuild is None:
+            raise ValueError("kungfu: TorchState of an FSDP2 model needs rebuild=, a function "
+                             "that makes the model and its optimizer again for a new cluster")
+        # a worker that joined a running job has no state yet (and makes
+        # no collective of its own before run's first sync)
+        self._joined = kungfu.is_initialized() and kungfu.version() > 0
         self._samplers = {k: v for k, v in kwargs.items() if isinstance(v, ElasticSampler)}
         self._extras = {k: v for k, v in kwargs.items() if k not in self._samplers}
         self._reset_callbacks = []
@@ -43,7 +63,8 @@ class TorchState:
         # what `run` recovered from: {"error", "failed_at", "recovered_at",
         # "size"} each (times from time.time(); this worker's, not synced)
         self.recoveries = []
-        self.save()
+        if not self._fsdp:
+            self.save()  # (an FSDP model's is gathered at run's first sync)
 
     def __getattr__(self, name):
         for part in ("_extras", "_samplers"):
@@ -64,7 +85,7 @@ class TorchState:
     # every rank); the optimizer's state, the samplers' and the extras as
     # one blob
     def _tensors(self):
-        if self.model is None:
+        if self.model is None or self._fsdp:
             return {}
         out = {}
         for k, v in self.model.state_dict(keep_vars=True).items():
@@ -74,16 +95,24 @@ class TorchState:
             out[f"model.{k}"] = t
         return out
 
-    def _blob(self) -> bytes:
+    def _blob(self, with_model=True) -> bytes:
+        """The state but the (unsharded) model's tensors; an FSDP model's
+        whole state with it, gathered now (a collective), if `with_model`."""
         buf = io.BytesIO()
-        opt = self.optimizer.state_dict() if self.optimizer is not None else None
-        samplers = {k: s.state_dict() for k, s in self._samplers.items()}
-        torch.save({"optimizer": opt, "extras": self._extras, "samplers": samplers}, buf)
+        d = {"extras": self._extras,
+             "samplers": {k: s.state_dict() for k, s in self._samplers.items()}}
+        if self._fsdp:
+            d["fsdp"] = full_state(self.model, self.optimizer) if with_model else None
+        else:
+            d["optimizer"] = self.optimizer.state_dict() if self.optimizer is not None else None
+        torch.save(d, buf)
         return buf.getvalue()
 
     def _load_blob(self, data: bytes) -> None:
         d = torch.load(io.BytesIO(data), weights_only=False)
-        if self.optimizer is not None and d["optimizer"] is not None:
+        if d.get("fsdp") is not None:
+            load_full_state(self.model, self.optimizer, *d["fsdp"])
+        elif self.optimizer is not None and d.get("optimizer") is not None:
             self.optimizer.load_state_dict(d["optimizer"])
         self._extras.update(d["extras"])
         for k, st in d.get("samplers", {}).items():
@@ -94,7 +123,15 @@ class TorchState:
         """Makes every worker's state that of the lowest-ranked worker that
         has one (a worker that joined has none), and the rollback point. A
         collective."""
-        blob = bytearray(self._blob())
+        if not self._fsdp:
+            blob = bytearray(self._blob())
+        elif self._saved is not None:
+            # what was saved before the change, on the mesh of then (the
+            # model was made again since)
+            blob = bytearray(self._saved[2])
+        else:
+            # at the start: gathered now, but by a joiner, which has none
+            blob = bytearray(self._blob(with_model=not self._joined))
         size = bytearray(len(blob).to_bytes(8, "little"))
         step = kungfu.sync_state(self.step, {"kungfu.elastic.blob_size": size})
         n = int.from_bytes(size, "little")
@@ -105,11 +142,18 @@ class TorchState:
         self.step = kungfu.sync_state(step, bufs)
         self._load_blob(bytes(blob))
         self._synced = True
-        self.save()
+        self._joined = False
+        if self._fsdp:
+            self._saved = (self.step, None, bytes(blob))  # the state just loaded
+        else:
+            self.save()
 
     def save(self) -> None:
-        """The rollback point (in memory)."""
-        model = copy.deepcopy(self.model.state_dict()) if self.model is not None else None
+        """The rollback point (in memory); of an FSDP model, gathered (a
+        collective)."""
+        model = None
+        if self.model is not None and not self._fsdp:
+            model = copy.deepcopy(self.model.state_dict())
         self._saved = (self.step, model, self._blob())
 
     def restore(self) -> None:
@@ -148,8 +192,12 @@ class TorchState:
 
     def _cluster_changed(self) -> None:
         """The torch objects this state holds follow a new cluster: a DDP
-        model gets a fresh reducer, the samplers this worker's new share."""
-        if self.model is not None:
+        model gets a fresh reducer, an FSDP model is made again (`rebuild`;
+        the state is loaded into it by `restore` or `sync`), the samplers
+        take this worker's new share."""
+        if self._fsdp:
+            self.model, self.optimizer = self.rebuild()
+        elif self.model is not None:
             reset_ddp(self.model)
         for s in self._samplers.values():
             s.reset()
