@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs Horovod's own PyTorch test suite (test/parallel/test_torch.py of a
 # horovod checkout) against kungfu.torch, on CPU, with each number of
-# processes given (default: 2 and 4):
+# processes given (default: 2 and 4), then its elastic tests
+# (test/single/test_torch_elastic.py, one process):
 #
 #   scripts/horovod-suite.sh HOROVOD_SRC [NP...]
 #
@@ -11,7 +12,8 @@
 # `horovodrun --gloo` and records every test's outcome. Under kungfu-run
 # every rank runs the same pytest (the same tests in the same order).
 #
-# Writes, per NP, $HOROVOD_SUITE_OUT/np<NP>/ (default target/horovod-suite):
+# Writes $HOROVOD_SUITE_OUT/elastic/log.txt (default target/horovod-suite)
+# and, per NP, $HOROVOD_SUITE_OUT/np<NP>/:
 # log.txt (every rank's pytest -v output), rank<R>.jsonl, and results.txt:
 # one line per test (passed/failed/skipped, its group, the reason), then
 # the counts. Exits non-zero if a test outside the GPU, process-set and
@@ -77,4 +79,20 @@ for np in "${nps[@]}"; do
   fi
   [ "$rc" = 0 ] || status=1
 done
+# Horovod's elastic API (test/single/test_torch_elastic.py): one process
+# and no launcher, as Horovod's CI runs test/single
+elastic_test="$src/test/single/test_torch_elastic.py"
+if [ -f "$elastic_test" ]; then
+  dir="$out/elastic"
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  echo "== horovod test_torch_elastic.py, 1 process (log: $dir/log.txt)"
+  set +e
+  (cd "$dir" && timeout --kill-after=10s 10m "$py" -m pytest -v -p no:cacheprovider \
+    "$elastic_test") >"$dir/log.txt" 2>&1
+  rc=$?
+  set -e
+  grep -E "(PASSED|FAILED|ERROR)|passed|failed" "$dir/log.txt" | tail -4
+  [ "$rc" = 0 ] || { echo "horovod-suite: test_torch_elastic.py exited with $rc" >&2; status=1; }
+fi
 exit "$status"

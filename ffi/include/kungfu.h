@@ -530,6 +530,19 @@ kf_status kf_resize(int32_t size, int32_t *changed, int32_t *detached);
 // `changed` and `detached` are NULL or point to int32s.
 kf_status kf_resize_from_config(int32_t *changed, int32_t *detached);
 
+// Like `kf_resize_from_config`, without waiting for new workers: a
+// newer config is connected in the background while the current cluster
+// goes on, and `*changed` stays 0 until the call at which every worker
+// has connected it, where all switch at once (then call
+// `kf_sync_state`). A collective, as `kf_resize_from_config`; call it at
+// each step (or commit). A new worker that never comes fails the call
+// (on every worker) after `KUNGFU_CONNECT_TIMEOUT_MS`; the cluster stays
+// as it was.
+//
+// # Safety
+// `changed` and `detached` are NULL or point to int32s.
+kf_status kf_poll_resize(int32_t *changed, int32_t *detached);
+
 // The cluster version (0 at start, +1 per resize), or -1 before `kf_init`.
 int64_t kf_version(void);
 

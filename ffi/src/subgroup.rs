@@ -137,14 +137,22 @@ pub extern "C" fn kf_group_destroy(g: kf_group_t) -> kf_status {
 fn read(
     g: kf_group_t,
     out: *mut c_int,
+    world: impl FnOnce(&kungfu_runtime::WorkerEnv) -> usize,
     f: impl FnOnce(&Session<AnyTransport>) -> usize,
 ) -> kf_status {
     guard(|| {
         if out.is_null() {
             return Err(invalid("out is NULL"));
         }
-        let c = ctx()?;
-        let v = f(&session_of(&c, g)?) as c_int;
+        // every rank's group: what the cluster is, without starting the
+        // runtime (a worker that joins a running job connects at its
+        // first op, when it is ready for it)
+        let v = if g == KF_GROUP_WORLD {
+            world(&crate::ready(&mut crate::lock(&crate::PHASE))?.env) as c_int
+        } else {
+            let c = ctx()?;
+            f(&session_of(&c, g)?) as c_int
+        };
         // SAFETY: checked not NULL; the caller's int.
         unsafe { out.write_unaligned(v) };
         Ok(())
@@ -157,7 +165,7 @@ fn read(
 /// `rank` points to an int.
 #[no_mangle]
 pub unsafe extern "C" fn kf_group_rank(g: kf_group_t, rank: *mut c_int) -> kf_status {
-    read(g, rank, |s| s.rank().idx())
+    read(g, rank, |e| e.rank, |s| s.rank().idx())
 }
 
 /// The number of ranks of group `g`, in `*size`.
@@ -166,5 +174,5 @@ pub unsafe extern "C" fn kf_group_rank(g: kf_group_t, rank: *mut c_int) -> kf_st
 /// `size` points to an int.
 #[no_mangle]
 pub unsafe extern "C" fn kf_group_size(g: kf_group_t, size: *mut c_int) -> kf_status {
-    read(g, size, |s| s.size())
+    read(g, size, |e| e.size, |s| s.size())
 }

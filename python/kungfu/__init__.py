@@ -129,6 +129,16 @@ def resize_from_config():
     return bool(changed.value), bool(detached.value)
 
 
+def poll_resize():
+    """Like `resize_from_config`, without waiting for new workers: a newer
+    cluster is connected in the background, and every worker switches at
+    the first call after all of them connected it (`(changed, detached)`
+    until then `(False, False)`). A collective: call it at each commit."""
+    changed, detached = C.c_int32(0), C.c_int32(0)
+    _capi.check("kf_poll_resize", C.byref(changed), C.byref(detached))
+    return bool(changed.value), bool(detached.value)
+
+
 def _buffer(obj):
     """(address, bytes) of a writable buffer: a torch tensor (contiguous,
     on the CPU), or anything with the writable buffer protocol."""

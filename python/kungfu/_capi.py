@@ -120,6 +120,7 @@ _PROTOS = {
     "kf_propose_new_size": ([_i32], _i32),
     "kf_resize": ([_i32, _P(_i32), _P(_i32)], _i32),
     "kf_resize_from_config": ([_P(_i32), _P(_i32)], _i32),
+    "kf_poll_resize": ([_P(_i32), _P(_i32)], _i32),
     "kf_sync_state": ([_P(_u64), _P(C.c_char_p), _P(C.c_void_p), _P(_u64), _i32], _i32),
     "kf_recover": ([], _i32),
     "kf_propose": ([_P(Action)], _i32),

@@ -29,6 +29,7 @@ pub mod etcd;
 pub mod fuzzing;
 pub(crate) mod http;
 pub mod listen;
+mod pending;
 pub mod reconfigure;
 pub mod recover;
 pub mod rendezvous;

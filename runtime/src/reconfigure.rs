@@ -340,6 +340,7 @@ impl Worker {
     ) -> Result<Reconfigured, ReconfigureError> {
         let began = SystemTime::now();
         let deadline = Instant::now() + timeout;
+        self.drop_pending();
         let ReconfigurePlan { uuid, rank, cfg } = plan;
         // used once tried, whatever comes of it
         self.used_uuids.insert(uuid);

@@ -73,8 +73,13 @@ impl Worker {
         self.follow(None).await
     }
 
-    async fn follow(&mut self, failed: Option<String>) -> Result<Resized, BootstrapError> {
-        let began = SystemTime::now();
+    /// The config server's current cluster, as rank 0 read it, on every
+    /// worker (a collective; `failed`: rank 0's error to give everyone
+    /// instead).
+    pub(crate) async fn agreed_config(
+        &self,
+        failed: Option<String>,
+    ) -> Result<elastic::ClusterConfig, BootstrapError> {
         if self.detached {
             return Err(BootstrapError::Elastic("this worker is detached".into()));
         }
@@ -118,6 +123,14 @@ impl Worker {
             Some((_, why)) => return Err(BootstrapError::Elastic(format!("rank 0: {why}"))),
             None => return Err(BootstrapError::Elastic("empty config".into())),
         };
+        Ok(cfg)
+    }
+
+    async fn follow(&mut self, failed: Option<String>) -> Result<Resized, BootstrapError> {
+        let began = SystemTime::now();
+        self.drop_pending();
+        let cfg = self.agreed_config(failed).await?;
+        let deadline = Instant::now() + self.env.connect_timeout;
         if cfg.version <= self.env.cluster_version {
             return Ok(Resized {
                 changed: false,
@@ -129,15 +142,8 @@ impl Worker {
             .peer(Rank(self.env.rank as u32))
             .expect("own rank")
             .clone();
-        let linger = Duration::from_secs(2);
         let Some(rank) = cfg.peers.rank_of(&me).map(Rank::idx) else {
-            self.detached = true;
-            self.leave_store().await;
-            self.session.close(linger).await;
-            return Ok(Resized {
-                changed: true,
-                detached: true,
-            });
+            return Ok(self.detach().await);
         };
         self.switch_to(rank, cfg, deadline).await?;
         self.joined = (began, SystemTime::now());
@@ -145,6 +151,18 @@ impl Worker {
             changed: true,
             detached: false,
         })
+    }
+
+    /// Leaves the cluster: a new version does not hold this worker. Its
+    /// member key goes and its connections close.
+    pub(crate) async fn detach(&mut self) -> Resized {
+        self.detached = true;
+        self.leave_store().await;
+        self.session.close(Duration::from_secs(2)).await;
+        Resized {
+            changed: true,
+            detached: true,
+        }
     }
 
     /// Connects this worker, as `rank`, to the cluster `cfg` (new
@@ -260,14 +278,53 @@ impl Worker {
             .ok_or_else(|| BootstrapError::Elastic(format!("strategy code {}", got[1])))?;
         s.set_strategy(strategy);
         self.carry = None;
-        for (name, buf) in buffers.iter_mut() {
-            s.broadcast_in_place(&format!("kf/state/{name}"), buf, root)
-                .await
-                .map_err(op_failed)?;
-        }
+        // every buffer's broadcast at once (named ops, many in flight): a
+        // model's tensors, large and small, go together rather than each
+        // waiting for the one before
+        let names: Vec<String> = buffers
+            .iter()
+            .map(|(n, _)| format!("kf/state/{n}"))
+            .collect();
+        let ops = buffers
+            .iter_mut()
+            .zip(&names)
+            .map(|((_, buf), name)| s.broadcast_in_place(name, buf, root));
+        all_ok(ops.collect()).await.map_err(op_failed)?;
         self.fresh = false;
         Ok(step)
     }
+}
+
+/// Runs `ops` at once and waits for all of them; the first error, if any.
+async fn all_ok<F>(ops: Vec<F>) -> Result<(), CollectiveError>
+where
+    F: std::future::Future<Output = Result<(), CollectiveError>>,
+{
+    let mut ops: Vec<Option<std::pin::Pin<Box<F>>>> =
+        ops.into_iter().map(|f| Some(Box::pin(f))).collect();
+    let mut first_err = None;
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for slot in ops.iter_mut() {
+            let Some(op) = slot else { continue };
+            match op.as_mut().poll(cx) {
+                std::task::Poll::Ready(r) => {
+                    if let Err(e) = r {
+                        first_err.get_or_insert(e);
+                    }
+                    *slot = None;
+                }
+                std::task::Poll::Pending => pending = true,
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    first_err.map_or(Ok(()), Err)
 }
 
 fn op_failed(e: CollectiveError) -> BootstrapError {

@@ -46,6 +46,9 @@ pub struct Worker {
     /// The uuids of the reconfigures this worker took part in (each may
     /// be used once).
     pub(crate) used_uuids: std::collections::BTreeSet<i64>,
+    /// A cluster version connected in the background
+    /// ([`Worker::poll_resize_from_config`]).
+    pub(crate) pending: Option<crate::pending::Pending>,
 }
 
 /// A worker no launcher placed ([`crate::Launcher::Single`]) starts alone
@@ -168,6 +171,7 @@ impl Worker {
             membership,
             id: reconfigure::worker_id()?,
             used_uuids: std::collections::BTreeSet::new(),
+            pending: None,
         };
         w.auto_across_hosts().await;
         w.joined.1 = SystemTime::now();

@@ -106,6 +106,26 @@ pub unsafe extern "C" fn kf_resize_from_config(changed: *mut i32, detached: *mut
     })
 }
 
+/// Like `kf_resize_from_config`, without waiting for new workers: a
+/// newer config is connected in the background while the current cluster
+/// goes on, and `*changed` stays 0 until the call at which every worker
+/// has connected it, where all switch at once (then call
+/// `kf_sync_state`). A collective, as `kf_resize_from_config`; call it at
+/// each step (or commit). A new worker that never comes fails the call
+/// (on every worker) after `KUNGFU_CONNECT_TIMEOUT_MS`; the cluster stays
+/// as it was.
+///
+/// # Safety
+/// `changed` and `detached` are NULL or point to int32s.
+#[no_mangle]
+pub unsafe extern "C" fn kf_poll_resize(changed: *mut i32, detached: *mut i32) -> kf_status {
+    guard(|| {
+        let r = with_worker(|rt, w| rt.block_on(w.poll_resize_from_config()).map_err(elastic))?;
+        write_resized(r, changed, detached);
+        Ok(())
+    })
+}
+
 /// The cluster version (0 at start, +1 per resize), or -1 before `kf_init`.
 #[no_mangle]
 pub extern "C" fn kf_version() -> i64 {

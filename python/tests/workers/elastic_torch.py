@@ -2,12 +2,13 @@
 with no restart of the others, under `kungfu-run -np 4 --on-failure
 replace`.
 
-    kungfu-run -np 4 --on-failure replace python elastic_torch.py OUTDIR MODE VICTIMS KILL_STEP
+    kungfu-run -np 4 --on-failure replace python elastic_torch.py OUTDIR MODE VICTIMS KILL_STEP [stop]
 
 MODE is `ddp` (DistributedDataParallel) or `fsdp` (fully_shard of each
 layer and the root over a mesh of every worker, made again by the state's
 `rebuild` after each change). The workers that started as the ranks in
-VICTIMS (comma-separated) SIGKILL themselves at step KILL_STEP, between
+VICTIMS (comma-separated) SIGKILL (`stop`: SIGSTOP) themselves at step
+KILL_STEP, between
 their forward and backward passes, so that the others are waiting in a
 collective of the backward pass. They see the loss there (`run`
 recovers: the cluster shrinks, each rolls back to the last commit, a
@@ -46,6 +47,9 @@ from kungfu.torch.process_group import init_process_group
 
 OUT, MODE = Path(sys.argv[1]), sys.argv[2]
 VICTIMS, KILL_STEP = [int(v) for v in sys.argv[3].split(",")], int(sys.argv[4])
+# how a victim goes: SIGKILL (its connections close at once) or SIGSTOP
+# (frozen: only the heartbeats' silence tells)
+SIGNAL = signal.SIGSTOP if len(sys.argv) > 5 and sys.argv[5] == "stop" else signal.SIGKILL
 EPOCHS, BATCH, N, DIM, CLASSES = 2, 4, 120, 16, 4
 
 kungfu.init()
@@ -104,7 +108,7 @@ def train(state):
         if START_RANK in VICTIMS and not JOINED and state.step == KILL_STEP:
             (OUT / f"killed-{START_RANK}.json").write_text(json.dumps(
                 {"pid": os.getpid(), "rank": me, "at": time.time()}))
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), SIGNAL)
         loss.backward()
         state.optimizer.step()
         sampler.advance(batch)

@@ -44,7 +44,8 @@ def same_everywhere(t, name):
 
 
 kt.init()
-state = elastic.TorchState(model, opt, epoch=0)
+# the resize at the step it was proposed at, so that the steps are known
+state = elastic.TorchState(model, opt, epoch=0, wait_for_new_workers=True)
 sizes = []
 
 

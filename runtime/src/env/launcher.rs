@@ -12,6 +12,11 @@ use crate::BootstrapError;
 /// its reconfigure handle); 127.0.0.1 when unset.
 pub const SELF_HOST_VAR: &str = "KUNGFU_SELF_HOST";
 
+/// `1`: the worker starts alone whatever launcher's variables are set (a
+/// process group whose members a reconfigure names, as torchft's replica
+/// groups: their torchrun's `RANK` and `WORLD_SIZE` are of another group).
+pub const ALONE_VAR: &str = "KUNGFU_ALONE";
+
 /// Which launcher started this worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Launcher {
@@ -69,7 +74,19 @@ impl Identity {
         };
 
         let mut listen_fd = None;
-        let (launcher, rank, size, discovery) = if get("KUNGFU_RANK").is_some() {
+        let alone = match get(ALONE_VAR).as_deref() {
+            None | Some("") | Some("0") => false,
+            Some("1") => true,
+            Some(v) => {
+                return Err(BootstrapError::Env {
+                    var: ALONE_VAR.into(),
+                    reason: format!("{v:?}: 1 (start alone) or 0"),
+                })
+            }
+        };
+        let (launcher, rank, size, discovery) = if alone {
+            single(get)?
+        } else if get("KUNGFU_RANK").is_some() {
             let peers: PeerList =
                 need("KUNGFU_PEERS")?
                     .parse()
@@ -135,18 +152,7 @@ impl Identity {
             })?;
             (Launcher::Torchrun, rank, size, rdv(host, port))
         } else {
-            // Alone, at a port chosen when it starts (port 0 here: see
-            // `Worker::start`), on `KUNGFU_SELF_HOST`: a reconfigure may
-            // later make it one of many (its handle carries the address).
-            let host = get(SELF_HOST_VAR)
-                .filter(|h| !h.is_empty())
-                .unwrap_or_else(|| "127.0.0.1".into());
-            let me = kungfu_topology::Peer { host, port: 0 };
-            let peers = PeerList::new(vec![me]).map_err(|e| BootstrapError::Env {
-                var: SELF_HOST_VAR.into(),
-                reason: e.to_string(),
-            })?;
-            (Launcher::Single, 0, 1, Discovery::Peers(peers))
+            single(get)?
         };
         if size == 0 || rank >= size {
             return Err(BootstrapError::Env {
@@ -168,6 +174,23 @@ impl Identity {
             listen_fd,
         })
     }
+}
+
+/// A worker alone, at a port chosen when it starts (port 0 here: see
+/// `Worker::start`), on `KUNGFU_SELF_HOST`: a reconfigure may later make
+/// it one of many (its handle carries the address).
+fn single(
+    get: &dyn Fn(&str) -> Option<String>,
+) -> Result<(Launcher, usize, usize, Discovery), BootstrapError> {
+    let host = get(SELF_HOST_VAR)
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "127.0.0.1".into());
+    let me = kungfu_topology::Peer { host, port: 0 };
+    let peers = PeerList::new(vec![me]).map_err(|e| BootstrapError::Env {
+        var: SELF_HOST_VAR.into(),
+        reason: e.to_string(),
+    })?;
+    Ok((Launcher::Single, 0, 1, Discovery::Peers(peers)))
 }
 
 /// A port in 20000..40000 derived from a job id, the same on every rank.

@@ -45,7 +45,7 @@ mod launcher;
 mod tests;
 
 use launcher::Identity;
-pub use launcher::{first_slurm_host, Discovery, Launcher, SELF_HOST_VAR};
+pub use launcher::{first_slurm_host, Discovery, Launcher, ALONE_VAR, SELF_HOST_VAR};
 
 /// The variable that holds the job's secret.
 pub const SECRET_VAR: &str = "KUNGFU_JOB_SECRET";

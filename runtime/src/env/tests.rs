@@ -227,6 +227,17 @@ fn nothing_set_is_a_single_worker() {
     };
     assert_eq!(p.peers()[0].to_string(), "198.18.0.7:0");
     assert!(env(&[("KUNGFU_SELF_HOST", "a,b")]).is_err());
+    // alone whatever a launcher set
+    let vars = [
+        ("RANK", "1"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "h"),
+        ("MASTER_PORT", "9"),
+    ];
+    assert_eq!(env(&vars).unwrap().launcher, Launcher::Torchrun);
+    let e = env(&[vars.as_slice(), &[("KUNGFU_ALONE", "1")]].concat()).unwrap();
+    assert_eq!((e.launcher, e.rank, e.size), (Launcher::Single, 0, 1));
+    assert!(env(&[("KUNGFU_ALONE", "yes")]).is_err());
 }
 
 #[test]

@@ -62,6 +62,9 @@ impl Worker {
     /// decision out of several. Bounded by `KUNGFU_CONNECT_TIMEOUT_MS`.
     pub async fn recover(&mut self) -> Result<Recovered, BootstrapError> {
         let began = SystemTime::now();
+        // a version connected in the background held the lost worker, or
+        // will be decided anew
+        self.drop_pending();
         if self.detached {
             return Err(excluded(
                 self.env.cluster_version,

@@ -229,6 +229,16 @@ pub async fn run(opts: LaunchOptions) -> anyhow::Result<i32> {
                 if job.procs[idx].stopped {
                     if !job.is_remote(idx) {
                         say!("kungfu-run: {} (removed from the cluster) {what}", job.procs[idx].label);
+                        // A worker the others left out while it lived (a
+                        // frozen one, which the recovery declared lost),
+                        // stopped here: under `replace` it is replaced as a
+                        // dead one is, once the cluster names no dead worker.
+                        let shrunk = latest.as_ref().is_some_and(|c| {
+                            c.peers.len() < opts.np && !job.has_exited_member(&c.peers)
+                        });
+                        if opts.on_failure == OnFailure::Replace && exit_code.is_none() && shrunk {
+                            replace_lost(store.clone(), opts.np);
+                        }
                     } else if code != 0 {
                         say!("kungfu-run: {} {what} after the job was over", job.procs[idx].label);
                     }

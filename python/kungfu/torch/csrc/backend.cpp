@@ -452,14 +452,12 @@ c10::intrusive_ptr<c10d::Backend> create_backend(int64_t rank, int64_t size,
                 "torch asked for rank ", rank, " of ", size, " of every rank, "
                 "but the library's cluster has this process as rank ", kf_rank(), " of ",
                 kf_size(), ": RANK/WORLD_SIZE must agree with the launcher's");
-    if (kf_version() > 0) {
-      // A worker that joined a running elastic job: the others are not
-      // making a group now (they meet it at the state sync that follows
-      // their resize), so no barrier; starting the runtime is enough.
-      if (kf_local_rank() < 0) raise("starting the runtime of a worker that joined", KF_ERR_BOOTSTRAP);
-    } else {
-      start_runtime();
-    }
+    // A worker that joined a running elastic job: the others are not
+    // making a group now (they meet it at the state sync that follows
+    // their resize), so no barrier, and its runtime starts at its first
+    // op (that sync): the others take it in once it has connected, and
+    // so find it ready to sync rather than still making its model.
+    if (kf_version() == 0) start_runtime();
     return c10::make_intrusive<KungfuBackend>(static_cast<int>(rank), static_cast<int>(size),
                                               world_backends++, ranks_of(KF_GROUP_WORLD));
   }

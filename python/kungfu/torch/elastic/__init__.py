@@ -32,10 +32,11 @@ model.
 from .groups import refresh_torch_groups, reset_ddp
 from .sampler import ElasticSampler
 from .state import (
-    Detached, TorchState, _cluster_changed, is_peer_lost, resize_from_config, run,
+    Detached, HostsUpdatedInterrupt, TorchState, _cluster_changed, is_peer_lost,
+    resize_from_config, run,
 )
 
 __all__ = [
-    "Detached", "ElasticSampler", "TorchState", "is_peer_lost", "refresh_torch_groups",
+    "Detached", "ElasticSampler", "HostsUpdatedInterrupt", "TorchState", "is_peer_lost", "refresh_torch_groups",
     "reset_ddp", "resize_from_config", "run", "_cluster_changed",
 ]

@@ -16,7 +16,8 @@ class ElasticSampler:
     The epoch's order is a permutation of the dataset's indices that
     depends only on `seed` and the epoch (`shuffle=False`: in order), so
     every worker knows it without communicating. What the cluster has
-    processed is a set of indices (`record_batch`, `record_indices`), part
+    processed is a set of indices (`record_batch`, `record_indices`,
+    `advance`; `processed_num` counts them), part
     of `state_dict()` (which `PolicyRunner` syncs to workers that join).
     The rest is split between the workers of the cluster now:
 
@@ -123,10 +124,22 @@ class ElasticSampler:
         self.processed_indices.update(batch)
         self._cursor += len(batch)
 
+    @property
+    def processed_num(self):
+        """How many samples of this epoch the cluster processed."""
+        return len(self.processed_indices)
+
     def record_batch(self, batch_idx, batch_size):
-        """Marks the `batch_idx`-th global batch processed by the cluster
-        (every worker's part of it: each worker can compute them)."""
-        self.record_indices(self.global_batch(batch_idx, batch_size))
+        """Marks the cluster's next batch processed, as Horovod's does: the
+        next `batch_size * size` samples of the epoch's order that are not
+        processed yet (what a loader over this sampler gave the workers, in
+        order, since the last `reset`). `batch_idx` is Horovod's argument,
+        not used: after a `restore` the count goes on from the commit."""
+        if batch_size < 1:
+            raise ValueError(f"kungfu: a batch size of {batch_size}: at least 1")
+        n = batch_size * self.num_replicas
+        done = self.processed_indices
+        self.record_indices([i for i in self._order() if i not in done][:n])
 
     def record_indices(self, indices):
         """Marks `indices` processed. Takes effect at the next `reset`."""

@@ -16,6 +16,17 @@ from .groups import refresh_torch_groups, reset_ddp
 from .sampler import ElasticSampler
 
 
+class HostsUpdatedInterrupt(RuntimeError):
+    """The cluster changed at a `commit` (workers were added or removed):
+    the state is synced already; `run` calls the training function again
+    with it, as Horovod's elastic `run` does (`skip_sync`: no sync is
+    needed before that, as here)."""
+
+    def __init__(self, skip_sync=True):
+        super().__init__("kungfu: the cluster changed at a commit")
+        self.skip_sync = skip_sync
+
+
 class Detached(Exception):
     """This worker is no longer part of the cluster (raised by `commit` and
     `resize`; `run` returns None on it)."""
@@ -31,7 +42,10 @@ class TorchState:
     DDP made then would), so that survivors and joiners bucket alike. A
     keyword argument that is an `ElasticSampler` is synced, saved and
     restored in place, through its `state_dict`; any other is pickled.
-    The state at construction is the first rollback point.
+    The state at construction is the first rollback point. A change of
+    the cluster is taken at a `commit`; new workers are connected in the
+    background meanwhile (`wait_for_new_workers=True`: the commit that
+    sees the change waits for them).
 
     An FSDP2 model (`fully_shard`) needs `rebuild`: a function that makes
     the model and its optimizer again for the cluster as it is now (a new
@@ -45,9 +59,11 @@ class TorchState:
     sync.
     """
 
-    def __init__(self, model=None, optimizer=None, step=0, rebuild=None, **kwargs):
+    def __init__(self, model=None, optimizer=None, step=0, rebuild=None,
+                 wait_for_new_workers=False, **kwargs):
         self.model, self.optimizer, self.step = model, optimizer, int(step)
         self.rebuild = rebuild
+        self.wait_for_new_workers = bool(wait_for_new_workers)
         self._fsdp = is_fsdp(model)
         if self._fsdp and rebuild is None:
             raise ValueError("kungfu: TorchState of an FSDP2 model needs rebuild=, a function "
@@ -63,6 +79,8 @@ class TorchState:
         # what `run` recovered from: {"error", "failed_at", "recovered_at",
         # "size"} each (times from time.time(); this worker's, not synced)
         self.recoveries = []
+        # the last sync's {"seconds", "bytes"} (what the broadcast moved)
+        self.last_sync = None
         if not self._fsdp:
             self.save()  # (an FSDP model's is gathered at run's first sync)
 
@@ -139,7 +157,12 @@ class TorchState:
             blob = bytearray(n)
         bufs = self._tensors()
         bufs["kungfu.elastic.blob"] = blob
+        t0 = time.time()
         self.step = kungfu.sync_state(step, bufs)
+        # what moved, for a benchmark of the state transfer
+        self.last_sync = {"seconds": time.time() - t0,
+                          "bytes": sum(t.numel() * t.element_size() if torch.is_tensor(t)
+                                       else len(t) for t in bufs.values())}
         self._load_blob(bytes(blob))
         self._synced = True
         self._joined = False
@@ -167,17 +190,34 @@ class TorchState:
         self._load_blob(blob)
 
     def commit(self) -> None:
-        """Saves the state, then follows a resize the config server holds
-        (when the job has one): raises `Detached` on a worker that left."""
+        """Saves the state, then follows a change the config server holds
+        (when the job has one): raises `Detached` on a worker that left,
+        and `HostsUpdatedInterrupt` where the cluster changed (the state
+        synced; `run` calls the training function again with it).
+        New workers (a grow, a replacement) are connected in the
+        background while training goes on, and taken in at the first
+        commit after every worker connected them (`kungfu.poll_resize`);
+        with `wait_for_new_workers=True`, at the first commit that sees
+        the change, which waits for them to start."""
         self.save()
         if _has_config_server():
-            resize_from_config(self)
+            if self.wait_for_new_workers:
+                resize_from_config(self)
+            else:
+                _follow(self, kungfu.poll_resize())
 
     def resize(self, new_size: int) -> None:
         """Resizes the cluster to `new_size` workers (a collective, at the
         same step everywhere) and syncs the state; raises `Detached` on a
-        worker that left."""
+        worker that left, `HostsUpdatedInterrupt` when it changed."""
         _follow(self, kungfu.resize(new_size))
+
+    def check_host_updates(self) -> None:
+        """Horovod's: follows a change the config server holds (as `commit`
+        does, without saving); raises `HostsUpdatedInterrupt` when the
+        cluster changed, the state synced."""
+        if _has_config_server():
+            _follow(self, kungfu.poll_resize())
 
     def register_reset_callbacks(self, callbacks) -> None:
         """Functions called (without arguments) on every worker after each
@@ -216,6 +256,8 @@ def _cluster_changed(state=None) -> None:
     from .. import _common, _join
 
     _common.reset_names()
+    # the ops of the old cluster will never complete: their names are free
+    _common.release_all()
     _join.reset()
     refresh_torch_groups()
     if state is not None:
@@ -230,6 +272,7 @@ def _follow(state, result) -> None:
         _cluster_changed(state)
         state.sync()
         state.on_reset()
+        raise HostsUpdatedInterrupt(skip_sync=True)
 
 
 def resize_from_config(state) -> None:
@@ -256,6 +299,8 @@ def run(fn):
                 return fn(state, *args, **kwargs)
             except Detached:
                 return None
+            except HostsUpdatedInterrupt:
+                continue  # synced at the commit that changed: go on from there
             except RuntimeError as e:
                 if not is_peer_lost(e):
                     raise

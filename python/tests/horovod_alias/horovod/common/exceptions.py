@@ -1,11 +1,5 @@
-"""horovod.common.exceptions: HorovodInternalError is kungfu.torch's."""
+"""horovod.common.exceptions: HorovodInternalError and
+HostsUpdatedInterrupt are kungfu.torch's."""
 
 from kungfu.torch import HorovodInternalError  # noqa: F401
-
-
-class HostsUpdatedInterrupt(RuntimeError):
-    """Horovod elastic's; kungfu.torch.elastic handles membership itself."""
-
-    def __init__(self, skip_sync=False):
-        super().__init__()
-        self.skip_sync = skip_sync
+from kungfu.torch.elastic import HostsUpdatedInterrupt  # noqa: F401
