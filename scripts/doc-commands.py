@@ -58,7 +58,11 @@ PATH_REF = re.compile(
     r"`([A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*(?:\.(?:rs|py|sh|h|hpp|c|cpp|toml|md|json|svg|in)|/))`"
 )
 # paths in other projects' trees that the pages name on purpose
-EXTERNAL_PATHS = {"test/parallel/test_torch.py"}
+EXTERNAL_PATHS = {
+    "test/parallel/test_torch.py",
+    "test/single/test_torch_elastic.py",
+    "examples/train_ddp.py",
+}
 
 
 def stale_paths(docs):
