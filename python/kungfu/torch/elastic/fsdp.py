@@ -7,12 +7,13 @@ a change of the cluster the model is made again for the new one (the
 state's `rebuild`) and the whole state is loaded into it, each worker
 keeping its shards."""
 
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
-_FULL = StateDictOptions(full_state_dict=True)
+def _dcp():
+    """DCP's state-dict functions and the options of whole states
+    (imported on first use: `import kungfu.torch` stays light)."""
+    from torch.distributed.checkpoint import state_dict as sd
+
+    return sd, sd.StateDictOptions(full_state_dict=True)
 
 
 def is_fsdp(model) -> bool:
@@ -27,10 +28,12 @@ def is_fsdp(model) -> bool:
 def full_state(model, optimizer):
     """The whole model and optimizer state, on every worker (a collective
     over the model's mesh): plain tensors, detached copies."""
-    msd = {k: v.detach().clone() for k, v in get_model_state_dict(model, options=_FULL).items()}
+    sd, full = _dcp()
+    msd = {k: v.detach().clone()
+           for k, v in sd.get_model_state_dict(model, options=full).items()}
     osd = None
     if optimizer is not None:
-        osd = get_optimizer_state_dict(model, optimizer, options=_FULL)
+        osd = sd.get_optimizer_state_dict(model, optimizer, options=full)
     return msd, osd
 
 
@@ -38,6 +41,7 @@ def load_full_state(model, optimizer, msd, osd) -> None:
     """Loads a whole state (`full_state`'s) into a sharded model and its
     optimizer: each worker keeps its shards (a collective over the model's
     mesh)."""
-    set_model_state_dict(model, msd, options=_FULL)
+    sd, full = _dcp()
+    sd.set_model_state_dict(model, msd, options=full)
     if optimizer is not None and osd is not None:
-        set_optimizer_state_dict(model, optimizer, osd, options=_FULL)
+        sd.set_optimizer_state_dict(model, optimizer, osd, options=full)
