@@ -8,9 +8,11 @@ The worker that started as `--kill-rank` SIGKILLs itself at step
 `--kill-step` (a crash, a lost host). The others see it in DDP's gradient
 allreduce (naming the lost rank), agree on who is left, roll back to their
 last commit and go on as 3, the same processes. With `replace`, kungfu-run
-starts a new worker, which the others take in at a commit and which gets
-the model, the optimizer's state and the sampler's from them over the
-library (no checkpoint file). Every sample of an epoch is trained on once
+starts a new worker, which the others take in at the first commit after
+it connected (they do not wait for it: a job shorter than its start, a
+few seconds here, ends without it) and which gets the model, the
+optimizer's state and the sampler's from them over the library (no
+checkpoint file). Every sample of an epoch is trained on once
 across the change; at the end every worker checks that its parameters are
 rank 0's, bit for bit.
 """
