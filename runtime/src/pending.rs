@@ -17,7 +17,7 @@ use kungfu_transport::any::AnyTransport;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::{connect, elastic, listen, BootstrapError, Resized, Worker, WorkerEnv};
+use crate::{elastic, BootstrapError, Resized, Worker, WorkerEnv};
 
 /// A cluster version being connected in the background.
 pub(crate) struct Pending {
@@ -150,13 +150,8 @@ impl Worker {
             .clone();
         let joining = cfg.peers.rank_of(&me).map(Rank::idx).map(|rank| {
             let env = self.env_for(rank, &cfg);
-            let (peers, cluster_id, pool) = (cfg.peers.clone(), self.cluster_id, self.pool.clone());
-            let (fd, e) = (self.env.listen_fd, env.clone());
             let deadline = Instant::now() + self.env.connect_timeout;
-            let task = tokio::spawn(async move {
-                let listener = listen::listen(&me, fd).await?;
-                connect::connect(&e, &peers, cluster_id, &pool, listener, deadline).await
-            });
+            let task = tokio::spawn(self.connect_version(&env, &cfg, deadline));
             (env, Connect::Running(task))
         });
         Pending {

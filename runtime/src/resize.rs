@@ -198,27 +198,26 @@ impl Worker {
 
     /// Listens at this worker's address again and connects a session to
     /// the cluster `cfg` as `env` says.
-    pub(crate) async fn connect_version(
+    pub(crate) fn connect_version(
         &self,
         env: &WorkerEnv,
         cfg: &elastic::ClusterConfig,
         deadline: Instant,
-    ) -> Result<Session<AnyTransport>, BootstrapError> {
+    ) -> impl std::future::Future<Output = Result<Session<AnyTransport>, BootstrapError>> + Send + 'static
+    {
         let me = self
             .peers
             .peer(Rank(self.env.rank as u32))
-            .expect("own rank");
-        // the same address: with an inherited socket, a duplicate of it
-        let listener = listen::listen(me, self.env.listen_fd).await?;
-        connect::connect(
-            env,
-            &cfg.peers,
-            self.cluster_id,
-            &self.pool,
-            listener,
-            deadline,
-        )
-        .await
+            .expect("own rank")
+            .clone();
+        let (fd, env, peers) = (self.env.listen_fd, env.clone(), cfg.peers.clone());
+        let (cluster_id, pool) = (self.cluster_id, self.pool.clone());
+        // (owns what it needs: a connect in the background is spawned)
+        async move {
+            // the same address: with an inherited socket, a duplicate of it
+            let listener = listen::listen(&me, fd).await?;
+            connect::connect(&env, &peers, cluster_id, &pool, listener, deadline).await
+        }
     }
 
     /// Takes `session`, connected to `cfg` as `env` says, as this
